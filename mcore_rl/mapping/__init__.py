@@ -1,0 +1,1 @@
+"""HF <-> megatron-core weight mapping: tables as data, transforms, lazy safetensors IO."""

@@ -1,0 +1,126 @@
+"""How HF tensors become one megatron tensor, and how that tensor is split over TP ranks.
+
+Each transform has four pure functions over tensors:
+  to_mcore(hf_tensors, dims) -> full   (the TP=1 megatron layout)
+  to_hf(full, dims) -> hf_tensors      (exact inverse: a round trip is bit-exact)
+  shard(full, rank, size) -> local     (what TP rank ``rank`` of ``size`` holds)
+  unshard(locals) -> full              (inverse of shard over all ranks)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Model sizes the transforms need."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+
+
+class Transform:
+    """Identity layout, split along ``split_dim`` (None = replicated on every TP rank)."""
+
+    split_dim: int | None = None
+
+    def __init__(self, name: str, split_dim: int | None = None) -> None:
+        self.name = name
+        self.split_dim = split_dim
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        (tensor,) = hf
+        return tensor
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        return [full]
+
+    def shard(self, full: Tensor, rank: int, size: int) -> Tensor:
+        if self.split_dim is None:
+            return full
+        return _chunk(full, self.split_dim, rank, size)
+
+    def unshard(self, locals_: list[Tensor]) -> Tensor:
+        if self.split_dim is None:
+            return locals_[0]
+        return torch.cat(locals_, dim=self.split_dim)
+
+
+def _chunk(full: Tensor, dim: int, rank: int, size: int) -> Tensor:
+    if full.shape[dim] % size != 0:
+        raise ValueError(f"dim {dim} of shape {tuple(full.shape)} does not divide by TP={size}")
+    return full.chunk(size, dim=dim)[rank]
+
+
+class _Vocab(Transform):
+    """Embedding / LM head rows: zero-padded to the padded vocab, padding dropped on export."""
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        (tensor,) = hf
+        pad = dims.padded_vocab_size - tensor.shape[0]
+        return torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])]) if pad else tensor
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        return [full[: dims.vocab_size]]
+
+
+class _Qkv(Transform):
+    """q, k, v stacked per query group: [q_g (heads/groups rows), k_g, v_g] for each group g.
+
+    Works for weights [rows, hidden] and biases [rows]. TP splits whole groups (dim 0).
+    """
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        q, k, v = hf
+        g, d = dims.num_kv_heads, dims.head_dim
+        rest = q.shape[1:]
+        q = q.reshape(g, (dims.num_heads // g) * d, *rest)
+        k = k.reshape(g, d, *rest)
+        v = v.reshape(g, d, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        g, d = dims.num_kv_heads, dims.head_dim
+        per_group_q = (dims.num_heads // g) * d
+        rest = full.shape[1:]
+        grouped = full.reshape(g, per_group_q + 2 * d, *rest)
+        q, k, v = grouped.split([per_group_q, d, d], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
+
+
+class _GateUp(Transform):
+    """SwiGLU fc1: full = [gate; up]; TP rank r holds [gate_r; up_r]."""
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        gate, up = hf
+        return torch.cat([gate, up], dim=0)
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        gate, up = full.chunk(2, dim=0)
+        return [gate.contiguous(), up.contiguous()]
+
+    def shard(self, full: Tensor, rank: int, size: int) -> Tensor:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([_chunk(gate, 0, rank, size), _chunk(up, 0, rank, size)], dim=0)
+
+    def unshard(self, locals_: list[Tensor]) -> Tensor:
+        halves = [t.chunk(2, dim=0) for t in locals_]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+REPLICATED = Transform("replicated")
+COLUMN = Transform("column", split_dim=0)
+ROW = Transform("row", split_dim=1)
+VOCAB = _Vocab("vocab", split_dim=0)
+QKV = _Qkv("qkv", split_dim=0)
+GATE_UP = _GateUp("gate_up", split_dim=0)

@@ -1,0 +1,161 @@
+"""Builds actor/critic megatron-core GPTModels (one chunk per virtual pipeline stage) from ModelArgs."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mcore_rl.models.hf_config import ConfigError, ModelArgs
+from mcore_rl.models.layers import ValueHead
+from mcore_rl.models.rope import inv_freq
+from mcore_rl.models.specs import block_spec
+from mcore_rl.parallel.layout import LayoutError, ParallelLayout
+from mcore_rl.platform import Platform
+
+Role = Literal["actor", "critic"]
+VOCAB_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Numerics and memory options. recompute: None, 'full' (whole layers) or 'selective'."""
+
+    params_dtype: torch.dtype = torch.float32
+    recompute: Literal["full", "selective"] | None = None
+    recompute_num_layers: int = 1
+    max_seq_len: int | None = None
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocab rounded up to lcm(128, tp): for power-of-two TP the padded size does not depend on
+    TP, so a checkpoint keeps its embedding shape across TP layouts."""
+    multiple = math.lcm(VOCAB_MULTIPLE, tp)
+    return -(-vocab_size // multiple) * multiple
+
+
+def check_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
+    """Errors for model sizes the layout cannot split, each naming the values and the fix."""
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp or 1
+    checks = [
+        (args.num_heads, "num_attention_heads"),
+        (args.num_kv_heads, "num_key_value_heads"),
+        (args.ffn_hidden_size, "intermediate_size"),
+    ]
+    for value, name in checks:
+        if value % tp != 0:
+            raise LayoutError(
+                f"tp({tp}) does not divide {name}({value}); choose tp among the divisors of {value}."
+            )
+    if args.num_layers % (pp * vpp) != 0:
+        raise LayoutError(
+            f"num_hidden_layers({args.num_layers}) is not divisible by pp({pp}) * vpp({vpp}) = "
+            f"{pp * vpp}; choose pp and vpp whose product divides the layer count."
+        )
+
+
+def transformer_config(
+    args: ModelArgs, layout: ParallelLayout, options: BuildOptions, platform: Platform
+) -> TransformerConfig:
+    """megatron TransformerConfig for ``args`` under ``layout``."""
+    check_divisibility(args, layout)
+    recompute = {}
+    if options.recompute == "full":
+        recompute = dict(
+            recompute_granularity="full",
+            recompute_method="uniform",
+            recompute_num_layers=options.recompute_num_layers,
+        )
+    elif options.recompute == "selective":
+        recompute = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif options.recompute is not None:
+        raise ConfigError(f"recompute={options.recompute!r}; use None, 'full' or 'selective'.")
+    dtype = options.params_dtype
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_heads,
+        num_query_groups=args.num_kv_heads,
+        kv_channels=args.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=args.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=args.arch.qkv_bias,
+        qk_layernorm=args.arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_std,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        variable_seq_lengths=False,  # run_schedule feeds micro-batches of one shape
+        use_cpu_initialization=platform.on_cpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        **recompute,
+    )
+
+
+def _build_chunk(
+    args: ModelArgs, config: TransformerConfig, role: Role, platform: Platform, vp_stage: int | None
+) -> GPTModel:
+    pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(config, args.arch.qk_norm, platform.transformer_engine, vp_stage),
+        vocab_size=padded_vocab_size(args.vocab_size, config.tensor_model_parallel_size),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre,
+        post_process=post,
+        parallel_output=True,
+        share_embeddings_and_output_weights=args.tie_embeddings and role == "actor",
+        position_embedding_type="rope",
+        rotary_base=int(args.rope.theta),
+        vp_stage=vp_stage,
+    )
+    # megatron hard-codes parts of llama3 scaling; our frequencies honour the whole HF config
+    model.rotary_pos_emb.inv_freq = inv_freq(args.rope).to(platform.device())
+    if post and role == "critic":
+        model.output_layer = ValueHead(config, args.hidden_size, bias=args.value_head_bias)
+    return model
+
+
+def build_model(
+    args: ModelArgs,
+    layout: ParallelLayout,
+    role: Role,
+    platform: Platform,
+    options: BuildOptions = BuildOptions(),
+) -> list[GPTModel]:
+    """Model chunks of this rank, one per virtual pipeline stage (one without VPP).
+
+    Megatron's parallel state must already be initialized for ``layout``.
+    """
+    if role not in ("actor", "critic"):
+        raise ValueError(f"role={role!r}; use 'actor' or 'critic'.")
+    config = transformer_config(args, layout, options, platform)
+    stages = range(layout.vpp) if layout.vpp else [None]
+    chunks = [_build_chunk(args, config, role, platform, vp) for vp in stages]
+    device = platform.device()
+    return [chunk.to(device) for chunk in chunks]

@@ -1,0 +1,58 @@
+"""Runs model chunks through megatron-core's pipeline schedules on a list of micro-batches.
+
+A micro-batch is a dict with ``input_ids`` [b, s] and ``attention_mask`` [b, s] (1 = token,
+0 = padding), plus whatever ``loss_fn`` reads. ``loss_fn(batch, output)`` gets the last stage's
+output ([b, s, vocab/tp] logits for the actor, [b, s, 1] values for the critic) and returns
+``(loss, metrics_dict)``; the schedule backpropagates ``loss / num_microbatches``.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+Tensor = torch.Tensor
+LossFn = Callable[[dict, Tensor], tuple[Tensor, dict]]
+
+
+def padding_mask(attention_mask: Tensor) -> Tensor:
+    """[b, s] with 1 = token -> bool [b, 1, 1, s] with True = padding (megatron's convention)."""
+    return (attention_mask == 0).reshape(attention_mask.shape[0], 1, 1, -1)
+
+
+def chunk_forward(chunk: torch.nn.Module, batch: dict) -> Tensor:
+    """One chunk's forward. RoPE positions are the sequence index (GPTModel ignores position_ids)."""
+    input_ids = batch["input_ids"]
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return chunk(input_ids, positions, attention_mask=padding_mask(batch["attention_mask"]))
+
+
+def run_schedule(
+    chunks: list[torch.nn.Module],
+    micro_batches: list[dict],
+    loss_fn: LossFn,
+    forward_only: bool,
+) -> list[dict]:
+    """Forward (and backward unless ``forward_only``) over all micro-batches with megatron's
+    schedule for the current PP/VPP layout; returns loss_fn's metrics on the last stage, [] else.
+
+    All micro-batches must share one shape [b, s].
+    """
+    b, s = micro_batches[0]["input_ids"].shape
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return chunk_forward(model, batch), partial(loss_fn, batch)
+
+    iterators: Any = [iter(micro_batches) for _ in chunks]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(micro_batches),
+        seq_length=s,
+        micro_batch_size=b,
+        forward_only=forward_only,
+    )

@@ -1,0 +1,129 @@
+"""Reads a HuggingFace config (a directory or a transformers config object) into ModelArgs.
+
+ModelArgs holds every architecture fact the builder and the mapping tables need, checked once
+here so that unsupported settings fail with a message that names the value and the fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.models.registry import ArchSpec, lookup_arch
+from mcore_rl.models.rope import RopeSpec, rope_spec_from_hf
+
+
+class ConfigError(ValueError):
+    """A HF config mcore_rl cannot build a model from; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Architecture of a decoder-only HF model, normalised from its config."""
+
+    arch: ArchSpec
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    max_position_embeddings: int
+    tie_embeddings: bool
+    rope: RopeSpec
+    attention_dropout: float
+    init_std: float
+    value_head_bias: bool
+
+
+def load_hf_config(source: Any):
+    """A transformers config from a directory holding config.json, or the object itself."""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.path.join(os.fspath(source), "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(
+                f"no config.json in {os.fspath(source)!r}; pass a HF model directory "
+                "(as written by save_pretrained) or a transformers config object."
+            )
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}); fix or re-export the file.") from e
+        if "model_type" not in raw:
+            raise ConfigError(f"{path} has no 'model_type'; it is not a HF model config.")
+        from transformers import AutoConfig
+
+        lookup_arch(raw["model_type"])  # a clear error before transformers' own
+        return AutoConfig.from_pretrained(os.fspath(source))
+    if not hasattr(source, "model_type"):
+        raise ConfigError(
+            f"expected a HF model directory or a transformers config, got {type(source).__name__}."
+        )
+    return source
+
+
+def _require(cfg: Any, name: str) -> Any:
+    value = getattr(cfg, name, None)
+    if value is None:
+        raise ConfigError(
+            f"config of model_type {cfg.model_type!r} is missing {name!r}; add it to config.json."
+        )
+    return value
+
+
+def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
+    act = getattr(cfg, "hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r} is not supported; {arch.model_type} needs 'silu'.")
+    if getattr(cfg, "attention_bias", False) and not arch.qkv_bias:
+        raise ConfigError(
+            f"attention_bias=True ({arch.model_type}) puts a bias on o_proj, which megatron-core's "
+            "GPT layers lack; only checkpoints with attention_bias=False are supported."
+        )
+    if getattr(cfg, "mlp_bias", False):
+        raise ConfigError("mlp_bias=True is not supported; set mlp_bias=False.")
+    window = getattr(cfg, "sliding_window", None)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    uses_window = window is not None and (
+        "sliding_attention" in layer_types
+        or getattr(cfg, "use_sliding_window", arch.sliding_window_default)
+    )
+    if uses_window and window < max_seq_len:
+        raise ConfigError(
+            f"sliding_window={window} is shorter than the max sequence length {max_seq_len}; "
+            "sliding-window attention is not supported. Set max_seq_len <= sliding_window or "
+            "sliding_window=null in config.json."
+        )
+
+
+def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs:
+    """Builds ModelArgs from a HF directory or config; ``max_seq_len`` defaults to the config's."""
+    cfg = load_hf_config(source)
+    arch = lookup_arch(cfg.model_type)
+    hidden = _require(cfg, "hidden_size")
+    heads = _require(cfg, "num_attention_heads")
+    max_pos = _require(cfg, "max_position_embeddings")
+    max_seq_len = max_seq_len or max_pos
+    _check_unsupported(cfg, arch, max_seq_len)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    return ModelArgs(
+        arch=arch,
+        vocab_size=_require(cfg, "vocab_size"),
+        hidden_size=hidden,
+        ffn_hidden_size=_require(cfg, "intermediate_size"),
+        num_layers=_require(cfg, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        norm_eps=_require(cfg, "rms_norm_eps"),
+        max_position_embeddings=max_pos,
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        rope=rope_spec_from_hf(cfg, head_dim),
+        attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
+        init_std=float(getattr(cfg, "initializer_range", 0.02)),
+        value_head_bias=bool(getattr(cfg, "token_classification_bias", True)),
+    )

@@ -1,0 +1,60 @@
+"""HF weights in memory: load a HF checkpoint into model chunks, read HF tensors back out."""
+from __future__ import annotations
+
+import os
+from typing import Callable, Mapping
+
+import torch
+
+from mcore_rl.mapping.hf_io import SafetensorsReader
+from mcore_rl.mapping.transforms import Dims
+from mcore_rl.mapping.weights import WeightMap, export_hf_weights, load_hf_weights
+from mcore_rl.models.builder import Role, padded_vocab_size
+from mcore_rl.models.hf_config import ModelArgs
+
+
+def weight_map(args: ModelArgs, role: Role, tp: int) -> WeightMap:
+    """The mapping rows and sizes for ``args`` built as ``role`` with TP size ``tp``."""
+    dims = Dims(
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab_size,
+        padded_vocab_size=padded_vocab_size(args.vocab_size, tp),
+    )
+    return WeightMap(
+        model_type=args.arch.model_type,
+        rows=args.arch.table.rows(role),
+        dims=dims,
+        num_layers=args.num_layers,
+        tied_embeddings=args.tie_embeddings and role == "actor",
+    )
+
+
+def load_hf(
+    chunks: list[torch.nn.Module],
+    args: ModelArgs,
+    role: Role,
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+) -> None:
+    """Loads HF weights (a directory of safetensors, or name -> tensor) into this rank's chunks."""
+    from megatron.core import parallel_state
+
+    if isinstance(source, (str, os.PathLike)):
+        source = SafetensorsReader(source)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    load_hf_weights(chunks, weight_map(args, role, tp), source)
+
+
+def export_hf(
+    chunks: list[torch.nn.Module],
+    args: ModelArgs,
+    role: Role,
+    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.data,
+) -> dict[str, torch.Tensor]:
+    """The full HF state dict (or, with ``tensor_of=lambda p: p.main_grad``, the gradients under
+    HF names) on every rank."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return export_hf_weights(chunks, weight_map(args, role, tp), tensor_of)

@@ -1,0 +1,136 @@
+"""Modules mcore_rl plugs into megatron-core's layer specs where its local modules fall short.
+
+- ``TorchCoreAttention``: core attention for the CPU spec (causal + key padding, GQA) through
+  torch SDPA; megatron's local DotProductAttention has no padding mask and no CP.
+- ``RMSNorm``: HF-exact RMSNorm that supports sequence parallel (megatron's WrappedTorchNorm
+  refuses it); its weight is marked so ``finalize_model_grads`` sums its grads over TP.
+- ``ValueHead``: the critic's hidden -> 1 projection, replicated over TP.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+Tensor = torch.Tensor
+
+
+class TorchCoreAttention(MegatronModule):
+    """softmax(q k^T * scale + mask) v with a causal mask and an optional key-padding mask.
+
+    forward: query [s, b, heads_local, d], key/value [s, b, groups_local, d],
+    attention_mask None or bool [b, 1, 1, s] (True = padding key) -> [s, b, heads_local * d].
+    A padding query attends to itself only, so no row is fully masked (no NaN reaches later
+    layers through padded positions).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise NotImplementedError(
+                f"context_parallel_size={config.context_parallel_size}: TorchCoreAttention has no "
+                "context parallelism yet; use cp=1."
+            )
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Any = None,
+    ) -> Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("packed sequences / attention bias are not supported yet")
+        s_q, b, heads, d = query.shape
+        s_k = key.shape[0]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        allowed = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device).tril(s_k - s_q)
+        if attention_mask is not None:
+            keys_ok = ~attention_mask.reshape(b, 1, 1, s_k)
+            diagonal = torch.eye(s_q, s_k, dtype=torch.bool, device=query.device)
+            allowed = (allowed & keys_ok) | diagonal
+        dropout = self.dropout_p if self.training else 0.0
+        with self._dropout_rng(dropout):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale,
+                enable_gqa=heads != k.shape[1],
+            )
+        return out.permute(2, 0, 1, 3).reshape(s_q, b, heads * d)
+
+    def _dropout_rng(self, dropout: float):
+        # heads are TP-split: each TP rank needs its own dropout stream, as in megatron's module
+        if dropout > 0 and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
+
+
+class RMSNorm(torch.nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), computed in fp32 as HF does. x: [..., hidden]."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        # with sequence parallel each TP rank sees part of the sequence: grads must be summed
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class ValueHead(MegatronModule):
+    """Critic head replacing GPTModel.output_layer: hidden [s(/tp), b, h] -> values [s, b, 1].
+
+    Called as ``output_layer(hidden, weight=None, runtime_gather_output=None)`` and returns
+    ``(values, None)`` like megatron's ColumnParallelLinear. Replicated over TP; with sequence
+    parallel each rank projects its sequence chunk and the chunks are gathered.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, bias: bool) -> None:
+        super().__init__(config=config)
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
+        config.init_method(self.weight)
+        self.bias = (
+            torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype)) if bias else None
+        )
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(
+        self, hidden: Tensor, weight: Optional[Tensor] = None, runtime_gather_output: Any = None
+    ) -> tuple[Tensor, None]:
+        values = F.linear(hidden, self.weight, self.bias)
+        if self.sequence_parallel:
+            # the loss is computed identically on every TP rank, so backward just splits
+            values = tensor_parallel.gather_from_sequence_parallel_region(
+                values, tensor_parallel_output_grad=False
+            )
+        return values, None

@@ -1,0 +1,84 @@
+"""RoPE frequencies computed by mcore_rl, so every parameter of a HF rope config is honoured.
+
+megatron-core 0.16.1's RotaryEmbedding hard-codes llama3's low/high frequency factors and original
+context length; instead the builder overwrites the module's ``inv_freq`` with ``inv_freq(spec)``
+(before the first forward, so megatron's per-length cache never holds stale values).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RopeError(ValueError):
+    """A rope configuration mcore_rl does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters (HF ``rope_parameters`` / ``rope_scaling``)."""
+
+    rope_type: str
+    theta: float
+    dim: int
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_spec_from_hf(cfg: Any, head_dim: int) -> RopeSpec:
+    """Reads transformers 5 ``rope_parameters`` (or legacy ``rope_scaling``/``rope_theta``)."""
+    params = dict(getattr(cfg, "rope_parameters", None) or {})
+    legacy = getattr(cfg, "rope_scaling", None)
+    if not params and legacy:
+        params = dict(legacy)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise RopeError(
+            f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}. "
+            "Use a checkpoint with one of these, or remove rope scaling from config.json."
+        )
+    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        raise RopeError(f"partial_rotary_factor={partial} is not supported; only 1.0 is.")
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    spec = RopeSpec(rope_type=rope_type, theta=float(theta), dim=head_dim)
+    if rope_type == "default":
+        return spec
+    if "factor" not in params:
+        raise RopeError(f"rope_type={rope_type!r} needs 'factor' in rope parameters {params}.")
+    extra = {"factor": float(params["factor"])}
+    if rope_type == "llama3":
+        for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if key not in params:
+                raise RopeError(f"rope_type='llama3' needs {key!r} in rope parameters {params}.")
+            extra[key] = params[key]
+    return RopeSpec(**{**spec.__dict__, **extra})
+
+
+def inv_freq(spec: RopeSpec) -> torch.Tensor:
+    """Inverse frequencies, float32 [dim // 2], as HF computes them for ``spec.rope_type``."""
+    exponent = torch.arange(0, spec.dim, 2, dtype=torch.int64).float() / spec.dim
+    base = 1.0 / (spec.theta**exponent)
+    if spec.rope_type == "default":
+        return base
+    if spec.rope_type == "linear":
+        return base / spec.factor
+    # llama3: keep high frequencies, divide low ones by factor, interpolate smoothly in between.
+    old_ctx = spec.original_max_position_embeddings
+    low_wavelen = old_ctx / spec.low_freq_factor
+    high_wavelen = old_ctx / spec.high_freq_factor
+    wavelen = 2 * math.pi / base
+    scaled = torch.where(wavelen > low_wavelen, base / spec.factor, base)
+    smooth = (old_ctx / wavelen - spec.low_freq_factor) / (
+        spec.high_freq_factor - spec.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

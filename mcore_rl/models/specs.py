@@ -1,0 +1,85 @@
+"""Layer specs: Transformer Engine modules on GPU, megatron's local modules + ours on CPU.
+
+Both specs give the same dist-checkpoint keys (tests/data/te_sharded_keys.json), so a checkpoint
+moves between CPU and GPU. Attention always runs with ``padding_causal``: the model is handed a
+key-padding mask [b, 1, 1, s] (True = padding).
+"""
+from __future__ import annotations
+
+import copy
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from mcore_rl.models.layers import RMSNorm, TorchCoreAttention
+
+# The local spec keeps norms as separate modules; TE fuses them into the next linear. These
+# renames make the local spec's checkpoint keys the TE ones.
+LOCAL_TO_TE_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def local_layer_spec(qk_norm: bool) -> ModuleSpec:
+    """CPU spec: megatron's TransformerLayer/SelfAttention/MLP with our norm and core attention."""
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.padding_causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=TorchCoreAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=RMSNorm if qk_norm else IdentityOp,
+                    k_layernorm=RMSNorm if qk_norm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=dict(LOCAL_TO_TE_KEYS),
+        ),
+    )
+
+
+def te_layer_spec(qk_norm: bool) -> ModuleSpec:
+    """GPU spec: megatron's Transformer Engine layer, attention switched to padding_causal."""
+    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm))
+    spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding_causal
+    return spec
+
+
+def block_spec(
+    config: TransformerConfig, qk_norm: bool, use_te: bool, vp_stage: int | None
+) -> TransformerBlockSubmodules:
+    """The decoder block of one pipeline (virtual) stage: its layers and the final norm."""
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        layer, final_norm = te_layer_spec(qk_norm), TENorm
+    else:
+        layer, final_norm = local_layer_spec(qk_norm), RMSNorm
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)

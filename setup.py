@@ -1,0 +1,28 @@
+"""mcore_rl: a Megatron-Core training backend for RL trainers (PPO, GRPO and kin)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mcore_rl",
+    version="0.1.0",
+    description="Megatron-Core backend for RL trainers: actor/critic models, checkpoints, converters",
+    packages=find_packages(include=["mcore_rl", "mcore_rl.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        # CPU machines: install torch==2.13.0 first (see constraints-cpu.txt); any other torch
+        # request on such a machine pulls several GB of CUDA packages.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "transformers>=5.0",
+        "safetensors",
+        "pyyaml",
+        "psutil",  # megatron's async checkpoint writer needs it
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest"],
+        # Never part of the test command: it can pull a CUDA torch. NVIDIA apex is built from
+        # source (see README); the PyPI package named `apex` is an unrelated project.
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
+    },
+)

@@ -1,0 +1,55 @@
+"""Tiny HF models built from configs (nothing downloaded) and batches with left/right padding."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+BASE = dict(
+    vocab_size=200,  # not a multiple of 128 * tp: exercises vocab padding
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.2,  # large weights so layout bugs show up above fp32 noise
+)
+
+
+def tiny_config(model_type: str, **overrides):
+    """A transformers config for ``model_type`` with BASE sizes and ``overrides``."""
+    kwargs = {**BASE, **overrides}
+    if model_type == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_hf_model(config, role: str = "actor", seed: int = 0):
+    """Random HF model (CausalLM for the actor, TokenClassification num_labels=1 for the critic)."""
+    torch.manual_seed(seed)
+    if role == "actor":
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    else:
+        config.num_labels = 1
+        model = AutoModelForTokenClassification.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # non-trivial norms and biases so their mapping is tested too
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def padded_batch(vocab_size: int, batch: int = 4, seq: int = 16, seed: int = 1) -> dict:
+    """input_ids [b, s] and attention_mask [b, s]: rows left-padded, right-padded and full."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :5] = 0  # left padding
+    mask[1, -4:] = 0  # right padding
+    if batch > 3:
+        mask[3, :2] = 0
+        mask[3, -3:] = 0  # both sides
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask}
