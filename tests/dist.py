@@ -7,6 +7,7 @@ traceback is raised in the test; the other ranks are killed if they hang in a co
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -29,7 +30,9 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
         platform = setup_platform("cpu")
         init_distributed(platform, rank, world_size, init_method=f"file://{store_path}")
         result = fn(*args)
-        out.put((rank, "ok", result))
+        buffer = io.BytesIO()
+        torch.save(result, buffer)  # tensors by value; read back with weights_only=True
+        out.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report everything, including assertion failures
         out.put((rank, "error", traceback.format_exc()))
     finally:
@@ -44,7 +47,8 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0) -> list[Any]:
-    """Runs ``fn(*args)`` on ranks 0..world_size-1; returns the per-rank return values.
+    """Runs ``fn(*args)`` on ranks 0..world_size-1; returns the per-rank return values
+    (tensors, numbers, strings and containers of them).
 
     ``fn`` sees torch.distributed initialized (gloo) and the CPU platform active; it sets up
     megatron's parallel state itself (usually via ``initialize_parallel_state``).
@@ -84,4 +88,8 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.
         if len(results) < world_size:
             missing = sorted(set(range(world_size)) - set(results))
             raise AssertionError(f"ranks {missing} of {world_size} timed out after {timeout_s}s")
-        return [results[r] for r in range(world_size)]
+        import torch
+
+        return [
+            torch.load(io.BytesIO(results[r]), weights_only=True) for r in range(world_size)
+        ]

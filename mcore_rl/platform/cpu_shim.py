@@ -3,9 +3,11 @@
 Three pieces, installed together by :func:`activate` (called only from
 ``mcore_rl.platform.setup_platform``, never at import):
 
-1. ``CudaToCpuMode``: a TorchFunctionMode that rewrites CUDA devices in tensor factories,
-   ``Tensor.cuda()``/``Tensor.to(cuda)`` and drops ``pin_memory`` so that megatron's
-   ``device=torch.cuda.current_device()`` allocations land on the CPU.
+1. Device remap: torch's tensor factories, ``Tensor.new_*``, ``Tensor.to``/``Module.to`` and
+   ``.cuda()`` are wrapped so that megatron's ``device=torch.cuda.current_device()`` (0) and
+   ``'cuda'`` placements land on the CPU. Plain patches rather than a TorchFunctionMode: a mode
+   is popped while its handler runs, so code inside ``torch.autograd.backward`` (megatron's
+   custom backward functions allocate there) would escape it; it is also thread-local.
 2. ``torch.cuda`` stand-ins: ``current_device`` (0, remapped by the mode), ``synchronize``,
    streams and events as no-ops, since on CPU every op is already synchronous.
 3. The CUDA RNG is the CPU generator: megatron's RNG tracker forks/restores the "cuda" state
@@ -16,10 +18,10 @@ Three pieces, installed together by :func:`activate` (called only from
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 _CPU = torch.device("cpu")
 
@@ -37,22 +39,50 @@ def _cpu_if_cuda(device: Any) -> Any:
     return device
 
 
-class CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA placements to CPU for every torch call made while the mode is active."""
+def _remap_device(fn: Callable) -> Callable:
+    """Wraps a tensor factory so ``device=<cuda>`` lands on the CPU and pin_memory is dropped."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
-            return args[0]
-        if func is torch.Tensor.record_stream:
-            return None
-        if func is torch.Tensor.to and len(args) > 1:
-            args = (args[0], _cpu_if_cuda(args[1]), *args[2:])
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         if "device" in kwargs:
             kwargs["device"] = _cpu_if_cuda(kwargs["device"])
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
-        return func(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _remap_to(fn: Callable) -> Callable:
+    """Tensor.to / Module.to: a CUDA target (positional or keyword) becomes the CPU."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (_cpu_if_cuda(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _identity(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return self
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+# torch factories megatron-core calls with device=torch.cuda.current_device() or 'cuda'.
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "linspace",
+    "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_like", "zeros_like",
+    "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "empty_strided",
+    "scalar_tensor",
+)
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
 
 
 class _NoOpEvent:
@@ -146,7 +176,6 @@ class CpuShim:
     """Holds what :func:`activate` replaced so tests can undo it (``deactivate``)."""
 
     def __init__(self) -> None:
-        self.mode = CudaToCpuMode()
         self.saved: list[tuple[Any, str, Any]] = []
 
     def _replace(self, owner: Any, name: str, value: Any) -> None:
@@ -163,10 +192,18 @@ class CpuShim:
         # megatron's tracker reads/writes the CUDA generator through these two module functions.
         self._replace(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
         self._replace(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
-        self.mode.__enter__()
+        for name in _FACTORIES:
+            self._replace(torch, name, _remap_device(getattr(torch, name)))
+        for name in _TENSOR_FACTORIES:
+            self._replace(torch.Tensor, name, _remap_device(getattr(torch.Tensor, name)))
+        self._replace(torch.Tensor, "to", _remap_to(torch.Tensor.to))
+        self._replace(torch.nn.Module, "to", _remap_to(torch.nn.Module.to))
+        for owner in (torch.Tensor, torch.nn.Module):
+            self._replace(owner, "cuda", _identity)
+        self._replace(torch.Tensor, "pin_memory", _identity)
+        self._replace(torch.Tensor, "record_stream", _no_op)
 
     def deactivate(self) -> None:
-        self.mode.__exit__(None, None, None)
         for owner, name, value in reversed(self.saved):
             setattr(owner, name, value)
         self.saved.clear()

@@ -1,0 +1,91 @@
+"""Bodies that tests run inside N-rank worlds (tests/dist.py): build, load, step, export."""
+from __future__ import annotations
+
+import torch
+
+from tests.tiny import padded_batch
+
+
+def _build(hf_dir: str, layout_kwargs: dict, role: str, recompute=None, max_seq_len=None):
+    from mcore_rl.models.builder import BuildOptions, build_model
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.hf_weights import load_hf
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.platform import active_platform
+
+    layout = ParallelLayout(**layout_kwargs)
+    initialize_parallel_state(layout)
+    args = model_args_from_hf(hf_dir, max_seq_len=max_seq_len)
+    options = BuildOptions(recompute=recompute)
+    chunks = build_model(args, layout, role, active_platform(), options)
+    load_hf(chunks, args, role, hf_dir)
+    return args, chunks
+
+
+def _to_all_pp_ranks(tensor: torch.Tensor | None) -> torch.Tensor:
+    """Broadcasts a tensor that only the last pipeline stage has to every stage."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    last = torch.distributed.get_global_rank(group, torch.distributed.get_world_size(group) - 1)
+    meta = [None if tensor is None else (tuple(tensor.shape), tensor.dtype)]
+    torch.distributed.broadcast_object_list(meta, src=last, group=group)
+    shape, dtype = meta[0]
+    out = tensor.contiguous() if tensor is not None else torch.empty(shape, dtype=dtype)
+    torch.distributed.broadcast(out, src=last, group=group)
+    return out
+
+
+def _output_loss(role: str, vocab_size: int):
+    """A loss touching every output: logits (all of the real vocab) or values, with fixed weights."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    def loss_fn(batch: dict, out: torch.Tensor):
+        if role == "actor":
+            out = gather_from_tensor_model_parallel_region(out)[..., :vocab_size]
+        g = torch.Generator().manual_seed(int(batch["input_ids"].sum()))
+        weights = torch.randn(out.shape, generator=g) / out.shape[-1] ** 0.5
+        mask = batch["attention_mask"].unsqueeze(-1).to(out.dtype)
+        loss = (out * weights * mask).sum() / mask.sum()
+        return loss, {"output": out.detach()}
+
+    return loss_fn
+
+
+def forward_outputs(hf_dir: str, layout_kwargs: dict, role: str, batch: dict) -> torch.Tensor:
+    """Forward only: [b, s, vocab] logits (actor) or [b, s, 1] values (critic) on every rank."""
+    from mcore_rl.models.forward import run_schedule
+
+    args, chunks = _build(hf_dir, layout_kwargs, role)
+    for c in chunks:
+        c.eval()
+    res = run_schedule(chunks, [batch], _output_loss(role, args.vocab_size), forward_only=True)
+    return _to_all_pp_ranks(res[0]["output"] if res else None)
+
+
+def train_step(hf_dir: str, layout_kwargs: dict, role: str = "actor", recompute=None) -> dict:
+    """Load HF weights, check the HF round trip, one forward/backward over 2 micro-batches,
+    megatron's finalize_model_grads; returns outputs and HF-named full gradients."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from mcore_rl.models.ddp import wrap_with_ddp
+    from mcore_rl.models.forward import run_schedule
+    from mcore_rl.models.hf_weights import export_hf
+
+    args, chunks = _build(hf_dir, layout_kwargs, role, recompute=recompute)
+    source = SafetensorsReader(hf_dir)
+    exported = export_hf(chunks, args, role)
+    roundtrip_mismatch = sorted(
+        k for k in set(source) | set(exported)
+        if k not in exported or k not in source or not torch.equal(exported[k], source[k])
+    )
+    model = wrap_with_ddp(chunks)
+    for m in model:
+        m.zero_grad_buffer()
+    batches = [padded_batch(args.vocab_size, seed=s) for s in (1, 2)]
+    res = run_schedule(model, batches, _output_loss(role, args.vocab_size), forward_only=False)
+    finalize_model_grads(model)
+    outputs = _to_all_pp_ranks(torch.stack([r["output"] for r in res]) if res else None)
+    grads = export_hf(model, args, role, tensor_of=lambda p: p.main_grad)
+    return {"outputs": outputs, "grads": grads, "roundtrip_mismatch": roundtrip_mismatch}
