@@ -1,0 +1,96 @@
+"""A tiny random HF model and the mcore model loaded from its weights give the same outputs
+(max abs diff <= 1e-4, fp32) at every real token of a batch with left and right padding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.steps import forward_outputs
+from tests.tiny import padded_batch, tiny_config, tiny_hf_model
+
+TOL = 1e-4
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0,
+    original_max_position_embeddings=16, rope_theta=500000.0,
+)
+VARIANTS = {  # name -> (model_type, config overrides)
+    "llama": ("llama", {}),
+    "llama_mha": ("llama", dict(num_key_value_heads=4)),
+    "llama_tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama_headdim": ("llama", dict(head_dim=24)),
+    "llama_rope_linear": ("llama", dict(rope_parameters=dict(rope_type="linear", factor=3.0, rope_theta=10000.0))),
+    "llama_rope_llama3": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
+    "mistral": ("mistral", dict(sliding_window=4096)),
+    "mistral_tied": ("mistral", dict(tie_word_embeddings=True)),
+    "qwen2": ("qwen2", {}),
+    "qwen2_tied": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(head_dim=24)),
+    "qwen3_tied": ("qwen3", dict(tie_word_embeddings=True, head_dim=8)),
+}
+CRITICS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def _outputs_all(dirs: dict, tp: int, role: str, batch: dict) -> dict:
+    """Runs every model in one world (saves a process per model)."""
+
+    def body():
+        from megatron.core import parallel_state
+
+        out = {}
+        for name, d in dirs.items():
+            out[name] = forward_outputs(d, dict(tp=tp), role, batch)
+            parallel_state.destroy_model_parallel()
+        return out
+
+    return run_ranks(tp, body)[0]
+
+
+@pytest.fixture(scope="module")
+def actor_models(tmp_path_factory):
+    models = {}
+    for name, (model_type, overrides) in VARIANTS.items():
+        hf = tiny_hf_model(tiny_config(model_type, **overrides))
+        d = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(d)
+        models[name] = (str(d), hf)
+    return models
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def actor_outputs(request, actor_models):
+    batch = padded_batch(200)
+    return batch, _outputs_all({k: d for k, (d, _) in actor_models.items()}, request.param, "actor", batch)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_actor_logits_match_hf(variant, actor_models, actor_outputs):
+    batch, outputs = actor_outputs
+    _, hf = actor_models[variant]
+    with torch.no_grad():
+        ref = hf(**batch).logits
+    real = batch["attention_mask"].bool()
+    ours = outputs[variant][..., : ref.shape[-1]]
+    diff = (ours - ref)[real].abs().max().item()
+    assert diff <= TOL, f"{variant}: logits differ from HF by {diff:.3g}"
+    assert ref[real].abs().max() > 0.1  # the comparison is not between near-zero tensors
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_critic_values_match_hf_token_classification(tp, tmp_path):
+    batch = padded_batch(200)
+    dirs, refs = {}, {}
+    for model_type in CRITICS:
+        hf = tiny_hf_model(tiny_config(model_type), role="critic")
+        with torch.no_grad():
+            hf.score.bias.fill_(0.25)  # a non-zero bias must come through
+            refs[model_type] = hf(**batch).logits
+        (tmp_path / model_type).mkdir()
+        hf.save_pretrained(tmp_path / model_type)
+        dirs[model_type] = str(tmp_path / model_type)
+    outputs = _outputs_all(dirs, tp, "critic", batch)
+    real = batch["attention_mask"].bool()
+    for model_type, ref in refs.items():
+        assert outputs[model_type].shape == ref.shape  # [b, s, 1]
+        diff = (outputs[model_type] - ref)[real].abs().max().item()
+        assert diff <= TOL, f"{model_type} critic: values differ from HF by {diff:.3g}"

@@ -1,0 +1,117 @@
+"""The platform layer: nothing happens at import; setup makes megatron's CUDA-assuming calls land
+on the CPU in every rank; RNG tracker streams behave as on GPU; fixes are version-gated."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mcore_rl  # noqa: F401
+import mcore_rl.models.builder  # noqa: F401
+import mcore_rl.platform as platform_mod
+from mcore_rl.platform.fixes import Fix, apply_fixes
+from tests.dist import run_ranks
+
+
+def test_import_patches_nothing():
+    # pytest's own process imported all of mcore_rl but never called setup_platform
+    assert platform_mod._active is None
+    assert not hasattr(torch.zeros, "__wrapped__")
+    assert not hasattr(torch.Tensor.to, "__wrapped__")
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.cuda.current_device()
+
+
+def _cuda_calls_land_on_cpu():
+    from megatron.core import tensor_parallel
+
+    out = {
+        "literal": torch.empty(3, device="cuda").device.type,
+        "ordinal": torch.zeros(2, device=torch.cuda.current_device()).device.type,
+        "dot_cuda": torch.ones(2).cuda().device.type,
+        "to": torch.ones(2).to(torch.device("cuda", 0)).device.type,
+        "new": torch.ones(2).new_zeros(3, device="cuda").device.type,
+    }
+    torch.cuda.synchronize()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
+    # megatron's tracker: forked regions draw from their own saved stream, the default continues
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.add("test-stream", 1234)
+    before = torch.get_rng_state()
+    with tracker.fork("test-stream"):
+        a = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), before), "fork must restore the default stream"
+    with tracker.fork("test-stream"):
+        b = torch.rand(4)
+    torch.manual_seed(1234)
+    assert torch.equal(a, torch.rand(4)) and not torch.equal(a, b)
+    return out
+
+
+def test_cuda_calls_land_on_cpu_in_ranks():
+    for result in run_ranks(2, _cuda_calls_land_on_cpu):
+        assert set(result.values()) == {"cpu"}, result
+
+
+def _tp_streams_differ():
+    from megatron.core import parallel_state, tensor_parallel
+
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+
+    initialize_parallel_state(ParallelLayout(tp=2), seed=7)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        tp_draw = torch.rand(3)
+    default_draw = torch.rand(3)
+    return {"tp_rank": parallel_state.get_tensor_model_parallel_rank(), "tp": tp_draw, "dp": default_draw}
+
+
+def test_model_parallel_rng_streams():
+    # TP ranks draw differently inside the model-parallel fork and identically outside it
+    r0, r1 = run_ranks(2, _tp_streams_differ)
+    assert not torch.equal(r0["tp"], r1["tp"])
+    assert torch.equal(r0["dp"], r1["dp"])
+
+
+def _shim_is_needed():
+    platform_mod._shim.deactivate()
+    try:
+        torch.empty(3, device=torch.cuda.current_device())
+    except (RuntimeError, AssertionError) as e:
+        return f"raised: {e}"
+    return "no error"
+
+
+def test_without_shim_cuda_placement_fails():
+    (result,) = run_ranks(1, _shim_is_needed)
+    assert result.startswith("raised"), result
+
+
+def _setup_is_idempotent():
+    from mcore_rl.platform import setup_platform
+
+    first = setup_platform("cpu")
+    assert setup_platform() is first
+    try:
+        setup_platform("cuda")
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_setup_twice_and_switch():
+    (msg,) = run_ranks(1, _setup_is_idempotent)
+    assert "platform already set up for 'cpu' in this process; cannot switch to 'cuda'" in msg
+
+
+def test_fixes_are_version_gated(monkeypatch):
+    calls = []
+    fixes = [
+        Fix("in_range", "d", "0.16.0", "0.16.1", cpu_only=False, apply=lambda: calls.append("a")),
+        Fix("too_new", "d", "0.17.0", "0.18.0", cpu_only=False, apply=lambda: calls.append("b")),
+        Fix("cpu_only", "d", "0.16.0", "0.16.1", cpu_only=True, apply=lambda: calls.append("c")),
+    ]
+    monkeypatch.setattr("mcore_rl.platform.fixes.FIXES", fixes)
+    monkeypatch.setattr("mcore_rl.platform.fixes.megatron_version", lambda: "0.16.1")
+    assert apply_fixes(on_cpu=False) == ["in_range"]
+    assert apply_fixes(on_cpu=True) == ["in_range", "cpu_only"]
+    assert calls == ["a", "a", "c"]
