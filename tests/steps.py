@@ -6,17 +6,23 @@ import torch
 from tests.tiny import padded_batch
 
 
-def _build(hf_dir: str, layout_kwargs: dict, role: str, recompute=None, max_seq_len=None):
+# parity/invariance MoE settings: fp64 router logits so that top-k ties cannot flip between
+# layouts, no load-balancing loss so the loss is the same function everywhere
+EXACT_MOE = dict(router_dtype="fp64", load_balancing="none", aux_loss_coeff=0.0)
+
+
+def _build(hf_dir: str, layout_kwargs: dict, role: str, recompute=None, moe: dict | None = None):
     from mcore_rl.models.builder import BuildOptions, build_model
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.models.hf_weights import load_hf
+    from mcore_rl.models.moe import MoEOptions
     from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
     from mcore_rl.platform import active_platform
 
     layout = ParallelLayout(**layout_kwargs)
     initialize_parallel_state(layout)
-    args = model_args_from_hf(hf_dir, max_seq_len=max_seq_len)
-    options = BuildOptions(recompute=recompute)
+    args = model_args_from_hf(hf_dir)
+    options = BuildOptions(recompute=recompute, moe=MoEOptions(**{**EXACT_MOE, **(moe or {})}))
     chunks = build_model(args, layout, role, active_platform(), options)
     load_hf(chunks, args, role, hf_dir)
     return args, chunks
@@ -52,18 +58,22 @@ def _output_loss(role: str, vocab_size: int):
     return loss_fn
 
 
-def forward_outputs(hf_dir: str, layout_kwargs: dict, role: str, batch: dict) -> torch.Tensor:
+def forward_outputs(
+    hf_dir: str, layout_kwargs: dict, role: str, batch: dict, moe: dict | None = None
+) -> torch.Tensor:
     """Forward only: [b, s, vocab] logits (actor) or [b, s, 1] values (critic) on every rank."""
     from mcore_rl.models.forward import run_schedule
 
-    args, chunks = _build(hf_dir, layout_kwargs, role)
+    args, chunks = _build(hf_dir, layout_kwargs, role, moe=moe)
     for c in chunks:
         c.eval()
     res = run_schedule(chunks, [batch], _output_loss(role, args.vocab_size), forward_only=True)
     return _to_all_pp_ranks(res[0]["output"] if res else None)
 
 
-def train_step(hf_dir: str, layout_kwargs: dict, role: str = "actor", recompute=None) -> dict:
+def train_step(
+    hf_dir: str, layout_kwargs: dict, role: str = "actor", recompute=None, moe: dict | None = None
+) -> dict:
     """Load HF weights, check the HF round trip, one forward/backward over 2 micro-batches,
     megatron's finalize_model_grads; returns outputs and HF-named full gradients."""
     from megatron.core.distributed import finalize_model_grads
@@ -73,19 +83,22 @@ def train_step(hf_dir: str, layout_kwargs: dict, role: str = "actor", recompute=
     from mcore_rl.models.forward import run_schedule
     from mcore_rl.models.hf_weights import export_hf
 
-    args, chunks = _build(hf_dir, layout_kwargs, role, recompute=recompute)
+    args, chunks = _build(hf_dir, layout_kwargs, role, recompute=recompute, moe=moe)
     source = SafetensorsReader(hf_dir)
     exported = export_hf(chunks, args, role)
     roundtrip_mismatch = sorted(
         k for k in set(source) | set(exported)
         if k not in exported or k not in source or not torch.equal(exported[k], source[k])
     )
-    model = wrap_with_ddp(chunks)
+    # all-reduce (not the distributed optimizer's reduce-scatter): every rank then holds the full
+    # DP-reduced gradient, which is what the comparison reads
+    model = wrap_with_ddp(chunks, use_distributed_optimizer=False)
     for m in model:
         m.zero_grad_buffer()
     batches = [padded_batch(args.vocab_size, seed=s) for s in (1, 2)]
     res = run_schedule(model, batches, _output_loss(role, args.vocab_size), forward_only=False)
     finalize_model_grads(model)
     outputs = _to_all_pp_ranks(torch.stack([r["output"] for r in res]) if res else None)
-    grads = export_hf(model, args, role, tensor_of=lambda p: p.main_grad)
+    # a frozen parameter (e.g. a frozen router) has no gradient buffer: report zeros
+    grads = export_hf(model, args, role, tensor_of=lambda p: getattr(p, "main_grad", torch.zeros_like(p)))
     return {"outputs": outputs, "grads": grads, "roundtrip_mismatch": roundtrip_mismatch}

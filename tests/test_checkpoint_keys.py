@@ -25,13 +25,16 @@ def _checkpoint_keys(cases: list[str], layout_kwargs: dict) -> dict:
     keys = {}
     for case in cases:
         model_type, role = case.split("/")
-        args = model_args_from_hf(tiny_config(model_type, num_hidden_layers=2))
+        extra = dict(mlp_only_layers=[0]) if model_type == "qwen2_moe" else {}
+        args = model_args_from_hf(tiny_config(model_type, num_hidden_layers=2, **extra))
         chunks = build_model(args, layout, role, active_platform())
         keys[case] = sorted({v.key for c in chunks for v in c.sharded_state_dict().values()})
     return keys
 
 
-@pytest.mark.parametrize("layout", [dict(), dict(tp=2, pp=2)], ids=["single", "tp2_pp2"])
+@pytest.mark.parametrize(
+    "layout", [dict(), dict(tp=2, pp=2, sequence_parallel=True)], ids=["single", "tp2_pp2_sp"]
+)
 def test_cpu_spec_keys_equal_te_spec_keys(layout):
     world = layout.get("tp", 1) * layout.get("pp", 1)
     per_rank = run_ranks(world, _checkpoint_keys, CASES, layout)

@@ -106,12 +106,31 @@ def test_setup_twice_and_switch():
 def test_fixes_are_version_gated(monkeypatch):
     calls = []
     fixes = [
-        Fix("in_range", "d", "0.16.0", "0.16.1", cpu_only=False, apply=lambda: calls.append("a")),
-        Fix("too_new", "d", "0.17.0", "0.18.0", cpu_only=False, apply=lambda: calls.append("b")),
-        Fix("cpu_only", "d", "0.16.0", "0.16.1", cpu_only=True, apply=lambda: calls.append("c")),
+        Fix("in_range", "d", "0.16.0", "0.16.1", cpu_only=False, apply=lambda: calls.append("a") or (lambda: None)),
+        Fix("too_new", "d", "0.17.0", "0.18.0", cpu_only=False, apply=lambda: calls.append("b") or (lambda: None)),
+        Fix("cpu_only", "d", "0.16.0", "0.16.1", cpu_only=True, apply=lambda: calls.append("c") or (lambda: None)),
     ]
     monkeypatch.setattr("mcore_rl.platform.fixes.FIXES", fixes)
     monkeypatch.setattr("mcore_rl.platform.fixes.megatron_version", lambda: "0.16.1")
+    monkeypatch.setattr("mcore_rl.platform.fixes._undo", {})
     assert apply_fixes(on_cpu=False) == ["in_range"]
-    assert apply_fixes(on_cpu=True) == ["in_range", "cpu_only"]
-    assert calls == ["a", "a", "c"]
+    assert apply_fixes(on_cpu=True) == ["cpu_only"]  # each fix is applied once per process
+    assert calls == ["a", "c"]
+
+
+def _uneven_collectives():
+    rank = torch.distributed.get_rank()
+    mine = torch.full((rank + 1, 2), float(rank + 1))  # rank r holds r + 1 rows
+    pieces = [torch.empty(r + 1, 2) for r in range(2)]
+    torch.distributed.all_gather(pieces, mine)
+    inputs = [torch.full((r + 1, 2), float(rank + 1)) for r in range(2)]
+    out = torch.empty(rank + 1, 2)
+    torch.distributed.reduce_scatter(out, inputs)
+    return {"gathered": pieces, "reduced": out}
+
+
+def test_gloo_uneven_all_gather_and_reduce_scatter():
+    # megatron's MoE dispatchers (TP x EP with sequence parallel) need both; gloo alone refuses
+    for rank, result in enumerate(run_ranks(2, _uneven_collectives)):
+        assert [p.tolist() for p in result["gathered"]] == [[[1.0, 1.0]], [[2.0, 2.0]] * 2]
+        assert torch.equal(result["reduced"], torch.full((rank + 1, 2), 3.0))

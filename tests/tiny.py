@@ -18,10 +18,19 @@ BASE = dict(
 )
 
 
+MOE = {  # 4 experts, top-2; expert ffn != dense ffn so a mix-up shows as a shape error
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True, head_dim=24),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+}
+
+
 def tiny_config(model_type: str, **overrides):
-    """A transformers config for ``model_type`` with BASE sizes and ``overrides``."""
-    kwargs = {**BASE, **overrides}
-    if model_type == "mistral":
+    """A transformers config for ``model_type`` with BASE sizes (+ MOE sizes) and ``overrides``."""
+    kwargs = {**BASE, **MOE.get(model_type, {}), **overrides}
+    if model_type in ("mistral", "mixtral"):
         kwargs.setdefault("sliding_window", None)
     return AutoConfig.for_model(model_type, **kwargs)
 

@@ -1,56 +1,62 @@
 """Weight-name tables, one per architecture, used for both directions (HF -> mcore, mcore -> HF).
 
-Names on the mcore side are canonical megatron names with the *global* layer index: the
-Transformer Engine spec's parameter names, which are also the dist-checkpoint keys of both
-specs (the local CPU spec's ``input_layernorm``/``pre_mlp_layernorm`` are renamed to them).
-Names on the HF side are the Hub's safetensors keys. ``{layer}`` is the only placeholder here;
-MoE tables add ``{expert}``.
+Names on the mcore side are canonical megatron names with the *global* layer index and, for
+routed experts, the *global* expert index: the Transformer Engine spec's parameter names, which
+are also the dist-checkpoint keys of both specs (the local CPU spec's ``input_layernorm``/
+``pre_mlp_layernorm`` are renamed to them). Names on the HF side are the Hub's safetensors keys.
+Placeholders: ``{layer}`` and ``{expert}``. Rows are grouped by where they apply: every layer
+(``attention``), dense-MLP layers only (``dense_mlp``) or MoE layers only (``moe_mlp``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mcore_rl.mapping.transforms import COLUMN, GATE_UP, QKV, REPLICATED, ROW, VOCAB, Transform
+from mcore_rl.mapping.transforms import (
+    EXPERT_GATE_UP,
+    EXPERT_ROW,
+    GATE_UP,
+    QKV,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    Transform,
+)
 
 Row = tuple[tuple[str, ...], Transform]
 
 
 @dataclass(frozen=True)
 class MappingTable:
-    """mcore name template -> (HF name templates, transform); heads are kept apart by role."""
+    """mcore name template -> (HF name templates, transform), grouped by where rows apply."""
 
-    trunk: dict[str, Row]
+    globals_: dict[str, Row]
+    attention: dict[str, Row]
+    dense_mlp: dict[str, Row] = field(default_factory=dict)
+    moe_mlp: dict[str, Row] = field(default_factory=dict)
     lm_head: dict[str, Row] = field(default_factory=dict)
     value_head: dict[str, Row] = field(default_factory=dict)
 
     def rows(self, role: str) -> dict[str, Row]:
+        """Every row for ``role`` ('actor' has the LM head, 'critic' the value head)."""
         head = {"actor": self.lm_head, "critic": self.value_head}[role]
-        return {**self.trunk, **head}
+        return {**self.globals_, **self.attention, **self.dense_mlp, **self.moe_mlp, **head}
 
 
 _L = "model.layers.{layer}"
 _D = "decoder.layers.{layer}"
 
-_LLAMA_TRUNK: dict[str, Row] = {
+_GLOBALS: dict[str, Row] = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), VOCAB),
+    "decoder.final_layernorm.weight": (("model.norm.weight",), REPLICATED),
+}
+
+_ATTENTION: dict[str, Row] = {
     f"{_D}.self_attention.linear_qkv.layer_norm_weight": ((f"{_L}.input_layernorm.weight",), REPLICATED),
     f"{_D}.self_attention.linear_qkv.weight": (
         (f"{_L}.self_attn.q_proj.weight", f"{_L}.self_attn.k_proj.weight", f"{_L}.self_attn.v_proj.weight"),
         QKV,
     ),
     f"{_D}.self_attention.linear_proj.weight": ((f"{_L}.self_attn.o_proj.weight",), ROW),
-    f"{_D}.mlp.linear_fc1.layer_norm_weight": ((f"{_L}.post_attention_layernorm.weight",), REPLICATED),
-    f"{_D}.mlp.linear_fc1.weight": ((f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"), GATE_UP),
-    f"{_D}.mlp.linear_fc2.weight": ((f"{_L}.mlp.down_proj.weight",), ROW),
-    "decoder.final_layernorm.weight": (("model.norm.weight",), REPLICATED),
-}
-
-_LM_HEAD: dict[str, Row] = {"output_layer.weight": (("lm_head.weight",), VOCAB)}
-
-# The critic's hidden -> 1 head, named as in transformers' *ForTokenClassification.
-_VALUE_HEAD: dict[str, Row] = {
-    "output_layer.weight": (("score.weight",), REPLICATED),
-    "output_layer.bias": (("score.bias",), REPLICATED),
 }
 
 _QKV_BIAS: dict[str, Row] = {
@@ -65,8 +71,63 @@ _QK_NORM: dict[str, Row] = {
     f"{_D}.self_attention.k_layernorm.weight": ((f"{_L}.self_attn.k_norm.weight",), REPLICATED),
 }
 
-LLAMA = MappingTable(trunk=_LLAMA_TRUNK, lm_head=_LM_HEAD, value_head=_VALUE_HEAD)
-QWEN2 = MappingTable(trunk={**_LLAMA_TRUNK, **_QKV_BIAS}, lm_head=_LM_HEAD, value_head=_VALUE_HEAD)
-QWEN3 = MappingTable(trunk={**_LLAMA_TRUNK, **_QK_NORM}, lm_head=_LM_HEAD, value_head=_VALUE_HEAD)
+_DENSE_MLP: dict[str, Row] = {
+    f"{_D}.mlp.linear_fc1.layer_norm_weight": ((f"{_L}.post_attention_layernorm.weight",), REPLICATED),
+    f"{_D}.mlp.linear_fc1.weight": ((f"{_L}.mlp.gate_proj.weight", f"{_L}.mlp.up_proj.weight"), GATE_UP),
+    f"{_D}.mlp.linear_fc2.weight": ((f"{_L}.mlp.down_proj.weight",), ROW),
+}
 
-__all__ = ["MappingTable", "LLAMA", "QWEN2", "QWEN3", "COLUMN"]
+_E = f"{_D}.mlp.experts.local_experts.{{expert}}"
+_QWEN_MOE: dict[str, Row] = {
+    f"{_D}.pre_mlp_layernorm.weight": ((f"{_L}.post_attention_layernorm.weight",), REPLICATED),
+    f"{_D}.mlp.router.weight": ((f"{_L}.mlp.gate.weight",), REPLICATED),
+    f"{_E}.linear_fc1.weight": (
+        (f"{_L}.mlp.experts.{{expert}}.gate_proj.weight", f"{_L}.mlp.experts.{{expert}}.up_proj.weight"),
+        EXPERT_GATE_UP,
+    ),
+    f"{_E}.linear_fc2.weight": ((f"{_L}.mlp.experts.{{expert}}.down_proj.weight",), EXPERT_ROW),
+}
+
+_QWEN2_SHARED_EXPERT: dict[str, Row] = {
+    f"{_D}.mlp.shared_experts.linear_fc1.weight": (
+        (f"{_L}.mlp.shared_expert.gate_proj.weight", f"{_L}.mlp.shared_expert.up_proj.weight"),
+        GATE_UP,
+    ),
+    f"{_D}.mlp.shared_experts.linear_fc2.weight": ((f"{_L}.mlp.shared_expert.down_proj.weight",), ROW),
+    f"{_D}.mlp.shared_experts.gate_weight": ((f"{_L}.mlp.shared_expert_gate.weight",), REPLICATED),
+}
+
+_M = f"{_L}.block_sparse_moe"
+_MIXTRAL_MOE: dict[str, Row] = {
+    f"{_D}.pre_mlp_layernorm.weight": ((f"{_L}.post_attention_layernorm.weight",), REPLICATED),
+    f"{_D}.mlp.router.weight": ((f"{_M}.gate.weight",), REPLICATED),
+    f"{_E}.linear_fc1.weight": (
+        (f"{_M}.experts.{{expert}}.w1.weight", f"{_M}.experts.{{expert}}.w3.weight"), EXPERT_GATE_UP,
+    ),
+    f"{_E}.linear_fc2.weight": ((f"{_M}.experts.{{expert}}.w2.weight",), EXPERT_ROW),
+}
+
+_LM_HEAD: dict[str, Row] = {"output_layer.weight": (("lm_head.weight",), VOCAB)}
+
+# The critic's hidden -> 1 head, named as in transformers' *ForTokenClassification.
+_VALUE_HEAD: dict[str, Row] = {
+    "output_layer.weight": (("score.weight",), REPLICATED),
+    "output_layer.bias": (("score.bias",), REPLICATED),
+}
+
+_HEADS = dict(lm_head=_LM_HEAD, value_head=_VALUE_HEAD)
+
+LLAMA = MappingTable(_GLOBALS, _ATTENTION, dense_mlp=_DENSE_MLP, **_HEADS)
+QWEN2 = MappingTable(_GLOBALS, {**_ATTENTION, **_QKV_BIAS}, dense_mlp=_DENSE_MLP, **_HEADS)
+QWEN3 = MappingTable(_GLOBALS, {**_ATTENTION, **_QK_NORM}, dense_mlp=_DENSE_MLP, **_HEADS)
+QWEN2_MOE = MappingTable(
+    _GLOBALS,
+    {**_ATTENTION, **_QKV_BIAS},
+    dense_mlp=_DENSE_MLP,  # decoder_sparse_step / mlp_only_layers mix dense layers in
+    moe_mlp={**_QWEN_MOE, **_QWEN2_SHARED_EXPERT},
+    **_HEADS,
+)
+QWEN3_MOE = MappingTable(
+    _GLOBALS, {**_ATTENTION, **_QK_NORM}, dense_mlp=_DENSE_MLP, moe_mlp=_QWEN_MOE, **_HEADS
+)
+MIXTRAL = MappingTable(_GLOBALS, _ATTENTION, moe_mlp=_MIXTRAL_MOE, **_HEADS)

@@ -27,13 +27,18 @@ class Dims:
 
 
 class Transform:
-    """Identity layout, split along ``split_dim`` (None = replicated on every TP rank)."""
+    """Identity layout, split along ``split_dim`` (None = replicated on every TP rank).
+
+    ``expert``: the tensor belongs to a routed expert, so it is split over the expert-TP group
+    (ETP) instead of the TP group, and experts are spread over the EP group.
+    """
 
     split_dim: int | None = None
 
-    def __init__(self, name: str, split_dim: int | None = None) -> None:
+    def __init__(self, name: str, split_dim: int | None = None, expert: bool = False) -> None:
         self.name = name
         self.split_dim = split_dim
+        self.expert = expert
 
     def __repr__(self) -> str:
         return self.name
@@ -124,3 +129,5 @@ ROW = Transform("row", split_dim=1)
 VOCAB = _Vocab("vocab", split_dim=0)
 QKV = _Qkv("qkv", split_dim=0)
 GATE_UP = _GateUp("gate_up", split_dim=0)
+EXPERT_GATE_UP = _GateUp("expert_gate_up", split_dim=0, expert=True)
+EXPERT_ROW = Transform("expert_row", split_dim=1, expert=True)

@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.layers import ValueHead
+from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
 from mcore_rl.models.rope import inv_freq
 from mcore_rl.models.specs import block_spec
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
@@ -30,6 +31,7 @@ class BuildOptions:
     recompute: Literal["full", "selective"] | None = None
     recompute_num_layers: int = 1
     max_seq_len: int | None = None
+    moe: MoEOptions = MoEOptions()
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -42,20 +44,44 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 def check_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
     """Errors for model sizes the layout cannot split, each naming the values and the fix."""
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp or 1
-    checks = [
-        (args.num_heads, "num_attention_heads"),
-        (args.num_kv_heads, "num_key_value_heads"),
-        (args.ffn_hidden_size, "intermediate_size"),
-    ]
+    checks = [(args.num_heads, "num_attention_heads"), (args.num_kv_heads, "num_key_value_heads")]
+    if args.moe is None or not all(args.moe.moe_layers):  # dense MLP layers exist
+        checks.append((args.ffn_hidden_size, "intermediate_size"))
     for value, name in checks:
         if value % tp != 0:
             raise LayoutError(
                 f"tp({tp}) does not divide {name}({value}); choose tp among the divisors of {value}."
             )
+    if args.moe is not None:
+        _check_moe_divisibility(args, layout)
     if args.num_layers % (pp * vpp) != 0:
         raise LayoutError(
             f"num_hidden_layers({args.num_layers}) is not divisible by pp({pp}) * vpp({vpp}) = "
             f"{pp * vpp}; choose pp and vpp whose product divides the layer count."
+        )
+
+
+def _check_moe_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
+    moe, ep, etp = args.moe, layout.ep, layout.expert_tp
+    if layout.tp > 1 and not layout.sequence_parallel:
+        raise LayoutError(
+            f"MoE models with tp({layout.tp}) need sequence_parallel=True (megatron-core refuses "
+            "to train MoE under TP without it); set sequence_parallel=True."
+        )
+    if moe.num_experts % ep != 0:
+        raise LayoutError(
+            f"ep({ep}) does not divide num_experts({moe.num_experts}); choose ep among the "
+            f"divisors of {moe.num_experts}."
+        )
+    if moe.ffn_hidden_size % etp != 0:
+        raise LayoutError(
+            f"etp({etp}) does not divide the expert ffn size ({moe.ffn_hidden_size}); choose "
+            "another etp."
+        )
+    if moe.shared_expert_ffn and moe.shared_expert_ffn % layout.tp != 0:
+        raise LayoutError(
+            f"tp({layout.tp}) does not divide shared_expert_intermediate_size"
+            f"({moe.shared_expert_ffn}); choose another tp."
         )
 
 
@@ -76,6 +102,7 @@ def transformer_config(
     elif options.recompute is not None:
         raise ConfigError(f"recompute={options.recompute!r}; use None, 'full' or 'selective'.")
     dtype = options.params_dtype
+    moe = moe_config_kwargs(args.moe, options.moe) if args.moe else {}
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -113,6 +140,7 @@ def transformer_config(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **recompute,
+        **moe,
     )
 
 
@@ -123,7 +151,13 @@ def _build_chunk(
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, args.arch.qk_norm, platform.transformer_engine, vp_stage),
+        transformer_layer_spec=block_spec(
+            config,
+            args.arch.qk_norm,
+            platform.transformer_engine,
+            vp_stage,
+            args.moe.moe_layers if args.moe else None,
+        ),
         vocab_size=padded_vocab_size(args.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre,
@@ -157,5 +191,10 @@ def build_model(
     config = transformer_config(args, layout, options, platform)
     stages = range(layout.vpp) if layout.vpp else [None]
     chunks = [_build_chunk(args, config, role, platform, vp) for vp in stages]
+    if options.moe.freeze_router:
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if name.endswith("mlp.router.weight") or name.endswith("mlp.router.bias"):
+                    param.requires_grad_(False)
     device = platform.device()
     return [chunk.to(device) for chunk in chunks]

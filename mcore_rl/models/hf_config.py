@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.registry import ArchSpec, lookup_arch
 from mcore_rl.models.rope import RopeSpec, rope_spec_from_hf
 
@@ -37,6 +38,7 @@ class ModelArgs:
     attention_dropout: float
     init_std: float
     value_head_bias: bool
+    moe: MoEArgs | None = None
 
 
 def load_hf_config(source: Any):
@@ -110,12 +112,13 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     max_seq_len = max_seq_len or max_pos
     _check_unsupported(cfg, arch, max_seq_len)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    num_layers = _require(cfg, "num_hidden_layers")
     return ModelArgs(
         arch=arch,
         vocab_size=_require(cfg, "vocab_size"),
         hidden_size=hidden,
         ffn_hidden_size=_require(cfg, "intermediate_size"),
-        num_layers=_require(cfg, "num_hidden_layers"),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
@@ -126,4 +129,5 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_std=float(getattr(cfg, "initializer_range", 0.02)),
         value_head_bias=bool(getattr(cfg, "token_classification_bias", True)),
+        moe=moe_args_from_hf(cfg, arch.moe, num_layers) if arch.moe else None,
     )

@@ -22,12 +22,17 @@ def weight_map(args: ModelArgs, role: Role, tp: int) -> WeightMap:
         vocab_size=args.vocab_size,
         padded_vocab_size=padded_vocab_size(args.vocab_size, tp),
     )
+    table = args.arch.table
     return WeightMap(
         model_type=args.arch.model_type,
-        rows=args.arch.table.rows(role),
+        rows=table.rows(role),
         dims=dims,
         num_layers=args.num_layers,
         tied_embeddings=args.tie_embeddings and role == "actor",
+        dense_only=frozenset(table.dense_mlp),
+        moe_only=frozenset(table.moe_mlp),
+        moe_layers=args.moe.moe_layers if args.moe else None,
+        num_experts=args.moe.num_experts if args.moe else 0,
     )
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_rl.mapping.tables import LLAMA, QWEN2, QWEN3, MappingTable
+from mcore_rl.mapping.tables import LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, MappingTable
+from mcore_rl.models.moe import MoEFields
 
 
 class UnknownArchitectureError(ValueError):
@@ -22,6 +23,7 @@ class ArchSpec:
     qk_norm: bool = False
     # mistral applies `sliding_window` unless it is null; qwen only with use_sliding_window=True
     sliding_window_default: bool = False
+    moe: MoEFields | None = None  # None: dense
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -37,6 +39,35 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         ),
         ArchSpec("qwen2", "Qwen2ForCausalLM", "Qwen2ForTokenClassification", QWEN2, qkv_bias=True),
         ArchSpec("qwen3", "Qwen3ForCausalLM", "Qwen3ForTokenClassification", QWEN3, qk_norm=True),
+        ArchSpec(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            "Qwen2MoeForTokenClassification",
+            QWEN2_MOE,
+            qkv_bias=True,
+            moe=MoEFields(shared_expert_ffn="shared_expert_intermediate_size", shared_expert_gate=True),
+        ),
+        ArchSpec(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            "Qwen3MoeForTokenClassification",
+            QWEN3_MOE,
+            qk_norm=True,
+            moe=MoEFields(),
+        ),
+        ArchSpec(
+            "mixtral",
+            "MixtralForCausalLM",
+            "MixtralForTokenClassification",
+            MIXTRAL,
+            sliding_window_default=True,
+            moe=MoEFields(
+                ffn_hidden_size="intermediate_size",
+                norm_topk_prob=None,
+                sparse_step=None,
+                mlp_only_layers=None,
+            ),
+        ),
     )
 }
 

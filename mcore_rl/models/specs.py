@@ -14,27 +14,48 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from mcore_rl.models.layers import RMSNorm, TorchCoreAttention
 
 # The local spec keeps norms as separate modules; TE fuses them into the next linear. These
-# renames make the local spec's checkpoint keys the TE ones.
-LOCAL_TO_TE_KEYS = {
+# renames make the local spec's checkpoint keys the TE ones. TE's MoE layers keep a separate
+# pre_mlp_layernorm, so MoE layers rename only the input norm (megatron's own local spec renames
+# both even for MoE, which makes its MoE checkpoints differ from TE's).
+DENSE_TO_TE_KEYS = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
+MOE_TO_TE_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+
+_LOCAL_MLP = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+_LOCAL_MOE = ModuleSpec(
+    module=MoELayer,
+    submodules=MoESubmodules(
+        experts=ModuleSpec(module=SequentialMLP, submodules=_LOCAL_MLP),
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_LOCAL_MLP),
+    ),
+)
 
 
-def local_layer_spec(qk_norm: bool) -> ModuleSpec:
-    """CPU spec: megatron's TransformerLayer/SelfAttention/MLP with our norm and core attention."""
+def local_layer_spec(qk_norm: bool, moe: bool = False) -> ModuleSpec:
+    """CPU spec: megatron's TransformerLayer/SelfAttention/MLP (or MoELayer with SequentialMLP
+    experts) with our norm and core attention."""
+    mlp = _LOCAL_MOE if moe else ModuleSpec(module=MLP, submodules=_LOCAL_MLP)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -52,34 +73,44 @@ def local_layer_spec(qk_norm: bool) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(
-                    linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
-                ),
-            ),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=dict(LOCAL_TO_TE_KEYS),
+            sharded_state_dict_keys_map=dict(MOE_TO_TE_KEYS if moe else DENSE_TO_TE_KEYS),
         ),
     )
 
 
-def te_layer_spec(qk_norm: bool) -> ModuleSpec:
-    """GPU spec: megatron's Transformer Engine layer, attention switched to padding_causal."""
-    spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm))
+def te_layer_spec(qk_norm: bool, num_experts: int | None = None) -> ModuleSpec:
+    """GPU spec: megatron's Transformer Engine layer (grouped-GEMM experts for MoE layers),
+    attention switched to padding_causal."""
+    spec = copy.deepcopy(
+        get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_norm
+        )
+    )
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding_causal
     return spec
 
 
 def block_spec(
-    config: TransformerConfig, qk_norm: bool, use_te: bool, vp_stage: int | None
+    config: TransformerConfig,
+    qk_norm: bool,
+    use_te: bool,
+    vp_stage: int | None,
+    moe_layers: tuple[bool, ...] | None = None,
 ) -> TransformerBlockSubmodules:
-    """The decoder block of one pipeline (virtual) stage: its layers and the final norm."""
+    """The decoder block of one pipeline (virtual) stage: its layers and the final norm.
+
+    ``moe_layers[i]`` (global layer index) selects an MoE layer; None means all dense.
+    """
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
-        layer, final_norm = te_layer_spec(qk_norm), TENorm
+        dense, moe, final_norm = te_layer_spec(qk_norm), te_layer_spec(qk_norm, config.num_moe_experts), TENorm
     else:
-        layer, final_norm = local_layer_spec(qk_norm), RMSNorm
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm)
+        dense, moe, final_norm = local_layer_spec(qk_norm), local_layer_spec(qk_norm, True), RMSNorm
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    kinds = moe_layers or (False,) * config.num_layers
+    layers = [moe if kinds[i] else dense for i in range(first, first + count)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)

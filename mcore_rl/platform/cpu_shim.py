@@ -10,7 +10,9 @@ Three pieces, installed together by :func:`activate` (called only from
    custom backward functions allocate there) would escape it; it is also thread-local.
 2. ``torch.cuda`` stand-ins: ``current_device`` (0, remapped by the mode), ``synchronize``,
    streams and events as no-ops, since on CPU every op is already synchronous.
-3. The CUDA RNG is the CPU generator: megatron's RNG tracker forks/restores the "cuda" state
+3. gloo collectives: megatron's MoE dispatchers call list-form ``all_gather``/``reduce_scatter``
+   with uneven pieces, which NCCL accepts and gloo refuses; these are done by padding/reducing.
+4. The CUDA RNG is the CPU generator: megatron's RNG tracker forks/restores the "cuda" state
    around tensor-parallel regions; on CPU that state is ``torch.get_rng_state()``.
 
 ``torch.cuda.is_available()`` stays False so code that branches on it keeps its CPU path.
@@ -138,6 +140,46 @@ class _NoOpStream:
 _DEFAULT_STREAM = _NoOpStream()
 
 
+def _uneven_all_gather(original: Callable) -> Callable:
+    """gloo's all_gather needs equal sizes; megatron's MoE dispatchers gather uneven token counts
+    (NCCL allows it). Pads to the largest piece, gathers, and copies each piece out."""
+
+    @functools.wraps(original)
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] for t in tensor_list]
+        if len(set(sizes)) == 1 or async_op or tensor.dim() == 0:
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        longest = max(sizes)
+        padded = tensor.new_zeros(longest, *tensor.shape[1:])
+        padded[: tensor.shape[0]] = tensor
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        original(pieces, padded, group=group)
+        for out, piece, n in zip(tensor_list, pieces, sizes):
+            out.copy_(piece[:n])
+        return None
+
+    return all_gather
+
+
+def _uneven_reduce_scatter(all_reduce: Callable, original: Callable) -> Callable:
+    """gloo has no list-form reduce_scatter; megatron's MoE combine uses it with uneven pieces.
+    Reduces the concatenation and keeps this rank's piece."""
+
+    @functools.wraps(original)
+    def reduce_scatter(output, input_list, op=None, group=None, async_op=False):
+        if async_op:
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        full = torch.cat(list(input_list))
+        kwargs = {"group": group} if op is None else {"group": group, "op": op}
+        all_reduce(full, **kwargs)
+        rank = torch.distributed.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:rank])
+        output.copy_(full[start : start + input_list[rank].shape[0]])
+        return None
+
+    return reduce_scatter
+
+
 def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
@@ -202,6 +244,9 @@ class CpuShim:
             self._replace(owner, "cuda", _identity)
         self._replace(torch.Tensor, "pin_memory", _identity)
         self._replace(torch.Tensor, "record_stream", _no_op)
+        dist = torch.distributed
+        self._replace(dist, "all_gather", _uneven_all_gather(dist.all_gather))
+        self._replace(dist, "reduce_scatter", _uneven_reduce_scatter(dist.all_reduce, dist.reduce_scatter))
 
     def deactivate(self) -> None:
         for owner, name, value in reversed(self.saved):

@@ -7,22 +7,26 @@ test that proves each fix) instead of hiding it under a stale patch.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from packaging.version import Version
 
 
 @dataclass(frozen=True)
 class Fix:
-    """One workaround: ``apply()`` patches megatron-core when ``min_version <= v <= max_version``."""
+    """One workaround: ``apply()`` patches megatron-core when ``min_version <= v <= max_version``
+    and returns a callable that undoes the patch (used by the test that proves the fix)."""
 
     name: str
     defect: str
     min_version: str
     max_version: str
     cpu_only: bool
-    apply: Callable[[], None]
+    apply: Callable[[], Callable[[], None]]
 
     def matches(self, megatron_version: str, on_cpu: bool) -> bool:
         v = Version(megatron_version)
@@ -30,7 +34,62 @@ class Fix:
         return in_range and (on_cpu or not self.cpu_only)
 
 
-FIXES: list[Fix] = []
+def _define_te_general_gemm() -> Callable[[], None]:
+    """moe_utils imports ``te_general_gemm`` only inside ``try: import transformer_engine`` and
+    never defines it otherwise, so RouterGatingLinearFunction raises NameError without TE.
+    Defining it as None selects the function's own torch.mm branch."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "te_general_gemm"):
+        return lambda: None
+    moe_utils.te_general_gemm = None
+    return lambda: delattr(moe_utils, "te_general_gemm")
+
+
+def _cpu_splits_as_numpy() -> Callable[[], None]:
+    """``maybe_move_tensor_to_cpu(t, as_numpy=True)`` converts only CUDA tensors, so a tensor
+    already on the CPU comes back as a tensor and the alltoall dispatcher hands it to
+    ``all_to_all_single`` as split sizes (TypeError). This version honours ``as_numpy`` always."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def fixed(tensor, as_numpy: bool = False, record_stream: bool = False):
+        out = original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+        if as_numpy and torch.is_tensor(out) and out.device.type == "cpu":
+            out = out.numpy()
+        return out
+
+    moe_utils.maybe_move_tensor_to_cpu = fixed
+    token_dispatcher.maybe_move_tensor_to_cpu = fixed  # imported by name there
+
+    def undo() -> None:
+        moe_utils.maybe_move_tensor_to_cpu = original
+        token_dispatcher.maybe_move_tensor_to_cpu = original
+
+    return undo
+
+
+FIXES: list[Fix] = [
+    Fix(
+        name="moe_te_general_gemm_undefined",
+        defect="NameError: te_general_gemm in RouterGatingLinearFunction without Transformer Engine",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_define_te_general_gemm,
+    ),
+    Fix(
+        name="moe_cpu_splits_as_numpy",
+        defect="maybe_move_tensor_to_cpu(as_numpy=True) returns a tensor for CPU input",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=True,
+        apply=_cpu_splits_as_numpy,
+    ),
+]
+_undo: dict[str, Callable[[], None]] = {}
 
 
 def megatron_version() -> str:
@@ -46,7 +105,12 @@ def apply_fixes(on_cpu: bool, only: set[str] | None = None) -> list[str]:
     for fix in FIXES:
         if only is not None and fix.name not in only:
             continue
-        if fix.matches(version, on_cpu):
-            fix.apply()
+        if fix.matches(version, on_cpu) and fix.name not in _undo:
+            _undo[fix.name] = fix.apply() or (lambda: None)
             applied.append(fix.name)
     return applied
+
+
+def revert_fix(name: str) -> None:
+    """Undoes an applied fix in this process (tests use it to show the defect comes back)."""
+    _undo.pop(name)()
