@@ -28,6 +28,7 @@ LAYOUTS = {  # name -> (world size, layout, MoE options)
     "ep2_alltoall": (2, dict(ep=2), dict(dispatcher="alltoall")),
     "tp2_ep2_sp": (4, dict(tp=2, ep=2, sequence_parallel=True), {}),
     "ep2_etp2": (4, dict(ep=2, etp=2), {}),  # experts TP-split while attention is not
+    "etp2": (2, dict(etp=2), {}),
     "pp2_ep2": (4, dict(pp=2, ep=2), {}),
 }
 
@@ -87,19 +88,28 @@ def test_expert_layouts_match_single_rank(layout, reference):
         assert_matches(result, ref, rank)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: with ep=1 and etp != tp the outputs match but expert weight gradients "
-    "differ (~1e-2); ep=2 with etp != tp matches. Cause not found yet (megatron-core 0.16.1 "
-    "expert grad path or our setup); use ep >= 2 or etp == tp.",
-)
-@pytest.mark.parametrize(
-    "layout", [dict(etp=2), dict(tp=2, etp=1, sequence_parallel=True)], ids=["tp1_etp2", "tp2_etp1"]
-)
+ETP_WITHOUT_EP = {"tp1_etp2": dict(etp=2), "tp2_etp1": dict(tp=2, etp=1, sequence_parallel=True)}
+
+
+@pytest.mark.parametrize("layout", ETP_WITHOUT_EP)
 def test_etp_differs_from_tp_without_ep(layout, reference):
     d, ref = reference
-    for rank, result in enumerate(run_ranks(2, train_step, d, layout)):
+    for rank, result in enumerate(run_ranks(2, train_step, d, ETP_WITHOUT_EP[layout])):
         assert_matches(result, ref, rank)
+
+
+def _grads_without_fix(hf_dir: str, layout: dict) -> dict:
+    from mcore_rl.platform.fixes import revert_fix
+
+    revert_fix("moe_expert_grads_use_expert_dp")
+    return train_step(hf_dir, layout)
+
+
+def test_fix_expert_grads_is_needed(reference):
+    d, ref = reference
+    result = run_ranks(2, _grads_without_fix, d, dict(etp=2))[0]
+    worst = max((result["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items())
+    assert worst > 1e-3, f"without the fix expert grads still match (worst {worst:.3g})"
 
 
 def test_mixtral_critic_with_expert_parallel(tmp_path):

@@ -71,6 +71,36 @@ def _cpu_splits_as_numpy() -> Callable[[], None]:
     return undo
 
 
+def _experts_reduce_over_expert_dp() -> Callable[[], None]:
+    """Expert linears set ``allreduce = not (is_expert and ep > 1)``: with ep == 1 their grads
+    go to the dense DP group even when etp != tp gives experts another data-parallel group, so
+    DDP averages grads of different expert shards (tp=1/etp=2) or skips the expert-DP sum
+    (tp=2/etp=1). Expert parameters always belong to the expert-DP group."""
+    from megatron.core.tensor_parallel import layers
+
+    originals = {cls: cls.__init__ for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear)}
+
+    def wrap(init):
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            if getattr(self, "is_expert", False):
+                for param in (getattr(self, "weight", None), getattr(self, "bias", None)):
+                    if isinstance(param, torch.nn.Parameter):
+                        param.allreduce = False
+
+        return __init__
+
+    for cls, init in originals.items():
+        cls.__init__ = wrap(init)
+
+    def undo() -> None:
+        for cls, init in originals.items():
+            cls.__init__ = init
+
+    return undo
+
+
 FIXES: list[Fix] = [
     Fix(
         name="moe_te_general_gemm_undefined",
@@ -87,6 +117,14 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=True,
         apply=_cpu_splits_as_numpy,
+    ),
+    Fix(
+        name="moe_expert_grads_use_expert_dp",
+        defect="with ep=1 and etp != tp expert grads are reduced over the dense DP group",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_experts_reduce_over_expert_dp,
     ),
 ]
 _undo: dict[str, Callable[[], None]] = {}
