@@ -71,6 +71,17 @@ def forward_outputs(
     return _to_all_pp_ranks(res[0]["output"] if res else None)
 
 
+def outputs_of_models(dirs: dict, layout_kwargs: dict, role: str, batch: dict) -> dict:
+    """forward_outputs for several HF directories in one world (saves a process per model)."""
+    from megatron.core import parallel_state
+
+    out = {}
+    for name, d in dirs.items():
+        out[name] = forward_outputs(d, layout_kwargs, role, batch)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
 def train_step(
     hf_dir: str, layout_kwargs: dict, role: str = "actor", recompute=None, moe: dict | None = None
 ) -> dict:

@@ -5,7 +5,6 @@ import json
 import types
 
 import pytest
-import torch
 
 from mcore_rl.mapping.transforms import Dims
 from mcore_rl.mapping.weights import MappingError, WeightMap, check_hf_keys

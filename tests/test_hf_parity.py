@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.steps import forward_outputs
+from tests.steps import outputs_of_models
 from tests.tiny import padded_batch, tiny_config, tiny_hf_model
 
 TOL = 1e-4
@@ -31,21 +31,6 @@ VARIANTS = {  # name -> (model_type, config overrides)
 CRITICS = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def _outputs_all(dirs: dict, tp: int, role: str, batch: dict) -> dict:
-    """Runs every model in one world (saves a process per model)."""
-
-    def body():
-        from megatron.core import parallel_state
-
-        out = {}
-        for name, d in dirs.items():
-            out[name] = forward_outputs(d, dict(tp=tp), role, batch)
-            parallel_state.destroy_model_parallel()
-        return out
-
-    return run_ranks(tp, body)[0]
-
-
 @pytest.fixture(scope="module")
 def actor_models(tmp_path_factory):
     models = {}
@@ -60,7 +45,9 @@ def actor_models(tmp_path_factory):
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def actor_outputs(request, actor_models):
     batch = padded_batch(200)
-    return batch, _outputs_all({k: d for k, (d, _) in actor_models.items()}, request.param, "actor", batch)
+    dirs = {k: d for k, (d, _) in actor_models.items()}
+    tp = request.param
+    return batch, run_ranks(tp, outputs_of_models, dirs, dict(tp=tp), "actor", batch)[0]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -88,7 +75,7 @@ def test_critic_values_match_hf_token_classification(tp, tmp_path):
         (tmp_path / model_type).mkdir()
         hf.save_pretrained(tmp_path / model_type)
         dirs[model_type] = str(tmp_path / model_type)
-    outputs = _outputs_all(dirs, tp, "critic", batch)
+    outputs = run_ranks(tp, outputs_of_models, dirs, dict(tp=tp), "critic", batch)[0]
     real = batch["attention_mask"].bool()
     for model_type, ref in refs.items():
         assert outputs[model_type].shape == ref.shape  # [b, s, 1]

@@ -10,7 +10,7 @@ from mcore_rl.models.hf_config import model_args_from_hf
 from mcore_rl.models.moe import MoEConfigError, MoEOptions
 from mcore_rl.parallel import LayoutError, ParallelLayout
 from tests.dist import run_ranks
-from tests.steps import forward_outputs, train_step
+from tests.steps import forward_outputs, outputs_of_models, train_step
 from tests.test_parallel_invariance import assert_matches
 from tests.tiny import padded_batch, tiny_config, tiny_hf_model
 
@@ -52,17 +52,8 @@ def test_dense_layers_mixed_in():
 @pytest.mark.parametrize("layout", [dict(), dict(ep=2)], ids=["single", "ep2"])
 def test_logits_match_hf(layout, hf_models):
     batch = padded_batch(200)
-
-    def body():
-        from megatron.core import parallel_state
-
-        out = {}
-        for name, (d, _) in hf_models.items():
-            out[name] = forward_outputs(d, layout, "actor", batch)
-            parallel_state.destroy_model_parallel()
-        return out
-
-    outputs = run_ranks(layout.get("ep", 1), body)[0]
+    dirs = {name: d for name, (d, _) in hf_models.items()}
+    outputs = run_ranks(layout.get("ep", 1), outputs_of_models, dirs, layout, "actor", batch)[0]
     real = batch["attention_mask"].bool()
     for name, (_, hf) in hf_models.items():
         with torch.no_grad():
