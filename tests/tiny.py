@@ -62,3 +62,29 @@ def padded_batch(vocab_size: int, batch: int = 4, seq: int = 16, seed: int = 1) 
         mask[3, -3:] = 0  # both sides
     ids = ids.masked_fill(mask == 0, 0)
     return {"input_ids": ids, "attention_mask": mask}
+
+
+def rl_batch(vocab_size: int, batch: int = 8, prompt: int = 10, response: int = 6, seed: int = 3) -> dict:
+    """A trainer's batch: left-padded prompts then right-padded responses ([B, P + R])."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, prompt + response), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        mask[row, : int(torch.randint(0, prompt - 1, (1,), generator=g))] = 0  # left padding
+        keep = int(torch.randint(1, response + 1, (1,), generator=g))
+        mask[row, prompt + keep :] = 0  # right padding of the response
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, prompt:].clone()}
+
+
+def hf_log_probs(model, batch: dict, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference [B, R] log-probs and entropies from a HF causal LM (full-vocab softmax)."""
+    r = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = logits[:, -r - 1 : -1].double() / temperature
+    logp = torch.log_softmax(logits, -1)
+    mask = batch["attention_mask"][:, -r:].double()
+    lp = logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * mask
+    ent = -(logp.exp() * logp).sum(-1) * mask
+    return lp.float(), ent.float()

@@ -131,7 +131,10 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        variable_seq_lengths=False,  # run_schedule feeds micro-batches of one shape
+        # micro-batches may differ in shape (dynamic batching); megatron allows that only with
+        # the alltoall dispatcher type, which it checks even for dense models
+        variable_seq_lengths=options.moe.dispatcher == "alltoall",
+        moe_token_dispatcher_type=options.moe.dispatcher,
         use_cpu_initialization=platform.on_cpu,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

@@ -129,7 +129,6 @@ def moe_config_kwargs(moe: MoEArgs, options: MoEOptions) -> dict:
         moe_shared_expert_gate=moe.shared_expert_gate,
         # an int keeps megatron's stacked (layer-homogeneous) checkpoint keys; a list indexes layers
         moe_layer_freq=1 if all(moe.moe_layers) else [int(x) for x in moe.moe_layers],
-        moe_token_dispatcher_type=options.dispatcher,
         moe_router_dtype=options.router_dtype,
         moe_router_load_balancing_type=options.load_balancing,
         moe_aux_loss_coeff=options.aux_loss_coeff,

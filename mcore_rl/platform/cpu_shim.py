@@ -10,6 +10,7 @@ Three pieces, installed together by :func:`activate` (called only from
    custom backward functions allocate there) would escape it; it is also thread-local.
 2. ``torch.cuda`` stand-ins: ``current_device`` (0, remapped by the mode), ``synchronize``,
    streams and events as no-ops, since on CPU every op is already synchronous.
+   ``Tensor.type()`` reports CUDA type names, which megatron's optimizers check.
 3. gloo collectives: megatron's MoE dispatchers call list-form ``all_gather``/``reduce_scatter``
    with uneven pieces, which NCCL accepts and gloo refuses; these are done by padding/reducing.
 4. The CUDA RNG is the CPU generator: megatron's RNG tracker forks/restores the "cuda" state
@@ -67,6 +68,21 @@ def _remap_to(fn: Callable) -> Callable:
         return fn(self, *args, **kwargs)
 
     return wrapper
+
+
+def _cuda_type_names(original: Callable) -> Callable:
+    """``Tensor.type()`` with no argument reports CPU tensors under their CUDA type names:
+    megatron's optimizers check ``param.type() == 'torch.cuda.FloatTensor'``."""
+
+    @functools.wraps(original)
+    def type_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") \
+                and not name.startswith("torch.cuda.") and self.device.type == "cpu":
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    return type_
 
 
 def _identity(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -243,6 +259,7 @@ class CpuShim:
         for owner in (torch.Tensor, torch.nn.Module):
             self._replace(owner, "cuda", _identity)
         self._replace(torch.Tensor, "pin_memory", _identity)
+        self._replace(torch.Tensor, "type", _cuda_type_names(torch.Tensor.type))
         self._replace(torch.Tensor, "record_stream", _no_op)
         dist = torch.distributed
         self._replace(dist, "all_gather", _uneven_all_gather(dist.all_gather))

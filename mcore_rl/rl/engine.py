@@ -1,0 +1,166 @@
+"""ModelEngine: one model's chunks, DDP, optimizer and LR scheduler, and the schedule runner
+that actor and critic share. Results computed on the last pipeline stage are shared with every
+rank of the model-parallel group, and DP shards are gathered so every rank sees the full batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from mcore_rl.models.builder import BuildOptions, Role, build_model
+from mcore_rl.models.ddp import wrap_with_ddp
+from mcore_rl.models.forward import LossFn, run_schedule
+from mcore_rl.models.hf_config import ModelArgs
+from mcore_rl.models.hf_weights import load_hf
+from mcore_rl.parallel.layout import ParallelLayout
+from mcore_rl.platform import Platform
+from mcore_rl.rl.batch import BatchError
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam with megatron's DistributedOptimizer, grad clipping and an LR schedule with warmup."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    use_distributed_optimizer: bool = True
+
+
+class ModelEngine:
+    """Chunks of one model on this rank; trainable when ``optim`` is given, frozen otherwise."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        layout: ParallelLayout,
+        role: Role,
+        platform: Platform,
+        options: BuildOptions = BuildOptions(),
+        optim: OptimConfig | None = None,
+        hf_weights: str | None = None,
+    ) -> None:
+        self.args, self.layout, self.role = args, layout, role
+        chunks = build_model(args, layout, role, platform, options)
+        if hf_weights is not None:
+            load_hf(chunks, args, role, hf_weights)
+        self.config = chunks[0].config
+        self.optimizer = self.scheduler = None
+        if optim is None:
+            for c in chunks:
+                c.eval().requires_grad_(False)
+            self.model = chunks
+            return
+        self.model = wrap_with_ddp(chunks, optim.use_distributed_optimizer)
+        self.optimizer = get_megatron_optimizer(_megatron_optim_config(optim, options), self.model)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if optim.warmup_steps else optim.lr,
+            max_lr=optim.lr,
+            min_lr=optim.min_lr,
+            lr_warmup_steps=optim.warmup_steps,
+            lr_decay_steps=max(optim.total_steps, optim.warmup_steps + 1),
+            lr_decay_style=optim.decay_style,
+            start_wd=optim.weight_decay,
+            end_wd=optim.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+
+    # ---- schedule ------------------------------------------------------------------------
+    def check_micro_batches(self, count: int) -> None:
+        """Megatron's interleaved schedule needs a multiple of PP micro-batches (>= PP)."""
+        pp, vpp = self.layout.pp, self.layout.vpp
+        if vpp and (count < pp or count % pp != 0):
+            raise BatchError(
+                f"{count} micro-batches with pp({pp}) and vpp({vpp}): the interleaved schedule "
+                f"needs a multiple of {pp}; change the micro-batch size or the batch."
+            )
+
+    def run(self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+        """Forward (and backward) through megatron's schedule; loss_fn's metrics from the last
+        stage, on every rank of the pipeline group (in micro-batch order)."""
+        self.check_micro_batches(len(micro_batches))
+        if not forward_only:
+            for m in self.model:
+                m.zero_grad_buffer()
+        res = run_schedule(self.model, micro_batches, loss_fn, forward_only)
+        return share_from_last_stage(res if res else None)
+
+    def step(self) -> dict[str, float]:
+        """Reduce grads (DP, SP norms, tied embeddings), clip, Adam step, advance the LR."""
+        finalize_model_grads(self.model)
+        ok, grad_norm, _ = self.optimizer.step()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step(increment=1)
+        return {"grad_norm": float(grad_norm or 0.0), "lr": float(lr), "update_ok": float(ok)}
+
+    def train(self, mode: bool = True) -> None:
+        for m in self.model:
+            m.train(mode)
+
+
+def _megatron_optim_config(optim: OptimConfig, options: BuildOptions) -> OptimizerConfig:
+    dtype = options.params_dtype
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        use_distributed_optimizer=optim.use_distributed_optimizer,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+    )
+
+
+def share_from_last_stage(obj):
+    """The last pipeline stage's Python object (tensors inside are fine), on every PP rank."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return obj
+    last = torch.distributed.get_global_rank(group, torch.distributed.get_world_size(group) - 1)
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=last, group=group)
+    return box[0]
+
+
+def dp_rank_size() -> tuple[int, int]:
+    return (
+        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_world_size(),
+    )
+
+
+def gather_dp(tensor: Tensor) -> Tensor:
+    """Concatenates each DP rank's [rows, ...] piece in rank order (same shapes everywhere)."""
+    rank, size = dp_rank_size()
+    if size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=parallel_state.get_data_parallel_group())
+    return torch.cat(parts)
+
+
+def all_reduce_dp(value: Tensor, op=torch.distributed.ReduceOp.SUM) -> Tensor:
+    value = value.clone()
+    if dp_rank_size()[1] > 1:
+        torch.distributed.all_reduce(value, op=op, group=parallel_state.get_data_parallel_group())
+    return value
+
