@@ -106,7 +106,8 @@ def train_step(
     model = wrap_with_ddp(chunks, use_distributed_optimizer=False)
     for m in model:
         m.zero_grad_buffer()
-    batches = [padded_batch(args.vocab_size, seed=s) for s in (1, 2)]
+    # 4 micro-batches: with PP=2 the 1F1B and interleaved schedules reach their steady state
+    batches = [padded_batch(args.vocab_size, seed=s) for s in (1, 2, 3, 4)]
     res = run_schedule(model, batches, _output_loss(role, args.vocab_size), forward_only=False)
     finalize_model_grads(model)
     outputs = _to_all_pp_ranks(torch.stack([r["output"] for r in res]) if res else None)

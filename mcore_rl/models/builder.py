@@ -131,9 +131,13 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        # micro-batches may differ in shape (dynamic batching); megatron allows that only with
-        # the alltoall dispatcher type, which it checks even for dense models
-        variable_seq_lengths=options.moe.dispatcher == "alltoall",
+        # fixed micro-batch shapes: dynamic batching pads its pieces to one shape instead, since
+        # megatron's shape exchange (variable_seq_lengths) hangs the interleaved schedule on gloo
+        variable_seq_lengths=False,
+        # gloo matches messages between two ranks in posting order; megatron's batched p2p posts
+        # "to next" and "to previous" in an order that swaps them when PP=2 (one peer), so on
+        # CPU use its per-op p2p, which orders sends and receives by rank parity
+        batch_p2p_comm=not platform.on_cpu,
         moe_token_dispatcher_type=options.moe.dispatcher,
         use_cpu_initialization=platform.on_cpu,
         bias_activation_fusion=False,

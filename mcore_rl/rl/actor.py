@@ -91,8 +91,10 @@ class Actor:
             return lp.sum() * 0.0, out
 
         engine.train(False)
-        pieces = engine.run(micro_batches(local_rows(batch), self.config, engine), loss_fn, True)
-        return {k: gather_dp(v) for k, v in concat_rows(pieces).items()}
+        local = local_rows(batch)
+        pieces = engine.run(micro_batches(local, self.config, engine), loss_fn, True)
+        rows = local["input_ids"].shape[0]
+        return {k: gather_dp(v) for k, v in concat_rows(pieces, rows).items()}
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict, with_entropy: bool = False) -> dict[str, Tensor]:
@@ -106,3 +108,60 @@ class Actor:
         if self.ref is None:
             raise ValueError("this Actor has no reference model; pass ref=ModelEngine(...).")
         return self._forward_log_probs(self.ref, batch, False)["log_probs"]
+
+    # ---- update --------------------------------------------------------------------------
+    def update_policy(self, batch: dict) -> dict[str, float]:
+        """PPO/GRPO update: ppo_epochs x mini-batches of ppo_mini_batch_size global rows, one
+        optimizer step each. Needs old_log_probs and advantages [B, R] (+ ref_log_prob with
+        use_kl_loss). Returns metrics averaged over the steps, the same on every rank."""
+        keys = UPDATE_KEYS + (("ref_log_prob",) if self.config.use_kl_loss else ())
+        validate_batch(batch, keys)
+        rows = batch["input_ids"].shape[0]
+        self.engine.train(True)
+        steps = []
+        for _ in range(self.config.ppo_epochs):
+            for mini in split_rows(batch, min(self.config.ppo_mini_batch_size, rows)):
+                steps.append(self._update_mini_batch(mini))
+        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+    def _update_mini_batch(self, mini: dict) -> dict[str, float]:
+        mask = response_mask(mini)
+        denominator = losses.global_denominator(mask, self.config.loss_agg_mode)
+        pieces = micro_batches(local_rows(mini), self.config, self.engine)
+        # megatron divides each micro-batch loss by the micro-batch count and DDP averages over
+        # DP; with a global denominator the sum over all of them is the mini-batch loss
+        scale = len(pieces) * dp_rank_size()[1]
+        stats = self.engine.run(pieces, self._policy_loss_fn(denominator, scale), False)
+        step = self.engine.step()
+        totals = {k: all_reduce_dp(sum(s[k] for s in stats)) for k in stats[0]}
+        tokens = totals.pop("tokens").clamp(min=1)
+        metrics = {k.removesuffix("_sum"): float(v / tokens) for k, v in totals.items() if k.endswith("_sum")}
+        metrics.update({k: float(v) for k, v in totals.items() if not k.endswith("_sum")})
+        return {**{f"actor/{k}": v for k, v in metrics.items()}, **{f"actor/{k}": v for k, v in step.items()}}
+
+    def _policy_loss_fn(self, denominator: float, scale: int):
+        cfg, vocab = self.config, self.engine.args.vocab_size
+
+        def loss_fn(mb: dict, output: Tensor):
+            logits = response_logits(output, mb)
+            lp, ent = log_probs_and_entropy(logits, mb["responses"], vocab, cfg.temperature, True)
+            mask = response_mask(mb).to(lp.dtype)
+            pg, m = losses.policy_loss(
+                lp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_ratio_low,
+                cfg.clip_ratio_high, cfg.dual_clip_c, cfg.loss_agg_mode, denominator,
+            )
+            loss = pg - cfg.entropy_coeff * losses.entropy_bonus(ent, mask, cfg.loss_agg_mode, denominator)
+            n = mask.sum()
+            stats = {"pg_loss": pg.detach(), "tokens": n, "entropy_sum": (ent * mask).sum().detach(),
+                     "clipfrac_sum": m["clipfrac"] * n, "approx_kl_sum": m["approx_kl"] * n}
+            if cfg.use_kl_loss:
+                kl = losses.agg_loss(
+                    losses.kl_penalty(lp, mb["ref_log_prob"], cfg.kl_loss_type), mask,
+                    cfg.loss_agg_mode, denominator,
+                )
+                loss = loss + cfg.kl_loss_coeff * kl
+                stats["kl_loss"] = kl.detach()
+            stats["loss"] = loss.detach()
+            return loss * scale, stats
+
+        return loss_fn

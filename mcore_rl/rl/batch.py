@@ -89,7 +89,8 @@ def split_rows(batch: dict, size: int) -> list[dict]:
 def split_by_tokens(batch: dict, max_tokens: int, multiple_of: int = 1) -> list[dict]:
     """Dynamic micro-batches: as few pieces as keep each piece's padded tokens <= max_tokens,
     rounded up to a multiple of ``multiple_of`` (the interleaved pipeline schedule needs a
-    multiple of PP); rows are spread evenly, so piece sizes differ by at most one."""
+    multiple of PP). All pieces get the same shape (pipeline stages exchange fixed shapes): the
+    last is topped up with all-padding rows, which concat_rows(..., rows=B) drops again."""
     b, s = batch["input_ids"].shape
     if max_tokens < s:
         raise BatchError(
@@ -97,16 +98,23 @@ def split_by_tokens(batch: dict, max_tokens: int, multiple_of: int = 1) -> list[
         )
     pieces = -(-b // (max_tokens // s))
     pieces = -(-pieces // multiple_of) * multiple_of
-    if pieces > b:
+    rows = -(-b // pieces)
+    if rows * (pieces - 1) >= b:
         raise BatchError(
-            f"{b} rows cannot form {pieces} micro-batches (a multiple of {multiple_of}); "
-            "send more rows per call."
+            f"{b} rows cannot fill {pieces} micro-batches (a multiple of {multiple_of}); send "
+            "more rows per call or lower the multiple (pipeline size)."
         )
-    sizes = [b // pieces + (i < b % pieces) for i in range(pieces)]
-    starts = [sum(sizes[:i]) for i in range(pieces)]
-    return [select_rows(batch, slice(a, a + n)) for a, n in zip(starts, sizes)]
+    padded = _pad_rows(batch, rows * pieces - b)
+    return [select_rows(padded, slice(i, i + rows)) for i in range(0, rows * pieces, rows)]
 
 
-def concat_rows(pieces: list[dict]) -> dict:
-    """Inverse of split_rows for dicts of [rows, ...] tensors."""
-    return {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+def _pad_rows(batch: dict, count: int) -> dict:
+    """Appends ``count`` rows of zeros (attention_mask 0: no token, no loss, no output)."""
+    if count == 0:
+        return batch
+    return {k: torch.cat([v, v.new_zeros(count, *v.shape[1:])]) for k, v in batch.items()}
+
+
+def concat_rows(pieces: list[dict], rows: int | None = None) -> dict:
+    """Inverse of split_rows / split_by_tokens: the first ``rows`` rows of the pieces joined."""
+    return {k: torch.cat([p[k] for p in pieces])[:rows] for k in pieces[0]}

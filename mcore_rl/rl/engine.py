@@ -26,8 +26,9 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Adam with megatron's DistributedOptimizer, grad clipping and an LR schedule with warmup."""
+    """Adam (or SGD) with megatron's DistributedOptimizer, grad clipping and an LR schedule."""
 
+    name: Literal["adam", "sgd"] = "adam"
     lr: float = 1e-6
     min_lr: float = 0.0
     weight_decay: float = 0.0
@@ -38,6 +39,13 @@ class OptimConfig:
     total_steps: int = 1000
     decay_style: Literal["constant", "linear", "cosine"] = "constant"
     use_distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name == "sgd" and self.use_distributed_optimizer:
+            raise ValueError(
+                "name='sgd' needs use_distributed_optimizer=False (megatron's DistributedOptimizer "
+                "supports Adam only)."
+            )
 
 
 class ModelEngine:
@@ -116,7 +124,8 @@ class ModelEngine:
 def _megatron_optim_config(optim: OptimConfig, options: BuildOptions) -> OptimizerConfig:
     dtype = options.params_dtype
     return OptimizerConfig(
-        optimizer="adam",
+        optimizer=optim.name,
+        sgd_momentum=0.0,
         lr=optim.lr,
         min_lr=optim.min_lr,
         weight_decay=optim.weight_decay,

@@ -1,0 +1,1 @@
+"""RL losses and advantage estimators (PPO, GRPO, DAPO) in plain torch."""
