@@ -98,3 +98,29 @@ def test_no_full_vocab_tensor_with_tp2(model):
         assert (2, 16, 128) in shapes  # the vocab shard of a micro-batch's logits was seen
         wide = [s for s in shapes if s and s[-1] >= 200 and len(s) >= 2]
         assert wide == [], f"tensors as wide as the vocab were created: {wide[:5]}"
+
+
+def _small_vocab(temperature: float) -> dict:
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.rl.logprob import log_probs_and_entropy
+    from megatron.core import parallel_state
+
+    initialize_parallel_state(ParallelLayout(tp=2))
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 5, 128, generator=g, requires_grad=True)  # vocab 16 padded to 128
+    labels = torch.randint(0, 16, (3, 5), generator=g)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    shard = full[..., rank * 64 : (rank + 1) * 64]  # rank 1 holds padding columns only
+    lp, ent = log_probs_and_entropy(shard, labels, 16, temperature, True)
+    (lp.sum() + ent.sum()).backward()
+    ref = torch.log_softmax(full.detach()[..., :16].double() / temperature, -1)
+    ref_lp = ref.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(ref.exp() * ref).sum(-1)
+    return {"lp": (lp - ref_lp).abs().max().item(), "ent": (ent - ref_ent).abs().max().item(),
+            "grad_finite": bool(torch.isfinite(full.grad).all()), "pad_grad": full.grad[..., 16:].abs().max().item()}
+
+
+def test_shard_of_only_padding_columns():
+    for result in run_ranks(2, _small_vocab, 0.5):
+        assert result["lp"] <= 1e-6 and result["ent"] <= 1e-6 and result["grad_finite"], result
+        assert result["pad_grad"] == 0.0  # padding columns never receive probability mass

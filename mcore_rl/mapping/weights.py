@@ -48,6 +48,7 @@ class WeightMap:
     moe_only: frozenset[str] = frozenset()
     moe_layers: tuple[bool, ...] | None = None
     num_experts: int = 0
+    skipped: frozenset[str] = frozenset()  # megatron names left as initialised (e.g. a new head)
 
     def __post_init__(self) -> None:
         if self.tied_embeddings:  # the last stage's copy of the embedding comes from it
@@ -150,12 +151,18 @@ def check_hf_keys(wmap: WeightMap, source_keys: set[str], ignore: set[str] = fro
 
 @torch.no_grad()
 def load_hf_weights(
-    chunks: list[torch.nn.Module], wmap: WeightMap, source: Mapping[str, Tensor]
+    chunks: list[torch.nn.Module],
+    wmap: WeightMap,
+    source: Mapping[str, Tensor],
+    ignore: set[str] = frozenset(),
 ) -> None:
-    """Copies HF tensors (name -> tensor, e.g. a SafetensorsReader) into this rank's shards."""
-    check_hf_keys(wmap, set(source.keys()))
+    """Copies HF tensors (name -> tensor, e.g. a SafetensorsReader) into this rank's shards.
+    Parameters without a row in ``wmap`` keep their values; ``ignore``: HF names to skip."""
+    check_hf_keys(wmap, set(source.keys()), ignore)
     for chunk in chunks:
         for name, param in canonical_params(chunk):
+            if name in wmap.skipped:
+                continue
             hf_names, transform = wmap.rule(name)
             full = transform.to_mcore([source[n] for n in hf_names], wmap.dims)
             rank, size = _tp_rank_size(transform.expert)

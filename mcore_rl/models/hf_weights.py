@@ -13,8 +13,9 @@ from mcore_rl.models.builder import Role, padded_vocab_size
 from mcore_rl.models.hf_config import ModelArgs
 
 
-def weight_map(args: ModelArgs, role: Role, tp: int) -> WeightMap:
-    """The mapping rows and sizes for ``args`` built as ``role`` with TP size ``tp``."""
+def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> WeightMap:
+    """The mapping rows and sizes for ``args`` built as ``role`` with TP size ``tp``;
+    ``with_head=False`` leaves the role's head out (it keeps its fresh initialisation)."""
     dims = Dims(
         num_heads=args.num_heads,
         num_kv_heads=args.num_kv_heads,
@@ -23,9 +24,13 @@ def weight_map(args: ModelArgs, role: Role, tp: int) -> WeightMap:
         padded_vocab_size=padded_vocab_size(args.vocab_size, tp),
     )
     table = args.arch.table
+    rows = table.rows(role)
+    head = table.lm_head if role == "actor" else table.value_head
+    if not with_head:
+        rows = {k: v for k, v in rows.items() if k not in head}
     return WeightMap(
         model_type=args.arch.model_type,
-        rows=table.rows(role),
+        rows=rows,
         dims=dims,
         num_layers=args.num_layers,
         tied_embeddings=args.tie_embeddings and role == "actor",
@@ -33,6 +38,7 @@ def weight_map(args: ModelArgs, role: Role, tp: int) -> WeightMap:
         moe_only=frozenset(table.moe_mlp),
         moe_layers=args.moe.moe_layers if args.moe else None,
         num_experts=args.moe.num_experts if args.moe else 0,
+        skipped=frozenset() if with_head else frozenset(head),
     )
 
 
@@ -41,14 +47,23 @@ def load_hf(
     args: ModelArgs,
     role: Role,
     source: str | os.PathLike | Mapping[str, torch.Tensor],
+    init_value_head: bool = False,
 ) -> None:
-    """Loads HF weights (a directory of safetensors, or name -> tensor) into this rank's chunks."""
+    """Loads HF weights (a directory of safetensors, or name -> tensor) into this rank's chunks.
+
+    ``init_value_head=True`` (critic only) starts a critic from a causal-LM checkpoint: the
+    trunk is loaded, the LM head ignored and the value head keeps its initialisation.
+    """
     from megatron.core import parallel_state
 
+    if init_value_head and role != "critic":
+        raise ValueError("init_value_head=True is for role='critic' only.")
     if isinstance(source, (str, os.PathLike)):
         source = SafetensorsReader(source)
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    load_hf_weights(chunks, weight_map(args, role, tp), source)
+    wmap = weight_map(args, role, tp, with_head=not init_value_head)
+    ignore = {"lm_head.weight"} if init_value_head else set()
+    load_hf_weights(chunks, wmap, source, ignore=ignore)
 
 
 def export_hf(

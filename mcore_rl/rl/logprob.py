@@ -60,7 +60,9 @@ def log_probs_and_entropy(
     log_z = sum_exp.log()
     in_shard = (labels >= start) & (labels < end)
     local = (labels - start).clamp(0, end - start - 1)
-    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * in_shard
+    picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+    # where(), not a product: a shard made only of padding columns holds -inf, and -inf * 0 = nan
+    picked = torch.where(in_shard, picked, torch.zeros_like(picked))
     log_prob = reduce_from_tensor_model_parallel_region(picked) - log_z
     if not with_entropy:
         return log_prob, None

@@ -1,0 +1,160 @@
+"""The main job, top to bottom: set up ranks, build actor (+ reference, + critic), then per step
+generate -> reward -> log-probs -> advantages -> updates -> log. Rank 0 writes metrics.jsonl,
+reward.png and the resolved config under output_dir; every rank runs the same loop."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Mapping
+
+import torch
+
+from mcore_rl.config_loader import dump_yaml
+from mcore_rl.job import toy_task
+from mcore_rl.job.schema import JobConfig, TinyModelConfig
+from mcore_rl.models.builder import BuildOptions
+from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
+from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+from mcore_rl.platform import Platform, init_distributed, setup_platform
+from mcore_rl.rl import losses
+from mcore_rl.rl.actor import Actor
+from mcore_rl.rl.batch import response_mask
+from mcore_rl.rl.critic import Critic
+from mcore_rl.rl.engine import ModelEngine
+from mcore_rl.rl.sampler import generate
+
+Tensor = torch.Tensor
+
+
+def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
+    """ModelArgs and HF-named random weights of the embedded tiny model (same on every rank)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in vars(cfg).items() if k not in ("model_type", "seed")}
+    hf_config = AutoConfig.for_model(cfg.model_type, tie_word_embeddings=False, **fields)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(hf_config)
+    return model_args_from_hf(hf_config), {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def build(cfg: JobConfig, platform: Platform) -> tuple[Actor, Critic | None]:
+    """Actor (with a frozen reference when a KL term is on) and, for PPO, a critic."""
+    layout = ParallelLayout(cfg.layout.tp, cfg.layout.pp, cfg.layout.vpp,
+                            sequence_parallel=cfg.layout.sequence_parallel)
+    initialize_parallel_state(layout, seed=cfg.seed)
+    if cfg.model.hf_dir:
+        args, weights = model_args_from_hf(cfg.model.hf_dir), cfg.model.hf_dir
+    else:
+        args, weights = tiny_model(cfg.model.tiny)
+    options = BuildOptions()
+    policy = ModelEngine(args, layout, "actor", platform, options, cfg.actor_optim, weights)
+    needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.kl_in_reward_coeff > 0
+    ref = ModelEngine(args, layout, "actor", platform, options, None, weights) if needs_ref else None
+    actor = Actor(policy, cfg.actor, ref)
+    if cfg.algorithm.name != "ppo":
+        return actor, None
+    value = ModelEngine(args, layout, "critic", platform, options, cfg.critic_optim)
+    from mcore_rl.models.hf_weights import load_hf
+
+    load_hf(value.model, args, "critic", weights, init_value_head=True)  # trunk from the policy
+    return actor, Critic(value, cfg.critic)
+
+
+def advantages(cfg: JobConfig, batch: dict, scores: Tensor, critic: Critic | None) -> dict:
+    """Adds advantages (and, for PPO, values and returns) [B, R] to the batch."""
+    mask = response_mask(batch).float()
+    if critic is None:  # GRPO: rewards normalised within each prompt's group of samples
+        groups = torch.arange(cfg.rollout.prompts_per_step).repeat_interleave(cfg.rollout.samples_per_prompt)
+        per_seq = losses.grpo_advantages(scores, groups, cfg.algorithm.norm_adv_by_std)
+        return {"advantages": losses.broadcast_to_tokens(per_seq, mask)}
+    token_rewards = torch.zeros_like(mask)
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+    token_rewards[last] = scores[last.any(-1)]  # the score lands on the last response token
+    if "ref_log_prob" in batch and cfg.algorithm.kl_in_reward_coeff > 0:
+        token_rewards -= cfg.algorithm.kl_in_reward_coeff * (batch["old_log_probs"] - batch["ref_log_prob"]) * mask
+    values = critic.compute_values(batch)
+    adv, returns = losses.compute_gae(token_rewards, values, mask, cfg.algorithm.gamma, cfg.algorithm.lam)
+    return {"advantages": losses.whiten(adv, mask), "values": values, "returns": returns}
+
+
+def train_step(cfg: JobConfig, actor: Actor, critic: Critic | None, step: int) -> dict[str, Any]:
+    """One RL step; returns its metrics (the same on every rank)."""
+    start = time.perf_counter()
+    vocab = actor.engine.args.vocab_size
+    prompts = toy_task.make_prompts(cfg.task, cfg.rollout.prompts_per_step, vocab, step, cfg.seed)
+    prompts = prompts.repeat_interleave(cfg.rollout.samples_per_prompt, dim=0)
+    batch = generate(actor, prompts, cfg.task.response_length, seed=cfg.seed * 7919 + step)
+    scores = toy_task.reward(batch)
+    computed = actor.compute_log_prob(batch, with_entropy=True)
+    batch["old_log_probs"] = computed["log_probs"]
+    if actor.ref is not None:
+        batch["ref_log_prob"] = actor.compute_ref_log_prob(batch)
+    batch.update(advantages(cfg, batch, scores, critic))
+    metrics = {"step": step, "reward": float(scores.mean())}
+    mask = response_mask(batch).float()
+    metrics["entropy"] = float((computed["entropy"] * mask).sum() / mask.sum())
+    if "ref_log_prob" in batch:
+        metrics["kl_to_ref"] = float(((batch["old_log_probs"] - batch["ref_log_prob"]) * mask).sum() / mask.sum())
+    metrics.update(actor.update_policy(batch))
+    if critic is not None:
+        metrics.update(critic.update_critic(batch))
+    metrics["time_s"] = time.perf_counter() - start
+    return metrics
+
+
+def plot_rewards(history: list[dict], path: str) -> None:
+    """reward per step as a PNG (matplotlib, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([m["step"] for m in history], [m["reward"] for m in history], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(cfg: JobConfig) -> list[dict]:
+    """Runs the whole job in this rank (call under torchrun); returns the per-step metrics."""
+    platform = setup_platform()
+    init_distributed(platform)
+    rank0 = torch.distributed.get_rank() == 0
+    actor, critic = build(cfg, platform)
+    if rank0:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
+            f.write(dump_yaml(cfg))
+    history = _loop(cfg, actor, critic, rank0)
+    if rank0:
+        plot_rewards(history, os.path.join(cfg.output_dir, "reward.png"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return history
+
+
+def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, rank0: bool) -> list[dict]:
+    from tqdm import tqdm
+
+    history: list[dict] = []
+    path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    bar = tqdm(range(cfg.steps), disable=not (rank0 and cfg.progress_bar), desc=cfg.algorithm.name)
+    for step in bar:
+        metrics = train_step(cfg, actor, critic, step)
+        history.append(metrics)
+        if rank0:
+            with open(path, "a" if step else "w") as f:
+                f.write(json.dumps(metrics) + "\n")
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}", last5=f"{_last5(history):.3f}")
+    return history
+
+
+def _last5(history: list[Mapping]) -> float:
+    tail = history[-5:]
+    return sum(m["reward"] for m in tail) / len(tail)

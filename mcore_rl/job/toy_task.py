@@ -1,0 +1,31 @@
+"""A prompt-conditioned toy task: answer with the token the prompt starts with.
+
+Prompts are random token ids from the model's vocabulary; the reward is 1 when the first
+response token equals the first prompt token, else 0. A random policy scores 1 / vocab_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class ToyTaskConfig:
+    """Prompt and response lengths of the copy-the-first-token task."""
+
+    prompt_length: int = 4
+    response_length: int = 2
+
+
+def make_prompts(config: ToyTaskConfig, count: int, vocab_size: int, step: int, seed: int) -> Tensor:
+    """[count, prompt_length] prompt ids, the same on every rank for a given step and seed."""
+    g = torch.Generator().manual_seed(seed * 100_003 + step)
+    return torch.randint(0, vocab_size, (count, config.prompt_length), generator=g)
+
+
+def reward(batch: dict) -> Tensor:
+    """[B] 1.0 where the first response token copies the first prompt token."""
+    return (batch["responses"][:, 0] == batch["input_ids"][:, 0]).float()

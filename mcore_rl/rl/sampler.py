@@ -1,0 +1,69 @@
+"""A demo sampler that generates with the actor's megatron model (not a serving engine).
+
+Each new token is drawn by the Gumbel-max trick on vocab-parallel logits: every TP rank adds
+Gumbel noise to its own shard, takes its shard's best token, and the TP group keeps the global
+best, so no rank gathers full-vocab logits. Without a KV cache every step re-runs the whole
+sequence; it is for tiny models and tests.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+
+from mcore_rl.rl.actor import Actor, local_rows, micro_batches
+from mcore_rl.rl.batch import concat_rows
+from mcore_rl.rl.engine import gather_dp
+from mcore_rl.rl.logprob import masked_scaled_logits
+
+Tensor = torch.Tensor
+
+
+def sample_vocab_parallel(logits: Tensor, vocab_size: int, temperature: float, generator: torch.Generator) -> Tensor:
+    """Token ids [...] drawn from softmax(logits / T) over the real vocab; logits [..., V/tp]."""
+    scaled = masked_scaled_logits(logits, vocab_size, temperature)
+    uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64).clamp_(1e-12, 1.0)
+    noisy = scaled.double() - torch.log(-torch.log(uniform))
+    best, index = noisy.max(dim=-1)
+    index = index + parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
+    group = parallel_state.get_tensor_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return index
+    global_best = best.clone()
+    torch.distributed.all_reduce(global_best, op=torch.distributed.ReduceOp.MAX, group=group)
+    # the rank holding the winner contributes its id, the others 0 (ties: the largest id)
+    mine = torch.where(best == global_best, index, torch.zeros_like(index))
+    torch.distributed.all_reduce(mine, op=torch.distributed.ReduceOp.MAX, group=group)
+    return mine
+
+
+@torch.no_grad()
+def generate(actor: Actor, prompts: Tensor, response_length: int, seed: int) -> dict:
+    """Samples ``response_length`` tokens after equal-length prompts [B, P] (no padding).
+
+    Returns a trainer batch: input_ids [B, P + R], attention_mask, responses [B, R]. Every rank
+    passes the same prompts and seed and gets the same batch.
+    """
+    b, p = prompts.shape
+    ids = torch.cat([prompts, prompts.new_zeros(b, response_length)], dim=1)
+    mask = torch.cat([torch.ones_like(prompts), prompts.new_zeros(b, response_length)], dim=1)
+    engine, vocab, temperature = actor.engine, actor.engine.args.vocab_size, actor.config.temperature
+    # distinct noise per TP shard and per DP slice of rows, reproducible from ``seed``
+    generator = torch.Generator().manual_seed(
+        seed * 1_000_003 + 1009 * parallel_state.get_data_parallel_rank()
+        + parallel_state.get_tensor_model_parallel_rank()
+    )
+    engine.train(False)
+    for step in range(response_length):
+        position = p + step - 1  # this position's logits predict the next token
+
+        def loss_fn(mb: dict, output: Tensor):
+            token = sample_vocab_parallel(output[:, position], vocab, temperature, generator)
+            return output.sum() * 0.0, {"token": token}
+
+        batch = {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:]}
+        local = local_rows(batch)
+        pieces = engine.run(micro_batches(local, actor.config, engine), loss_fn, True)
+        tokens = gather_dp(concat_rows(pieces, local["input_ids"].shape[0])["token"])
+        ids[:, p + step] = tokens
+        mask[:, p + step] = 1
+    return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:].clone()}
