@@ -1,9 +1,10 @@
-# One command each for a fresh machine: `make test` (the whole suite), `make demo` (main job, later).
+# One command each for a fresh machine: `make test` (the whole suite), `make demo` (the main job:
+# GRPO on CPU with torchrun, 2 processes); `make demo-ppo` runs the PPO-with-critic variant.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install clean
+.PHONY: test install demo demo-ppo clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -17,6 +18,12 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	launch/run.sh 2 configs/grpo_demo.yaml
+
+demo-ppo: $(STAMP)
+	launch/run.sh 2 configs/ppo_demo.yaml
 
 clean:
 	rm -rf $(VENV)
