@@ -38,7 +38,8 @@ class LargestTensor(TorchDispatchMode):
 def main() -> None:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from mcore_rl.rl.actor import Actor, ActorConfig, response_logits
+    from mcore_rl.rl.actor import Actor, ActorConfig
+    from mcore_rl.rl.minibatch import response_logits
     from mcore_rl.rl.engine import ModelEngine
     from tests.tiny import rl_batch
 

@@ -24,7 +24,7 @@ from mcore_rl.parallel import ParallelLayout  # noqa: E402
 def raw_step(engine, pieces: list[dict], tokens: float, scale: int) -> None:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from mcore_rl.rl.actor import response_logits
+    from mcore_rl.rl.minibatch import response_logits
 
     def loss_fn(mb, output):
         logits = response_logits(output, mb)
@@ -41,7 +41,8 @@ def raw_step(engine, pieces: list[dict], tokens: float, scale: int) -> None:
 
 
 def main() -> None:
-    from mcore_rl.rl.actor import Actor, ActorConfig, local_rows, micro_batches
+    from mcore_rl.rl.actor import Actor, ActorConfig
+    from mcore_rl.rl.minibatch import local_rows, micro_batches
     from mcore_rl.rl.engine import ModelEngine, OptimConfig
     from tests.tiny import rl_batch
 

@@ -11,17 +11,10 @@ from typing import Literal
 import torch
 
 from mcore_rl.rl import losses
-from mcore_rl.rl.batch import (
-    BatchError,
-    concat_rows,
-    response_mask,
-    select_rows,
-    split_by_tokens,
-    split_rows,
-    validate_batch,
-)
-from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size, gather_dp
+from mcore_rl.rl.batch import concat_rows, response_mask, validate_batch
+from mcore_rl.rl.engine import ModelEngine, gather_dp
 from mcore_rl.rl.logprob import log_probs_and_entropy
+from mcore_rl.rl.minibatch import local_rows, micro_batches, ppo_update, response_logits
 
 Tensor = torch.Tensor
 UPDATE_KEYS = ("old_log_probs", "advantages")
@@ -44,30 +37,6 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coeff: float = 0.0
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
-
-
-def local_rows(batch: dict) -> dict:
-    """This DP rank's contiguous slice of the global batch."""
-    rank, size = dp_rank_size()
-    b = batch["input_ids"].shape[0]
-    if b % size != 0:
-        raise BatchError(f"batch of {b} rows does not divide over {size} data-parallel ranks.")
-    per = b // size
-    return select_rows(batch, slice(rank * per, (rank + 1) * per))
-
-
-def micro_batches(batch: dict, config: ActorConfig, engine: ModelEngine) -> list[dict]:
-    """Fixed-size micro-batches, or token-budget ones that keep the pipeline schedule's rules."""
-    if config.max_tokens_per_micro_batch:
-        multiple = engine.layout.pp if engine.layout.vpp else 1
-        return split_by_tokens(batch, config.max_tokens_per_micro_batch, multiple)
-    return split_rows(batch, min(config.micro_batch_size, batch["input_ids"].shape[0]))
-
-
-def response_logits(output: Tensor, batch: dict) -> Tensor:
-    """Logits [b, R, V/tp] that predict the R response tokens (position p predicts p + 1)."""
-    s, r = batch["input_ids"].shape[1], batch["responses"].shape[1]
-    return output[:, s - r - 1 : s - 1]
 
 
 class Actor:
@@ -116,28 +85,7 @@ class Actor:
         use_kl_loss). Returns metrics averaged over the steps, the same on every rank."""
         keys = UPDATE_KEYS + (("ref_log_prob",) if self.config.use_kl_loss else ())
         validate_batch(batch, keys)
-        rows = batch["input_ids"].shape[0]
-        self.engine.train(True)
-        steps = []
-        for _ in range(self.config.ppo_epochs):
-            for mini in split_rows(batch, min(self.config.ppo_mini_batch_size, rows)):
-                steps.append(self._update_mini_batch(mini))
-        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-
-    def _update_mini_batch(self, mini: dict) -> dict[str, float]:
-        mask = response_mask(mini)
-        denominator = losses.global_denominator(mask, self.config.loss_agg_mode)
-        pieces = micro_batches(local_rows(mini), self.config, self.engine)
-        # megatron divides each micro-batch loss by the micro-batch count and DDP averages over
-        # DP; with a global denominator the sum over all of them is the mini-batch loss
-        scale = len(pieces) * dp_rank_size()[1]
-        stats = self.engine.run(pieces, self._policy_loss_fn(denominator, scale), False)
-        step = self.engine.step()
-        totals = {k: all_reduce_dp(sum(s[k] for s in stats)) for k in stats[0]}
-        tokens = totals.pop("tokens").clamp(min=1)
-        metrics = {k.removesuffix("_sum"): float(v / tokens) for k, v in totals.items() if k.endswith("_sum")}
-        metrics.update({k: float(v) for k, v in totals.items() if not k.endswith("_sum")})
-        return {**{f"actor/{k}": v for k, v in metrics.items()}, **{f"actor/{k}": v for k, v in step.items()}}
+        return ppo_update(self.engine, batch, self.config, self._policy_loss_fn, "actor")
 
     def _policy_loss_fn(self, denominator: float, scale: int):
         cfg, vocab = self.config, self.engine.args.vocab_size

@@ -11,9 +11,9 @@ from typing import Literal
 import torch
 
 from mcore_rl.rl import losses
-from mcore_rl.rl.actor import local_rows, micro_batches, response_logits
-from mcore_rl.rl.batch import concat_rows, response_mask, split_rows, validate_batch
-from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size, gather_dp
+from mcore_rl.rl.batch import concat_rows, response_mask, validate_batch
+from mcore_rl.rl.engine import ModelEngine, gather_dp
+from mcore_rl.rl.minibatch import local_rows, micro_batches, ppo_update, response_logits
 
 Tensor = torch.Tensor
 
@@ -56,19 +56,10 @@ class Critic:
         """Value-loss updates (ppo_epochs x mini-batches); needs 'values' (old) and 'returns'
         [B, R]. Returns metrics averaged over the optimizer steps."""
         validate_batch(batch, ("values", "returns"))
-        rows = batch["input_ids"].shape[0]
-        self.engine.train(True)
-        steps = []
-        for _ in range(self.config.ppo_epochs):
-            for mini in split_rows(batch, min(self.config.ppo_mini_batch_size, rows)):
-                steps.append(self._update_mini_batch(mini))
-        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        return ppo_update(self.engine, batch, self.config, self._value_loss_fn, "critic")
 
-    def _update_mini_batch(self, mini: dict) -> dict[str, float]:
+    def _value_loss_fn(self, denominator: float, scale: int):
         cfg = self.config
-        denominator = losses.global_denominator(response_mask(mini), cfg.loss_agg_mode)
-        pieces = micro_batches(local_rows(mini), cfg, self.engine)
-        scale = len(pieces) * dp_rank_size()[1]  # see Actor._update_mini_batch
 
         def loss_fn(mb: dict, output: Tensor):
             values = response_logits(output, mb).squeeze(-1).float()
@@ -82,10 +73,4 @@ class Critic:
                      "vpred_mean_sum": m["vpred_mean"] * n}
             return vf * scale, stats
 
-        stats = self.engine.run(pieces, loss_fn, False)
-        step = self.engine.step()
-        totals = {k: all_reduce_dp(sum(s[k] for s in stats)) for k in stats[0]}
-        tokens = totals.pop("tokens").clamp(min=1)
-        metrics = {k.removesuffix("_sum"): float(v / tokens) for k, v in totals.items() if k.endswith("_sum")}
-        metrics["vf_loss"] = float(totals["vf_loss"])
-        return {**{f"critic/{k}": v for k, v in metrics.items()}, **{f"critic/{k}": v for k, v in step.items()}}
+        return loss_fn

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
-from mcore_rl.rl.actor import Actor, local_rows, micro_batches
+from mcore_rl.rl.actor import Actor
+from mcore_rl.rl.minibatch import local_rows, micro_batches
 from mcore_rl.rl.batch import concat_rows
 from mcore_rl.rl.engine import gather_dp
 from mcore_rl.rl.logprob import masked_scaled_logits
