@@ -92,7 +92,9 @@ class Actor:
 
         def loss_fn(mb: dict, output: Tensor):
             logits = response_logits(output, mb)
-            lp, ent = log_probs_and_entropy(logits, mb["responses"], vocab, cfg.temperature, True)
+            lp, ent = log_probs_and_entropy(
+                logits, mb["responses"], vocab, cfg.temperature, True, entropy_grad=cfg.entropy_coeff != 0
+            )
             mask = response_mask(mb).to(lp.dtype)
             pg, m = losses.policy_loss(
                 lp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_ratio_low,

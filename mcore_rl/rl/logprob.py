@@ -45,11 +45,13 @@ def log_probs_and_entropy(
     vocab_size: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """log p(labels) [...] and optionally the entropy [...] of softmax(logits / temperature).
 
     logits: [..., V/tp], this rank's vocab shard (megatron's parallel_output); labels: [...]
     token ids < vocab_size. Differentiable; gradients flow into every shard.
+    ``entropy_grad=False`` returns a detached entropy (a metric only: no backward through it).
     """
     scaled = masked_scaled_logits(logits, vocab_size, temperature)
     start, end = _shard_range(scaled.shape[-1])
@@ -66,7 +68,9 @@ def log_probs_and_entropy(
     log_prob = reduce_from_tensor_model_parallel_region(picked) - log_z
     if not with_entropy:
         return log_prob, None
-    # H = log Z - E_p[shifted]; padding columns have exp = 0, so mask before multiplying -inf
-    weighted = (exp * shifted.masked_fill(exp == 0, 0.0)).sum(dim=-1)
-    expected = reduce_from_tensor_model_parallel_region(weighted) / sum_exp
-    return log_prob, log_z - expected
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        # H = log Z - E_p[shifted]; padding columns have exp = 0: mask before multiplying -inf
+        weighted = (exp * shifted.masked_fill(exp == 0, 0.0)).sum(dim=-1)
+        expected = reduce_from_tensor_model_parallel_region(weighted) / sum_exp
+        entropy = log_z - expected
+    return log_prob, entropy if entropy_grad else entropy.detach()
