@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.rl.engine import share_from_last_stage
 from tests.tiny import padded_batch
 
 
@@ -26,20 +27,6 @@ def _build(hf_dir: str, layout_kwargs: dict, role: str, recompute=None, moe: dic
     chunks = build_model(args, layout, role, active_platform(), options)
     load_hf(chunks, args, role, hf_dir)
     return args, chunks
-
-
-def _to_all_pp_ranks(tensor: torch.Tensor | None) -> torch.Tensor:
-    """Broadcasts a tensor that only the last pipeline stage has to every stage."""
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_pipeline_model_parallel_group()
-    last = torch.distributed.get_global_rank(group, torch.distributed.get_world_size(group) - 1)
-    meta = [None if tensor is None else (tuple(tensor.shape), tensor.dtype)]
-    torch.distributed.broadcast_object_list(meta, src=last, group=group)
-    shape, dtype = meta[0]
-    out = tensor.contiguous() if tensor is not None else torch.empty(shape, dtype=dtype)
-    torch.distributed.broadcast(out, src=last, group=group)
-    return out
 
 
 def _output_loss(role: str, vocab_size: int):
@@ -68,7 +55,7 @@ def forward_outputs(
     for c in chunks:
         c.eval()
     res = run_schedule(chunks, [batch], _output_loss(role, args.vocab_size), forward_only=True)
-    return _to_all_pp_ranks(res[0]["output"] if res else None)
+    return share_from_last_stage(res[0]["output"] if res else None)
 
 
 def outputs_of_models(dirs: dict, layout_kwargs: dict, role: str, batch: dict) -> dict:
@@ -110,7 +97,7 @@ def train_step(
     batches = [padded_batch(args.vocab_size, seed=s) for s in (1, 2, 3, 4)]
     res = run_schedule(model, batches, _output_loss(role, args.vocab_size), forward_only=False)
     finalize_model_grads(model)
-    outputs = _to_all_pp_ranks(torch.stack([r["output"] for r in res]) if res else None)
+    outputs = share_from_last_stage(torch.stack([r["output"] for r in res]) if res else None)
     # a frozen parameter (e.g. a frozen router) has no gradient buffer: report zeros
     grads = export_hf(model, args, role, tensor_of=lambda p: getattr(p, "main_grad", torch.zeros_like(p)))
     return {"outputs": outputs, "grads": grads, "roundtrip_mismatch": roundtrip_mismatch}

@@ -128,6 +128,7 @@ def run(cfg: JobConfig) -> list[dict]:
     rank0 = torch.distributed.get_rank() == 0
     actor, critic = build(cfg, platform)
     if rank0:
+        print(f"{cfg.algorithm.name}: {actor.engine.layout.describe(torch.distributed.get_world_size())}", flush=True)
         os.makedirs(cfg.output_dir, exist_ok=True)
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
             f.write(dump_yaml(cfg))
