@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
+from mcore_rl.errors import McoreRLError
 
 __all__ = ["ConfigError", "load_config", "from_dict", "apply_override", "to_dict", "dump_yaml"]
 
@@ -33,7 +34,7 @@ T = TypeVar("T")
 _EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
-class ConfigError(ValueError):
+class ConfigError(McoreRLError, ValueError):
     """A config file, override or value does not fit the schema; the message says how to fix it."""
 
 

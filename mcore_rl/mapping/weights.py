@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
+from mcore_rl.errors import McoreRLError
 
 Tensor = torch.Tensor
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -24,7 +25,7 @@ _TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _TIED_OUTPUT = "output_layer.weight"
 
 
-class MappingError(KeyError):
+class MappingError(McoreRLError, KeyError):
     """A name with no row in the mapping table, or tensors that do not fit the model."""
 
     def __str__(self) -> str:  # KeyError would repr() the message

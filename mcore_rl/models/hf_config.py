@@ -13,9 +13,10 @@ from typing import Any
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.registry import ArchSpec, lookup_arch
 from mcore_rl.models.rope import RopeSpec, rope_spec_from_hf
+from mcore_rl.errors import McoreRLError
 
 
-class ConfigError(ValueError):
+class ConfigError(McoreRLError, ValueError):
     """A HF config mcore_rl cannot build a model from; the message names the value and the fix."""
 
 

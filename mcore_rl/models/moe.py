@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
+from mcore_rl.errors import McoreRLError
 
 ROUTER_DTYPES = ("fp32", "fp64")
 LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")
@@ -15,7 +16,7 @@ DISPATCHERS = ("alltoall", "allgather")
 SCORE_FUNCTIONS = ("softmax",)
 
 
-class MoEConfigError(ValueError):
+class MoEConfigError(McoreRLError, ValueError):
     """An MoE setting mcore_rl cannot honour; the message names the value and the fix."""
 
 

@@ -5,9 +5,10 @@ from dataclasses import dataclass
 
 from mcore_rl.mapping.tables import LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, MappingTable
 from mcore_rl.models.moe import MoEFields
+from mcore_rl.errors import McoreRLError
 
 
-class UnknownArchitectureError(ValueError):
+class UnknownArchitectureError(McoreRLError, ValueError):
     """A HF model_type with no registry entry."""
 
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from mcore_rl.errors import McoreRLError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class RopeError(ValueError):
+class RopeError(McoreRLError, ValueError):
     """A rope configuration mcore_rl does not implement."""
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from mcore_rl.errors import McoreRLError
 
 
-class LayoutError(ValueError):
+class LayoutError(McoreRLError, ValueError):
     """A parallel layout that cannot work; the message names every factor and the fix."""
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from mcore_rl.errors import McoreRLError
 
 Tensor = torch.Tensor
 BASE_KEYS = ("input_ids", "attention_mask", "responses")
 
 
-class BatchError(ValueError):
+class BatchError(McoreRLError, ValueError):
     """A batch that breaks the contract above; the message names the key and the fix."""
 
 
