@@ -54,10 +54,8 @@ def build(cfg: JobConfig, platform: Platform) -> tuple[Actor, Critic | None]:
     actor = Actor(policy, cfg.actor, ref)
     if cfg.algorithm.name != "ppo":
         return actor, None
-    value = ModelEngine(args, layout, "critic", platform, options, cfg.critic_optim)
-    from mcore_rl.models.hf_weights import load_hf
-
-    load_hf(value.model, args, "critic", weights, init_value_head=True)  # trunk from the policy
+    # trunk from the policy, loaded before the optimizer copies the parameters
+    value = ModelEngine(args, layout, "critic", platform, options, cfg.critic_optim, weights, init_value_head=True)
     return actor, Critic(value, cfg.critic)
 
 

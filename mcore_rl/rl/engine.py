@@ -4,7 +4,7 @@ rank of the model-parallel group, and DP shards are gathered so every rank sees 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Mapping
 
 import torch
 from megatron.core import parallel_state
@@ -59,12 +59,16 @@ class ModelEngine:
         platform: Platform,
         options: BuildOptions = BuildOptions(),
         optim: OptimConfig | None = None,
-        hf_weights: str | None = None,
+        hf_weights: str | Mapping[str, Tensor] | None = None,
+        init_value_head: bool = False,
     ) -> None:
+        """``hf_weights``: a HF directory (or HF name -> tensor) loaded before the optimizer
+        copies the parameters. ``init_value_head=True`` (critic only) starts a critic from a
+        causal LM: the trunk is loaded, ``lm_head`` ignored, the value head keeps its init."""
         self.args, self.layout, self.role = args, layout, role
         chunks = build_model(args, layout, role, platform, options)
         if hf_weights is not None:
-            load_hf(chunks, args, role, hf_weights)
+            load_hf(chunks, args, role, hf_weights, init_value_head=init_value_head)
         self.config = chunks[0].config
         self.optimizer = self.scheduler = None
         if optim is None:
@@ -87,6 +91,23 @@ class ModelEngine:
             wd_incr_steps=1,
             wd_incr_style="constant",
         )
+
+    @torch.no_grad()
+    def load_hf_weights(self, source: str | Mapping[str, Tensor], init_value_head: bool = False) -> None:
+        """Loads HF weights into a built engine and refreshes the optimizer's copies.
+
+        The one path for weights that arrive after the optimizer exists: megatron's optimizer
+        keeps fp32 main copies (bf16) that would otherwise write the old weights back at the
+        next step.
+        """
+        load_hf(self.model, self.args, self.role, source, init_value_head=init_value_head)
+        self.refresh_optimizer_params()
+
+    def refresh_optimizer_params(self) -> None:
+        """Re-copies the model parameters into the optimizer's main (fp32) parameters; call after
+        any in-place change of the weights that the optimizer did not make."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     # ---- schedule ------------------------------------------------------------------------
     def check_micro_batches(self, count: int) -> None:
