@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
+from mcore_rl.platform import active_platform
 from mcore_rl.errors import McoreRLError
 
 Tensor = torch.Tensor
@@ -214,11 +215,12 @@ def _share_across(local: dict[str, Tensor], group) -> dict[str, Tensor]:
         metas, [(k, tuple(v.shape), v.dtype) for k, v in local.items()], group=group
     )
     me = torch.distributed.get_rank(group)
+    device = active_platform().device()  # NCCL receives only into device buffers
     out: dict[str, Tensor] = {}
     for stage, meta in enumerate(metas):
         src = torch.distributed.get_global_rank(group, stage)
         for key, shape, dtype in meta:
-            t = local[key].contiguous() if stage == me else torch.empty(shape, dtype=dtype)
+            t = local[key].contiguous() if stage == me else torch.empty(shape, dtype=dtype, device=device)
             torch.distributed.broadcast(t, src=src, group=group)
             out[key] = t
     return out

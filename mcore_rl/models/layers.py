@@ -87,6 +87,13 @@ class TorchCoreAttention(MegatronModule):
         return contextlib.nullcontext()
 
 
+def _init_device(config: TransformerConfig) -> torch.device:
+    """Where megatron creates parameters: the CPU with use_cpu_initialization, else the GPU."""
+    if config.use_cpu_initialization:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 class RMSNorm(torch.nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), computed in fp32 as HF does. x: [..., hidden]."""
 
@@ -94,7 +101,9 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.config = config
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(
+            torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
+        )
         # with sequence parallel each TP rank sees part of the sequence: grads must be summed
         self.weight.sequence_parallel = config.sequence_parallel
 
@@ -115,10 +124,11 @@ class ValueHead(MegatronModule):
 
     def __init__(self, config: TransformerConfig, hidden_size: int, bias: bool) -> None:
         super().__init__(config=config)
-        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype))
+        device = _init_device(config)
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=config.params_dtype, device=device))
         config.init_method(self.weight)
         self.bias = (
-            torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype)) if bias else None
+            torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype, device=device)) if bias else None
         )
         for p in self.parameters():
             p.sequence_parallel = config.sequence_parallel
