@@ -3,13 +3,35 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl.rl.engine import share_from_last_stage
+from mcore_rl.rl.engine import gather_dp, share_from_last_stage
 from tests.tiny import padded_batch
 
 
 # parity/invariance MoE settings: fp64 router logits so that top-k ties cannot flip between
 # layouts, no load-balancing loss so the loss is the same function everywhere
 EXACT_MOE = dict(router_dtype="fp64", load_balancing="none", aux_loss_coeff=0.0)
+
+
+GLOBAL_MICRO_BATCHES = 4  # a single rank runs all; with PP=2 and DP=1 the schedules reach steady state
+
+
+def global_micro_batches(vocab_size: int) -> list[dict]:
+    """The step's micro-batches over all DP ranks (each different data)."""
+    return [padded_batch(vocab_size, seed=s) for s in range(1, GLOBAL_MICRO_BATCHES + 1)]
+
+
+def dp_slice(micro_batches: list) -> list:
+    """This DP rank's contiguous share. Megatron divides each micro-batch loss by the local count
+    and DDP averages over DP, so DP ranks x local micro-batches give the single rank's 1/global
+    scale exactly; a missing DP reduction leaves each rank with only its own share of the grad."""
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_data_parallel_rank()
+    size = parallel_state.get_data_parallel_world_size()
+    if len(micro_batches) % size != 0:
+        raise ValueError(f"{len(micro_batches)} micro-batches do not split over DP={size}")
+    per_rank = len(micro_batches) // size
+    return micro_batches[rank * per_rank : (rank + 1) * per_rank]
 
 
 def _build(hf_dir: str, layout_kwargs: dict, role: str, recompute=None, moe: dict | None = None):
@@ -72,8 +94,10 @@ def outputs_of_models(dirs: dict, layout_kwargs: dict, role: str, batch: dict) -
 def train_step(
     hf_dir: str, layout_kwargs: dict, role: str = "actor", recompute=None, moe: dict | None = None
 ) -> dict:
-    """Load HF weights, check the HF round trip, one forward/backward over 2 micro-batches,
-    megatron's finalize_model_grads; returns outputs and HF-named full gradients."""
+    """Load HF weights, check the HF round trip, one forward/backward over this DP rank's share
+    of GLOBAL_MICRO_BATCHES (different data on each DP rank), megatron's finalize_model_grads;
+    returns the outputs of all micro-batches (gathered over DP, [n, b, s, V]) and HF-named full
+    gradients (TP/EP-gathered)."""
     from megatron.core.distributed import finalize_model_grads
 
     from mcore_rl.mapping.hf_io import SafetensorsReader
@@ -93,11 +117,10 @@ def train_step(
     model = wrap_with_ddp(chunks, use_distributed_optimizer=False)
     for m in model:
         m.zero_grad_buffer()
-    # 4 micro-batches: with PP=2 the 1F1B and interleaved schedules reach their steady state
-    batches = [padded_batch(args.vocab_size, seed=s) for s in (1, 2, 3, 4)]
+    batches = dp_slice(global_micro_batches(args.vocab_size))
     res = run_schedule(model, batches, _output_loss(role, args.vocab_size), forward_only=False)
     finalize_model_grads(model)
-    outputs = share_from_last_stage(torch.stack([r["output"] for r in res]) if res else None)
+    outputs = gather_dp(share_from_last_stage(torch.stack([r["output"] for r in res]) if res else None))
     # a frozen parameter (e.g. a frozen router) has no gradient buffer: report zeros
     grads = export_hf(model, args, role, tensor_of=lambda p: getattr(p, "main_grad", torch.zeros_like(p)))
     return {"outputs": outputs, "grads": grads, "roundtrip_mismatch": roundtrip_mismatch}
