@@ -116,12 +116,19 @@ def test_dp_ranks_see_different_data(hf_dirs, references):
         assert worst > 1e-3, f"grads match without the DP reduction (worst {worst:.3g})"
 
 
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
-def test_tp_above_kv_heads_matches_single_rank(sp, tmp_path):
-    """One KV head shared by both TP ranks: outputs, gradients (megatron's all-gather of the
-    fused qkv reduce-scatters k/v grads) and the HF round trip equal a single rank's."""
-    cfg = tiny_config("llama", num_key_value_heads=1)
-    tiny_hf_model(cfg).save_pretrained(tmp_path)
+KV_BELOW_TP = {  # name -> (model_type, kv heads, world, layout)
+    "llama_kv1_tp2": ("llama", 1, 2, dict(tp=2)),
+    "llama_kv1_tp2_sp": ("llama", 1, 2, dict(tp=2, sequence_parallel=True)),
+    "qwen2_kv2_tp4": ("qwen2", 2, 4, dict(tp=4)),  # QKV bias split inside a KV group
+}
+
+
+@pytest.mark.parametrize("case", KV_BELOW_TP)
+def test_tp_above_kv_heads_matches_single_rank(case, tmp_path):
+    """KV heads shared by tp / kv_heads ranks: outputs, gradients (megatron's all-gather of the
+    fused qkv reduce-scatters the k/v grads) and the HF round trip equal a single rank's."""
+    model_type, kv, world, layout_kwargs = KV_BELOW_TP[case]
+    tiny_hf_model(tiny_config(model_type, num_key_value_heads=kv)).save_pretrained(tmp_path)
     ref = run_ranks(1, train_step, str(tmp_path), {})[0]
-    for rank, result in enumerate(run_ranks(2, train_step, str(tmp_path), dict(tp=2, sequence_parallel=sp))):
+    for rank, result in enumerate(run_ranks(world, train_step, str(tmp_path), layout_kwargs)):
         assert_matches(result, ref, rank)
