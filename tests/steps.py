@@ -68,16 +68,38 @@ def _output_loss(role: str, vocab_size: int):
 
 
 def forward_outputs(
-    hf_dir: str, layout_kwargs: dict, role: str, batch: dict, moe: dict | None = None
+    hf_dir: str, layout_kwargs: dict, role: str, batch: dict, moe: dict | None = None, chunks=None
 ) -> torch.Tensor:
-    """Forward only: [b, s, vocab] logits (actor) or [b, s, 1] values (critic) on every rank."""
+    """Forward only: [b, s, vocab] logits (actor) or [b, s, 1] values (critic) on every rank.
+    ``chunks``: an already built (args, chunks) pair to use instead of building one."""
     from mcore_rl.models.forward import run_schedule
 
-    args, chunks = _build(hf_dir, layout_kwargs, role, moe=moe)
+    args, chunks = chunks or _build(hf_dir, layout_kwargs, role, moe=moe)
     for c in chunks:
         c.eval()
     res = run_schedule(chunks, [batch], _output_loss(role, args.vocab_size), forward_only=True)
     return share_from_last_stage(res[0]["output"] if res else None)
+
+
+def roundtrip_mismatch(chunks, args, role: str, hf_dir: str) -> list[str]:
+    """HF names whose tensor exported from ``chunks`` (TP/EP-gathered) is not bit-equal to the
+    file's, or that exist on one side only."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from mcore_rl.models.hf_weights import export_hf
+
+    source, exported = SafetensorsReader(hf_dir), export_hf(chunks, args, role)
+    return sorted(
+        k for k in set(source) | set(exported)
+        if k not in exported or k not in source or not torch.equal(exported[k], source[k])
+    )
+
+
+def outputs_and_roundtrip(hf_dir: str, layout_kwargs: dict, batch: dict) -> dict:
+    """Actor logits [b, s, vocab] of one forward on every rank, and the HF round trip."""
+    args, chunks = _build(hf_dir, layout_kwargs, "actor")
+    mismatch = roundtrip_mismatch(chunks, args, "actor", hf_dir)
+    return {"logits": forward_outputs(hf_dir, layout_kwargs, "actor", batch, chunks=(args, chunks)),
+            "roundtrip_mismatch": mismatch}
 
 
 def outputs_of_models(dirs: dict, layout_kwargs: dict, role: str, batch: dict) -> dict:
@@ -100,18 +122,12 @@ def train_step(
     gradients (TP/EP-gathered)."""
     from megatron.core.distributed import finalize_model_grads
 
-    from mcore_rl.mapping.hf_io import SafetensorsReader
     from mcore_rl.models.ddp import wrap_with_ddp
     from mcore_rl.models.forward import run_schedule
     from mcore_rl.models.hf_weights import export_hf
 
     args, chunks = _build(hf_dir, layout_kwargs, role, recompute=recompute, moe=moe)
-    source = SafetensorsReader(hf_dir)
-    exported = export_hf(chunks, args, role)
-    roundtrip_mismatch = sorted(
-        k for k in set(source) | set(exported)
-        if k not in exported or k not in source or not torch.equal(exported[k], source[k])
-    )
+    mismatch = roundtrip_mismatch(chunks, args, role, hf_dir)
     # all-reduce (not the distributed optimizer's reduce-scatter): every rank then holds the full
     # DP-reduced gradient, which is what the comparison reads
     model = wrap_with_ddp(chunks, use_distributed_optimizer=False)
@@ -123,4 +139,4 @@ def train_step(
     outputs = gather_dp(share_from_last_stage(torch.stack([r["output"] for r in res]) if res else None))
     # a frozen parameter (e.g. a frozen router) has no gradient buffer: report zeros
     grads = export_hf(model, args, role, tensor_of=lambda p: getattr(p, "main_grad", torch.zeros_like(p)))
-    return {"outputs": outputs, "grads": grads, "roundtrip_mismatch": roundtrip_mismatch}
+    return {"outputs": outputs, "grads": grads, "roundtrip_mismatch": mismatch}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.steps import outputs_of_models
+from tests.steps import outputs_and_roundtrip, outputs_of_models
 from tests.tiny import padded_batch, tiny_config, tiny_hf_model
 
 TOL = 1e-4
@@ -89,23 +89,6 @@ KV_BELOW_TP = {  # name -> (model_type, overrides, tp): fewer KV heads than TP r
 }
 
 
-def _outputs_and_roundtrip(hf_dir: str, tp: int, batch: dict) -> dict:
-    from mcore_rl.mapping.hf_io import SafetensorsReader
-    from mcore_rl.models.hf_weights import export_hf
-    from tests.steps import _build, _output_loss
-    from mcore_rl.models.forward import run_schedule
-    from mcore_rl.rl.engine import share_from_last_stage
-
-    args, chunks = _build(hf_dir, dict(tp=tp), "actor")
-    exported, source = export_hf(chunks, args, "actor"), SafetensorsReader(hf_dir)
-    mismatch = sorted(k for k in set(source) | set(exported)
-                      if k not in exported or k not in source or not torch.equal(exported[k], source[k]))
-    for c in chunks:
-        c.eval()
-    res = run_schedule(chunks, [batch], _output_loss("actor", args.vocab_size), forward_only=True)
-    return {"logits": share_from_last_stage(res[0]["output"]), "roundtrip_mismatch": mismatch}
-
-
 @pytest.mark.parametrize("name", KV_BELOW_TP)
 def test_tp_above_kv_heads_matches_hf(name, tmp_path):
     """megatron shares each KV head over tp / kv_heads ranks (all-gather of the fused qkv)."""
@@ -116,7 +99,7 @@ def test_tp_above_kv_heads_matches_hf(name, tmp_path):
     with torch.no_grad():
         ref = hf(**batch).logits
     real = batch["attention_mask"].bool()
-    for rank, out in enumerate(run_ranks(tp, _outputs_and_roundtrip, str(tmp_path), tp, batch)):
+    for rank, out in enumerate(run_ranks(tp, outputs_and_roundtrip, str(tmp_path), dict(tp=tp), batch)):
         assert out["roundtrip_mismatch"] == [], f"rank {rank}: HF round trip differs"
         diff = (out["logits"][..., :200] - ref)[real].abs().max().item()
         assert diff <= TOL, f"{name} rank {rank}: logits differ from HF by {diff:.3g}"
