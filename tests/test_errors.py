@@ -83,12 +83,31 @@ def test_qwen_window_ignored_unless_enabled():
 
 
 def test_tp_not_dividing_heads():
-    args = model_args_from_hf(tiny_config("llama", num_attention_heads=4, num_key_value_heads=2))
-    with pytest.raises(LayoutError) as e:
-        check_divisibility(args, ParallelLayout(tp=4))
-    assert "tp(4) does not divide num_key_value_heads(2); choose tp among the divisors of 2" in str(e.value)
-    with pytest.raises(LayoutError, match=r"tp\(3\) does not divide num_attention_heads\(4\)"):
+    args = model_args_from_hf(tiny_config("llama", hidden_size=96, num_attention_heads=6, num_key_value_heads=2))
+    with pytest.raises(LayoutError) as e:  # kv heads neither divide nor are divided by tp
         check_divisibility(args, ParallelLayout(tp=3))
+    assert (
+        "tp(3) cannot split num_attention_heads(6) with num_key_value_heads(2): tp must divide the "
+        "query heads and either divide or be a multiple of the KV heads; choose tp among the "
+        "divisors of 6 that are multiples or divisors of num_key_value_heads(2)"
+    ) in str(e.value)
+    args = model_args_from_hf(tiny_config("llama", num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(LayoutError, match=r"tp\(8\) cannot split num_attention_heads\(4\) with num_key_value_heads\(2\)"):
+        check_divisibility(args, ParallelLayout(tp=8))  # a multiple of the kv heads, not a divisor of the heads
+
+
+def test_tp_above_kv_heads_is_allowed():
+    """megatron-core shares a KV head over tp / kv_heads ranks (Qwen2.5-3B: 2 KV heads, TP=4)."""
+    for kv, tp in ((2, 4), (1, 2), (1, 4), (2, 2)):
+        args = model_args_from_hf(tiny_config("qwen2", num_attention_heads=4, num_key_value_heads=kv))
+        check_divisibility(args, ParallelLayout(tp=tp))
+
+
+def test_tp_splitting_a_kv_group_unevenly():
+    args = model_args_from_hf(tiny_config("llama", num_attention_heads=8, num_key_value_heads=1, head_dim=6))
+    with pytest.raises(LayoutError, match=r"fused qkv rows \(60 = .* over 8 ranks unevenly"):
+        check_divisibility(args, ParallelLayout(tp=8))
+    check_divisibility(args, ParallelLayout(tp=4))
 
 
 def test_layers_not_dividing_pipeline():

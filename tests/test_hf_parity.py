@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.steps import outputs_of_models
+from tests.steps import outputs_and_roundtrip, outputs_of_models
 from tests.tiny import padded_batch, tiny_config, tiny_hf_model
 
 TOL = 1e-4
@@ -81,3 +81,25 @@ def test_critic_values_match_hf_token_classification(tp, tmp_path):
         assert outputs[model_type].shape == ref.shape  # [b, s, 1]
         diff = (outputs[model_type] - ref)[real].abs().max().item()
         assert diff <= TOL, f"{model_type} critic: values differ from HF by {diff:.3g}"
+
+
+KV_BELOW_TP = {  # name -> (model_type, overrides, tp): fewer KV heads than TP ranks
+    "llama_kv1_tp2": ("llama", dict(num_key_value_heads=1), 2),
+    "qwen2_kv2_tp4": ("qwen2", dict(num_key_value_heads=2), 4),  # QKV bias too
+}
+
+
+@pytest.mark.parametrize("name", KV_BELOW_TP)
+def test_tp_above_kv_heads_matches_hf(name, tmp_path):
+    """megatron shares each KV head over tp / kv_heads ranks (all-gather of the fused qkv)."""
+    model_type, overrides, tp = KV_BELOW_TP[name]
+    hf = tiny_hf_model(tiny_config(model_type, **overrides))
+    hf.save_pretrained(tmp_path)
+    batch = padded_batch(200)
+    with torch.no_grad():
+        ref = hf(**batch).logits
+    real = batch["attention_mask"].bool()
+    for rank, out in enumerate(run_ranks(tp, outputs_and_roundtrip, str(tmp_path), dict(tp=tp), batch)):
+        assert out["roundtrip_mismatch"] == [], f"rank {rank}: HF round trip differs"
+        diff = (out["logits"][..., :200] - ref)[real].abs().max().item()
+        assert diff <= TOL, f"{name} rank {rank}: logits differ from HF by {diff:.3g}"

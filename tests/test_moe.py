@@ -30,6 +30,9 @@ LAYOUTS = {  # name -> (world size, layout, MoE options)
     "ep2_etp2": (4, dict(ep=2, etp=2), {}),  # experts TP-split while attention is not
     "etp2": (2, dict(etp=2), {}),
     "pp2_ep2": (4, dict(pp=2, ep=2), {}),
+    # dense DP 4 and expert DP 2: experts' grads are reduced over their own DP group
+    "ep2_edp2": (4, dict(ep=2), {}),
+    "etp2_edp2": (4, dict(etp=2), {}),  # ep=1 with etp != tp: the fixed megatron path, EDP 2
 }
 
 

@@ -1,5 +1,6 @@
-"""TP / PP / VPP / TP×PP / SP layouts against TP=1: outputs, gradients after megatron's
-finalize_model_grads (gathered to full HF-named tensors on every rank), and the HF round trip."""
+"""TP / PP / VPP / TP×PP / SP / DP layouts against one rank: outputs, gradients after megatron's
+finalize_model_grads (gathered to full HF-named tensors on every rank), and the HF round trip.
+Each DP rank trains on different micro-batches; the single rank trains on all of them."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +22,11 @@ LAYOUTS = {  # name -> (world size, layout)
     "pp2_vpp2": (2, dict(pp=2, vpp=2)),  # 8 layers: 2 per virtual chunk
     "tp2_pp2": (4, dict(tp=2, pp=2)),
     "tp2_sp": (2, dict(tp=2, sequence_parallel=True)),
+    "dp2": (2, dict()),
+}
+DP_LAYOUTS = {  # world 4 (slow on 2 cores): one model each
+    "tp2_dp2": ("llama_gqa_untied", dict(tp=2)),
+    "pp2_dp2": ("qwen2_tied_qkvbias", dict(pp=2)),
 }
 
 
@@ -84,4 +90,45 @@ def test_critic_layout_matches_single_rank(layout, tmp_path):
     assert ref["outputs"].shape[-1] == 1
     world, layout_kwargs = LAYOUTS[layout]
     for rank, result in enumerate(run_ranks(world, train_step, str(tmp_path), layout_kwargs, "critic")):
+        assert_matches(result, ref, rank)
+
+
+@pytest.mark.parametrize("layout", DP_LAYOUTS)
+def test_dp_with_model_parallel_matches_single_rank(layout, hf_dirs, references):
+    model, layout_kwargs = DP_LAYOUTS[layout]
+    for rank, result in enumerate(run_ranks(4, train_step, hf_dirs[model], layout_kwargs)):
+        assert_matches(result, references[model], rank)
+
+
+def _train_step_without_dp_reduction(hf_dir: str, layout: dict) -> dict:
+    from megatron.core.distributed import DistributedDataParallel
+
+    DistributedDataParallel.finish_grad_sync = lambda self, *a, **k: None  # grads stay per rank
+    return train_step(hf_dir, layout)
+
+
+def test_dp_ranks_see_different_data(hf_dirs, references):
+    """Without DP's gradient all-reduce the DP=2 gradients must be wrong: proves the DP tests
+    feed each rank its own micro-batches."""
+    ref = references["llama_gqa_untied"]
+    for result in run_ranks(2, _train_step_without_dp_reduction, hf_dirs["llama_gqa_untied"], {}):
+        worst = max(max_diff(result["grads"][k], g) for k, g in ref["grads"].items())
+        assert worst > 1e-3, f"grads match without the DP reduction (worst {worst:.3g})"
+
+
+KV_BELOW_TP = {  # name -> (model_type, kv heads, world, layout)
+    "llama_kv1_tp2": ("llama", 1, 2, dict(tp=2)),
+    "llama_kv1_tp2_sp": ("llama", 1, 2, dict(tp=2, sequence_parallel=True)),
+    "qwen2_kv2_tp4": ("qwen2", 2, 4, dict(tp=4)),  # QKV bias split inside a KV group
+}
+
+
+@pytest.mark.parametrize("case", KV_BELOW_TP)
+def test_tp_above_kv_heads_matches_single_rank(case, tmp_path):
+    """KV heads shared by tp / kv_heads ranks: outputs, gradients (megatron's all-gather of the
+    fused qkv reduce-scatters the k/v grads) and the HF round trip equal a single rank's."""
+    model_type, kv, world, layout_kwargs = KV_BELOW_TP[case]
+    tiny_hf_model(tiny_config(model_type, num_key_value_heads=kv)).save_pretrained(tmp_path)
+    ref = run_ranks(1, train_step, str(tmp_path), {})[0]
+    for rank, result in enumerate(run_ranks(world, train_step, str(tmp_path), layout_kwargs)):
         assert_matches(result, ref, rank)

@@ -44,7 +44,8 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
 def check_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
     """Errors for model sizes the layout cannot split, each naming the values and the fix."""
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp or 1
-    checks = [(args.num_heads, "num_attention_heads"), (args.num_kv_heads, "num_key_value_heads")]
+    check_attention_split(args, tp)
+    checks = []
     if args.moe is None or not all(args.moe.moe_layers):  # dense MLP layers exist
         checks.append((args.ffn_hidden_size, "intermediate_size"))
     for value, name in checks:
@@ -58,6 +59,33 @@ def check_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
         raise LayoutError(
             f"num_hidden_layers({args.num_layers}) is not divisible by pp({pp}) * vpp({vpp}) = "
             f"{pp * vpp}; choose pp and vpp whose product divides the layer count."
+        )
+
+
+def check_attention_split(args: ModelArgs, tp: int) -> None:
+    """Attention heads over TP as megatron-core splits them: query heads evenly, and either the
+    KV heads evenly (tp divides them) or each KV head shared by tp / kv_heads ranks (megatron
+    all-gathers the interleaved qkv and slices its group when num_query_groups < tp)."""
+    heads, kv = args.num_heads, args.num_kv_heads
+    fix = (
+        f"choose tp among the divisors of {heads} that are multiples or divisors of "
+        f"num_key_value_heads({kv})"
+    )
+    if heads % tp != 0 or (kv % tp != 0 and tp % kv != 0):
+        raise LayoutError(
+            f"tp({tp}) cannot split num_attention_heads({heads}) with num_key_value_heads({kv}): "
+            f"tp must divide the query heads and either divide or be a multiple of the KV heads; "
+            f"{fix}."
+        )
+    # ranks sharing a KV head each hold an equal, contiguous part of its [q..., k, v] rows
+    ranks_per_group = max(tp // kv, 1)
+    group_rows = (heads // kv + 2) * args.head_dim
+    if group_rows % ranks_per_group != 0:
+        raise LayoutError(
+            f"tp({tp}) splits each KV head's fused qkv rows ({group_rows} = (num_attention_heads"
+            f"({heads}) / num_key_value_heads({kv}) + 2) * head_dim({args.head_dim})) over "
+            f"{ranks_per_group} ranks unevenly; {fix} with tp / num_key_value_heads dividing "
+            f"{group_rows}."
         )
 
 
