@@ -1,0 +1,115 @@
+"""Vocab-parallel log-probs and entropy (mcore_rl.rl.logprob): values and gradients against a
+float64 full-vocab autograd reference at TP=1, 2, 4; what backward keeps and what it runs.
+
+Inputs make every mechanism active: a vocab padded to 256 (a shard partly or wholly padding)
+whose padding columns hold large logits (they would dominate if they leaked in), temperature
+!= 1, labels in every shard's real columns, random per-token loss weights a, b.
+
+Tolerances. fp32 logits: log-prob and entropy within 1e-5 * max(1, |ref|) per token (fp32
+log-sum-exp of logits ~20 in size rounds at ~2e-6); gradients within 1e-5 * max|ref grad| (the
+reference is float64). bf16 logits: the math runs in fp32 on the exactly representable bf16
+values, so values keep the fp32 tolerance and the reference uses the same bf16-rounded logits;
+the gradient is returned in bf16, so each entry may carry bf16 rounding (2^-9 relative) on top:
+|g - ref| <= 2^-8 * |ref| + 1e-5 * max|ref|.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+
+PADDED = 256
+CASES = [  # (dtype, temperature, with_entropy, entropy_grad)
+    (torch.float32, 0.7, True, True),
+    (torch.bfloat16, 0.7, True, True),
+    (torch.float32, 1.0, True, True),
+    (torch.float32, 1.3, True, False),
+    (torch.bfloat16, 0.7, False, True),
+]
+
+
+def _inputs(vocab: int, tp: int, dtype: torch.dtype, seed: int = 0):
+    """full logits [3, 11, PADDED] (rounded to dtype), labels [3, 11], weights a, b [3, 11]."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(3, 11, PADDED, generator=g, dtype=torch.float64) * 3.0
+    full[..., vocab:] = 40.0  # garbage padding logits
+    labels = torch.randint(0, vocab, (3, 11), generator=g)
+    width = PADDED // tp
+    edges = [i for s in range(tp) if s * width < vocab for i in (s * width, min((s + 1) * width, vocab) - 1)]
+    labels.view(-1)[: len(edges)] = torch.tensor(edges)  # first and last real id of every shard
+    a, b = torch.randn(3, 11, generator=g), torch.randn(3, 11, generator=g)
+    return full.to(dtype), labels, a, b
+
+
+def _reference(full, labels, a, b, vocab, temperature, with_entropy, entropy_grad):
+    """float64 log-probs, entropy and d(sum(a lp + b H))/d logits [.., PADDED] over the unpadded vocab."""
+    z = full[..., :vocab].double().requires_grad_()
+    logp = torch.log_softmax(z / temperature, -1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    loss = (a.double() * lp).sum()
+    if with_entropy and entropy_grad:
+        loss = loss + (b.double() * ent).sum()
+    loss.backward()
+    grad = torch.zeros(full.shape, dtype=torch.float64)
+    grad[..., :vocab] = z.grad
+    return lp.detach(), ent.detach(), grad
+
+
+def _value_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max(1, |ref|), per token."""
+    return ((x.double() - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
+
+
+def _grad_error(grad: torch.Tensor, ref: torch.Tensor, scale: float) -> float:
+    """how far the gradient is outside its tolerance band, in units of that band (<= 1 passes);
+    scale: max |reference gradient| over the whole vocab (a shard of padding has 0 gradient)."""
+    band = torch.full_like(ref, 1e-5 * scale)
+    if grad.dtype == torch.bfloat16:
+        band = band + 2.0**-8 * ref.abs()
+    return ((grad.double() - ref).abs() / band).max().item()
+
+
+def _check_case(vocab, tp, dtype, temperature, with_entropy, entropy_grad) -> list[str]:
+    from megatron.core import parallel_state
+
+    from mcore_rl.rl.logprob import log_probs_and_entropy
+
+    full, labels, a, b = _inputs(vocab, tp, dtype)
+    rank, width = parallel_state.get_tensor_model_parallel_rank(), PADDED // tp
+    shard = full[..., rank * width : (rank + 1) * width].clone().requires_grad_()
+    lp, ent = log_probs_and_entropy(shard, labels, vocab, temperature, with_entropy, entropy_grad)
+    loss = (a * lp).sum()
+    if with_entropy:
+        loss = loss + (b * ent).sum()  # with entropy_grad=False ent is detached: adds no gradient
+    loss.backward()
+    ref_lp, ref_ent, ref_grad = _reference(full, labels, a, b, vocab, temperature, with_entropy, entropy_grad)
+    scale, ref_grad = ref_grad.abs().max().item(), ref_grad[..., rank * width : (rank + 1) * width]
+    name = f"vocab={vocab} tp={tp} rank={rank} {dtype} T={temperature} entropy={with_entropy}/{entropy_grad}"
+    errors = {"lp": _value_error(lp, ref_lp), "grad": _grad_error(shard.grad, ref_grad, scale)}
+    if with_entropy:
+        errors["entropy"] = _value_error(ent, ref_ent)
+    failed = [f"{name}: {k} error {v:.3g}" for k, v in errors.items() if not v <= (1.0 if k == "grad" else 1e-5)]
+    padding = shard.grad[..., max(0, vocab - rank * width) :]
+    if padding.numel() and padding.abs().max().item() != 0.0:  # padding columns get no gradient at all
+        failed.append(f"{name}: padding gradient {padding.abs().max().item():.3g}")
+    if shard.grad.dtype != dtype:
+        failed.append(f"{name}: grad dtype {shard.grad.dtype}")
+    if (ent is not None) != with_entropy or (with_entropy and ent.requires_grad != entropy_grad):
+        failed.append(f"{name}: entropy is {None if ent is None else ent.requires_grad} (requires_grad)")
+    return failed
+
+
+def _all_cases(tp: int, vocabs: tuple[int, ...]) -> list[str]:
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+
+    initialize_parallel_state(ParallelLayout(tp=tp))
+    return [msg for vocab in vocabs for case in CASES for msg in _check_case(vocab, tp, *case)]
+
+
+@pytest.mark.parametrize("tp,vocabs", [(1, (200,)), (2, (200,)), (4, (200, 100))])
+def test_values_and_gradients_match_full_vocab_reference(tp, vocabs):
+    # vocab 200 of 256: the last shard is partly padding; vocab 100 at TP=4: shards 2, 3 are all padding
+    failures = [msg for rank in run_ranks(tp, _all_cases, tp, vocabs) for msg in rank]
+    assert failures == [], "\n".join(failures)
