@@ -113,3 +113,106 @@ def test_values_and_gradients_match_full_vocab_reference(tp, vocabs):
     # vocab 200 of 256: the last shard is partly padding; vocab 100 at TP=4: shards 2, 3 are all padding
     failures = [msg for rank in run_ranks(tp, _all_cases, tp, vocabs) for msg in rank]
     assert failures == [], "\n".join(failures)
+
+
+def _saved_and_peak(dtype: torch.dtype, with_entropy: bool, entropy_grad: bool, tokens: int, width: int):
+    """(bytes saved for backward, peak live bytes over forward + backward, aten ops run in backward)."""
+    from benchmarks.logprob_memory import LiveBytes
+    from mcore_rl.rl.logprob import log_probs_and_entropy
+
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(tokens, width, generator=g) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, width - 5, (tokens,), generator=g)  # the last 5 columns are padding
+    a, b = torch.randn(tokens, generator=g), torch.randn(tokens, generator=g)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    tracker, ops = LiveBytes(), _OpNames()
+    with tracker:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = log_probs_and_entropy(logits, labels, width - 5, 0.7, with_entropy, entropy_grad)
+        loss = (a * lp).sum() + ((b * ent).sum() if with_entropy else 0.0)
+        with ops:
+            loss.backward()
+    return sum(saved), tracker.peak, ops.names
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _memory_cases(tokens: int, width: int, chunk: int) -> dict:
+    import mcore_rl.rl.logprob as logprob
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+
+    initialize_parallel_state(ParallelLayout(tp=1))
+    logprob._CHUNK_ELEMENTS = chunk  # small row chunks, so one chunk is far below one shard
+    return {
+        f"{str(dtype)[6:]} {mode}": _saved_and_peak(dtype, mode != "lp", mode == "lp+H", tokens, width)
+        for dtype in (torch.float32, torch.bfloat16) for mode in ("lp", "lp+H", "lp+H detached")
+    }
+
+
+def test_backward_keeps_one_fp32_shard_and_detached_entropy_costs_nothing():
+    tokens, width, chunk = 256, 1024, 1 << 14
+    shard32, vectors = tokens * width * 4, 64 * tokens  # per-token vectors: a few [tokens] tensors
+    results = run_ranks(1, _memory_cases, tokens, width, chunk)[0]
+    for case, (saved, peak, _) in results.items():
+        grad_bytes = shard32 // 2 if case.startswith("bfloat16") else 0  # the bf16 gradient (fp32 reuses p)
+        # saved for backward: the softmax [tokens, width] in fp32 and per-token vectors only
+        assert saved <= shard32 + vectors, (case, saved, shard32)
+        # over forward + backward: that fp32 buffer, the returned gradient, two row chunks of temporaries
+        assert peak <= shard32 + grad_bytes + 2 * 4 * chunk + vectors, (case, peak, shard32)
+    for dtype in ("float32", "bfloat16"):  # a detached entropy adds no saved bytes and no backward op
+        assert results[f"{dtype} lp+H detached"][0] == results[f"{dtype} lp"][0]
+        assert results[f"{dtype} lp+H detached"][2] == results[f"{dtype} lp"][2]
+        assert results[f"{dtype} lp+H"][2] != results[f"{dtype} lp"][2]  # the comparison can tell
+
+
+def _errors() -> list[str]:
+    from mcore_rl.errors import McoreRLError
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.rl.logprob import log_probs_and_entropy
+
+    initialize_parallel_state(ParallelLayout(tp=2))
+    logits, labels = torch.randn(2, 3, 64), torch.zeros(2, 3, dtype=torch.long)
+    bad = {
+        "temperature=0": lambda: log_probs_and_entropy(logits, labels, 100, 0.0),
+        "labels (3, 2)": lambda: log_probs_and_entropy(logits, labels.view(3, 2), 100),
+        "vocab_size=129": lambda: log_probs_and_entropy(logits, labels, 129),
+        "[100, 100] but must be token ids in [0, vocab_size=100)":
+            lambda: log_probs_and_entropy(logits, torch.full_like(labels, 100), 100),
+        "dtype torch.float32": lambda: log_probs_and_entropy(logits, labels.float(), 100),
+    }
+    messages = []
+    for expected, call in bad.items():
+        try:
+            call()
+            messages.append(f"no error for {expected}")
+        except McoreRLError as e:
+            assert isinstance(e, ValueError) and expected in str(e), (expected, str(e))
+            messages.append(str(e))
+    leaf = logits.clone().requires_grad_()
+    lp, _ = log_probs_and_entropy(leaf, labels, 100)
+    lp.sum().backward(retain_graph=True)
+    try:
+        lp.sum().backward()  # the saved softmax became the first gradient
+        messages.append("no error for a second backward")
+    except McoreRLError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_bad_inputs_and_second_backward_raise_clear_errors():
+    for messages in run_ranks(2, _errors):
+        assert not [m for m in messages if m.startswith("no error")], messages
+        assert "retain_graph" in messages[-1], messages[-1]
