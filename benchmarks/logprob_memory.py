@@ -113,7 +113,8 @@ def main() -> None:
     from megatron.core import parallel_state
 
     tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 2048
-    vocab = int(sys.argv[2]) if len(sys.argv) > 2 else 32003  # padded to 32128: rank 1 has 125 padding columns
+    # 32003 is padded to 32128: rank 1's shard ends in 125 padding columns
+    vocab = int(sys.argv[2]) if len(sys.argv) > 2 else 32003
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")  # megatron's gather
     layout = ParallelLayout(tp=2)
     start(layout)
@@ -131,8 +132,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         shard = full[:, rank * width : (rank + 1) * width].to(dtype)
         for with_entropy in (False, True):
-            runs = [measure(fn, shard, labels, vocab, with_entropy) for fn in
-                    (log_probs_and_entropy, gathered_log_probs_and_entropy, old_log_probs_and_entropy)]
+            impls = (log_probs_and_entropy, gathered_log_probs_and_entropy, old_log_probs_and_entropy)
+            runs = [measure(fn, shard, labels, vocab, with_entropy) for fn in impls]
             (new, t_new, lp, ent), (naive, t_naive, lp_ref, ent_ref), (old, t_old, _, _) = runs
             diff = (lp - lp_ref).abs().max().item()
             if with_entropy:
@@ -141,7 +142,8 @@ def main() -> None:
             rank0_print(f"{case:<22}{new / 2**20:>9.1f}{naive / 2**20:>12.1f}{old / 2**20:>9.1f}"
                         f"{new / naive:>12.3f}{new / old:>9.3f}  {t_new:.2f} / {t_naive:.2f} / {t_old:.2f}"
                         f"  (max |diff| vs gather {diff:.1e})")
-    rank0_print(f"one fp32 shard [{tokens}, {width}] = {tokens * width * 4 / 2**20:.1f} MiB; goal new/gather <= 0.5")
+    shard_mib = tokens * width * 4 / 2**20
+    rank0_print(f"one fp32 shard [{tokens}, {width}] = {shard_mib:.1f} MiB; goal new/gather <= 0.5")
     torch.distributed.destroy_process_group()
 
 

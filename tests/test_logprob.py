@@ -9,8 +9,9 @@ Tolerances. fp32 logits: log-prob and entropy within 1e-5 * max(1, |ref|) per to
 log-sum-exp of logits ~20 in size rounds at ~2e-6); gradients within 1e-5 * max|ref grad| (the
 reference is float64). bf16 logits: the math runs in fp32 on the exactly representable bf16
 values, so values keep the fp32 tolerance and the reference uses the same bf16-rounded logits;
-the gradient is returned in bf16, so each entry may carry bf16 rounding (2^-9 relative) on top:
-|g - ref| <= 2^-8 * |ref| + 1e-5 * max|ref|.
+the gradient is returned in bf16, so each entry may carry bf16 rounding on top (7 stored bits:
+at most 2^-8 relative): |g - ref| <= 2^-8 * |ref| + 1e-5 * max|ref|. Measured: fp32 values within
+~3e-7, fp32 gradients within ~2% of their band, bf16 gradients within 0.79-0.95 of theirs.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _inputs(vocab: int, tp: int, dtype: torch.dtype, seed: int = 0):
     full[..., vocab:] = 40.0  # garbage padding logits
     labels = torch.randint(0, vocab, (3, 11), generator=g)
     width = PADDED // tp
-    edges = [i for s in range(tp) if s * width < vocab for i in (s * width, min((s + 1) * width, vocab) - 1)]
+    real_shards = [s for s in range(tp) if s * width < vocab]
+    edges = [i for s in real_shards for i in (s * width, min((s + 1) * width, vocab) - 1)]
     labels.view(-1)[: len(edges)] = torch.tensor(edges)  # first and last real id of every shard
     a, b = torch.randn(3, 11, generator=g), torch.randn(3, 11, generator=g)
     return full.to(dtype), labels, a, b
@@ -90,7 +92,8 @@ def _check_case(vocab, tp, dtype, temperature, with_entropy, entropy_grad) -> li
     errors = {"lp": _value_error(lp, ref_lp), "grad": _grad_error(shard.grad, ref_grad, scale)}
     if with_entropy:
         errors["entropy"] = _value_error(ent, ref_ent)
-    failed = [f"{name}: {k} error {v:.3g}" for k, v in errors.items() if not v <= (1.0 if k == "grad" else 1e-5)]
+    limits = {"lp": 1e-5, "entropy": 1e-5, "grad": 1.0}  # grad: in units of its tolerance band
+    failed = [f"{name}: {k} error {v:.3g}" for k, v in errors.items() if not v <= limits[k]]
     padding = shard.grad[..., max(0, vocab - rank * width) :]
     if padding.numel() and padding.abs().max().item() != 0.0:  # padding columns get no gradient at all
         failed.append(f"{name}: padding gradient {padding.abs().max().item():.3g}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state
+from torch.autograd.function import once_differentiable
 
 from mcore_rl.errors import McoreRLError
 
@@ -114,8 +115,9 @@ class _VocabParallelLogProb(torch.autograd.Function):
         # one collective for all per-token sums: [label logit, sum exp, (sum exp * shifted)]
         stats = _tp_all_reduce(torch.cat([picked, sum_exp, weighted]), torch.distributed.ReduceOp.SUM)
         log_z = stats[rows : 2 * rows].log()
-        log_prob = (stats[:rows] - log_z).view(labels.shape)
-        entropy = (log_z - stats[2 * rows :] / stats[rows : 2 * rows]).view(labels.shape) if with_entropy else None
+        log_prob, entropy = (stats[:rows] - log_z).view(labels.shape), None
+        if with_entropy:  # H = log Z - E_p[shifted]
+            entropy = (log_z - stats[2 * rows :] / stats[rows : 2 * rows]).view(labels.shape)
 
         ctx.shape, ctx.dtype, ctx.temperature, ctx.done = logits.shape, logits.dtype, temperature, False
         ctx.entropy_grad = with_entropy and entropy_grad
@@ -128,6 +130,7 @@ class _VocabParallelLogProb(torch.autograd.Function):
         return log_prob, entropy
 
     @staticmethod
+    @once_differentiable  # the gradient is computed in place, outside autograd
     def backward(ctx, grad_log_prob, grad_entropy):
         if ctx.done:
             raise LogProbError(
@@ -148,7 +151,8 @@ class _VocabParallelLogProb(torch.autograd.Function):
 
 def _softmax_to_grad(p, local, in_shard, entropy, g_lp, g_ent) -> None:
     """p [N, V/tp] -> dL/d(z/T) in place for L = sum(g_lp * log p_y + g_ent * H), g_* [N] or None:
-    g_lp * (onehot_y - p) - g_ent * p * (log p + H) = p * (-g_lp - g_ent * H) - g_ent * p log p + g_lp * onehot_y.
+    g_lp * (onehot_y - p) - g_ent * p * (log p + H)
+    = p * (-g_lp - g_ent * H) - g_ent * p log p + g_lp * onehot_y.
     """
     g_lp = None if g_lp is None else g_lp.reshape(-1)
     if g_ent is None:
