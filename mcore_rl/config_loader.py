@@ -182,7 +182,7 @@ def _build(schema: type[T], node: DictConfig, path: str) -> T:
             kwargs[f.name] = _leaf(node, f.name, where)
     try:
         return schema(**kwargs)
-    except McoreRLError:
+    except ConfigError:
         raise
     except ValueError as e:  # validation in __post_init__
         raise ConfigError(f"{_where(path)}: invalid {schema.__name__}: {e}") from e
