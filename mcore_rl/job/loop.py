@@ -41,9 +41,14 @@ def tiny_hf_model(cfg: TinyModelConfig):
 
 
 def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
-    """ModelArgs and HF-named random weights of the embedded tiny model (same on every rank)."""
+    """ModelArgs and random weights of the embedded tiny model under their on-disk (Hub) names,
+    the same on every rank. transformers 5 fuses MoE experts in memory and splits them per
+    expert when saving (the layout the mapping tables read); the same conversion is used here."""
+    from transformers.core_model_loading import revert_weight_conversion
+
     model = tiny_hf_model(cfg)
-    return model_args_from_hf(model.config), {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return model_args_from_hf(model.config), dict(revert_weight_conversion(model, state))
 
 
 def build_options(cfg: JobConfig) -> BuildOptions:
