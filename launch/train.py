@@ -19,7 +19,6 @@ QUIET_WARNINGS = (
     (UserWarning, r"(Transformer Engine and )?Apex (is|are) not installed"),
     (UserWarning, r"Transformer Engine is not installed"),
     (UserWarning, r"full scope is deprecated"),  # megatron's own default for cuda_graph_scope
-    (UserWarning, r".*CUDA_DEVICE_MAX_CONNECTIONS"),
     (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),  # megatron calls the old names
 )
 
