@@ -34,12 +34,20 @@ def quiet_third_party(rank: int) -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
+def _use_this_checkout() -> None:
+    """Imports mcore_rl from the repository this script lives in (not another installed copy)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file (configs/*.yaml); omitted: schema defaults")
     parser.add_argument("overrides", nargs="*", help="key.path=value, e.g. steps=10 actor_optim.lr=1e-3")
     args = parser.parse_args()
     quiet_third_party(int(os.environ.get("RANK", "0")))
+    _use_this_checkout()
     from mcore_rl.job.loop import run  # after the filters: megatron warns at import
     from mcore_rl.job.schema import load_job_config
 

@@ -1,6 +1,8 @@
 """The main job, top to bottom: set up ranks, build actor (+ reference, + critic), then per step
-generate -> reward -> log-probs -> advantages -> updates -> log. Rank 0 writes metrics.jsonl,
-reward.png and the resolved config under output_dir; every rank runs the same loop."""
+generate -> reward -> log-probs -> advantages -> updates -> log. Sampling and the actor's
+log-probs both use ``rollout.temperature``. Rank 0 prints the layout, a progress bar and a
+closing summary, and writes metrics.jsonl, reward.png and the resolved config under output_dir;
+every rank runs the same loop."""
 from __future__ import annotations
 
 import json
@@ -37,7 +39,7 @@ def tiny_hf_model(cfg: TinyModelConfig):
         kwargs.setdefault("sliding_window", None)  # HF's default window is refused (shorter than the sequence)
     hf_config = AutoConfig.for_model(cfg.model_type, tie_word_embeddings=False, **kwargs)
     torch.manual_seed(cfg.seed)
-    return AutoModelForCausalLM.from_config(hf_config)
+    return AutoModelForCausalLM.from_config(hf_config)  # host: HF weights, loaded shard by shard
 
 
 def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
