@@ -1,10 +1,11 @@
 # One command each for a fresh machine: `make test` (the whole suite), `make demo` (the main job:
-# GRPO on CPU with torchrun, 2 processes); `make demo-ppo` runs the PPO-with-critic variant.
+# GRPO on CPU with torchrun, 2 processes); `make demo-ppo` runs the PPO-with-critic variant,
+# `make demo-moe` a MoE actor with expert parallelism (ep=2).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test install demo demo-ppo clean
+.PHONY: test install demo demo-ppo demo-moe clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -24,6 +25,9 @@ demo: $(STAMP)
 
 demo-ppo: $(STAMP)
 	launch/run.sh 2 configs/ppo_demo.yaml
+
+demo-moe: $(STAMP)
+	launch/run.sh 2 configs/grpo_moe_demo.yaml
 
 clean:
 	rm -rf $(VENV)

@@ -15,6 +15,7 @@ setup(
         "transformers>=5.0",
         "safetensors",
         "pyyaml",
+        "omegaconf>=2.4",  # structured configs with Literal / tuple / Union annotations
         "psutil",  # megatron's async checkpoint writer needs it
         "tqdm",
         "matplotlib",

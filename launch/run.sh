@@ -9,4 +9,6 @@ shift 2
 bin=".venv/bin"
 [ -x "$bin/torchrun" ] || bin="$(dirname "$(command -v python3)")"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# megatron's TP overlap orders kernels on one CUDA connection (it warns without this)
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 exec "$bin/torchrun" --standalone --nproc_per_node="$nproc" launch/train.py --config "$config" "$@"

@@ -1,16 +1,12 @@
-"""Typed config loading: nested dataclasses filled from YAML files and ``key.path=value`` overrides.
+"""Typed configs on OmegaConf structured configs: YAML files and ``key.path=value`` overrides
+fill nested dataclasses, and every mistake is a ``ConfigError`` naming the dotted key path.
 
-A schema is a (frozen or plain) ``@dataclass`` whose fields carry type hints; sections are
-nested dataclasses. ``load_config`` reads a YAML file with ``yaml.safe_load``, applies
-command-line overrides and builds the schema, checking every leaf against its annotation.
-Any mistake raises ``ConfigError`` naming the dotted key path, the bad value and the fix.
-
-Supported annotations: ``int`` (no bools, no floats), ``float`` (ints are converted),
-``bool`` (real booleans only), ``str``, ``Optional[X]`` / ``X | None``, other unions,
-``Literal[...]``, ``list[X]``, ``tuple[X, ...]`` / ``tuple[X, Y]``, ``dict[K, V]``,
-nested dataclasses, ``Any``, and plain classes (checked with ``isinstance``).
-
-YAML 1.1 reads ``1e-4`` (no dot) as a string; a float field accepts such a string.
+A schema is a (frozen or plain) ``@dataclass`` with type hints; sections are nested dataclasses.
+OmegaConf (>= 2.4) checks ``int``, ``float``, ``bool``, ``str``, ``Optional``, ``Literal``,
+``list``, ``tuple`` and ``dict`` annotations; this module layers files, schema defaults and
+overrides, turns OmegaConf's errors into messages that name the path, the expected type, the
+value and the fix, and builds the dataclasses section by section so that a ``__post_init__``
+check names its section too. ``${other.key}`` interpolations resolve against the whole config.
 """
 from __future__ import annotations
 
@@ -25,13 +21,14 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf import errors as oc_errors
+
 from mcore_rl.errors import McoreRLError
 
-__all__ = ["ConfigError", "load_config", "from_dict", "apply_override", "to_dict", "dump_yaml"]
+__all__ = ["ConfigError", "load_config", "from_dict", "to_dict", "dump_yaml"]
 
 T = TypeVar("T")
-
-_EXPONENT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 class ConfigError(McoreRLError, ValueError):
@@ -43,140 +40,146 @@ def _where(path: str) -> str:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if isinstance(tp, type) and not typing.get_args(tp):
         return tp.__name__
     return repr(tp).replace("typing.", "")
 
 
-def _got(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+def _path_parts(full_key: str) -> list[str]:
+    """'a.b[1].c' -> ['a', 'b', '1', 'c']."""
+    return re.findall(r"[^.\[\]]+", full_key)
 
 
-def _mismatch(path: str, tp: Any, value: Any, hint: str = "") -> ConfigError:
-    return ConfigError(f"{_where(path)}: expected {_type_name(tp)}, got {_got(value)}{hint}")
-
-
-def _init_fields(schema: type) -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(schema) if f.init]
-
-
-def _coerce_scalar(tp: type, value: Any, path: str) -> Any:
-    """Check (and for float, convert) a leaf value against a plain class annotation."""
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _mismatch(path, tp, value, "; write true or false")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        hint = "; ints only, write it without a fractional part" if isinstance(value, float) else ""
-        raise _mismatch(path, tp, value, hint)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _EXPONENT_FLOAT.fullmatch(value.strip()):
-            return float(value)
-        raise _mismatch(path, tp, value)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _mismatch(path, tp, value, f"; quote it in YAML: '{value}'")
-    if isinstance(value, tp):
-        return value
-    raise _mismatch(path, tp, value)
-
-
-def _coerce_union(tp: Any, args: tuple, value: Any, path: str) -> Any:
-    if value is None and type(None) in args:
-        return None
-    options = [a for a in args if a is not type(None)]
-    if len(options) == 1:
-        return _coerce(options[0], value, path)
-    for option in options:
-        try:
-            return _coerce(option, value, path)
-        except ConfigError:
-            continue
-    raise _mismatch(path, tp, value)
-
-
-def _coerce_sequence(origin: type, args: tuple, value: Any, path: str, tp: Any) -> Any:
-    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
-        raise _mismatch(path, tp, value, "; write a YAML list like [1, 2]")
-    if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
-        if len(value) != len(args):
-            raise _mismatch(path, tp, value, f"; needs exactly {len(args)} items")
-        items = [_coerce(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
-    elif args:
-        items = [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
-    else:
-        items = list(value)
-    return tuple(items) if origin is tuple else items
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    """Check ``value`` against annotation ``tp`` and return it converted (tuples, floats, sections)."""
-    if tp is Any or tp is object:
-        return value
-    if tp is None or tp is type(None):
-        if value is None:
+def _expected_type(schema: type, full_key: str) -> Any:
+    """The annotation that governs ``full_key`` inside ``schema`` (None when not found)."""
+    tp: Any = schema
+    for part in _path_parts(full_key):
+        origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if origin is Union or origin is types.UnionType:
+            tp = next((a for a in args if a is not type(None)), None)
+            origin, args = typing.get_origin(tp), typing.get_args(tp)
+        if dataclasses.is_dataclass(tp):
+            tp = typing.get_type_hints(tp).get(part)
+        elif origin in (list, tuple) and args:
+            tp = args[0] if origin is list or args[-1] is Ellipsis else args[min(int(part), len(args) - 1)]
+        elif origin is dict and args:
+            tp = args[1]
+        else:
             return None
-        raise _mismatch(path, type(None), value)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is Union or origin is types.UnionType:
-        return _coerce_union(tp, args, value, path)
-    if origin is Literal:
-        for choice in args:
-            if type(value) is type(choice) and value == choice:
-                return value
-        choices = ", ".join(repr(c) for c in args)
-        raise ConfigError(f"{_where(path)}: {_got(value)} is not one of the choices {choices}")
-    if origin in (list, tuple) or tp in (list, tuple):
-        return _coerce_sequence(origin or tp, args, value, path, tp)
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            raise _mismatch(path, tp, value, "; write a YAML mapping like {key: value}")
-        key_tp, val_tp = args or (Any, Any)
-        return {_coerce(key_tp, k, f"{path}.{k}"): _coerce(val_tp, v, f"{path}.{k}")
-                for k, v in value.items()}
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return from_dict(tp, value, path)
-    if isinstance(tp, type) and origin is None:
-        return _coerce_scalar(tp, value, path)
-    raise ConfigError(f"{_where(path)}: unsupported annotation {_type_name(tp)} in the schema; "
-                      "use int, float, bool, str, Optional, Literal, list, tuple, dict or a dataclass")
+        if tp is None:
+            return None
+    return tp
 
 
-def from_dict(schema: type[T], data: Mapping, path: str = "") -> T:
-    """Build dataclass ``schema`` from a nested mapping, checking every key and value.
+def _lookup(data: Any, full_key: str) -> tuple[bool, Any]:
+    """(found, value) of ``full_key`` inside plain nested dicts/lists ``data``."""
+    for part in _path_parts(full_key):
+        if isinstance(data, Mapping) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]
+        else:
+            return False, None
+    return True, data
 
-    ``path`` is the dotted location of ``data`` inside the whole config (used in messages).
-    Raises ConfigError for unknown keys, missing required keys and values of the wrong type.
-    """
-    if not (dataclasses.is_dataclass(schema) and isinstance(schema, type)):
-        raise TypeError(f"from_dict needs a dataclass type, got {schema!r}")
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{_where(path)}: expected a mapping of keys for section "
-                          f"{schema.__name__}, got {_got(data)}")
-    fields = _init_fields(schema)
-    known = [f.name for f in fields]
-    prefix = f"{path}." if path else ""
-    for key in data:
-        if key not in known:
-            section = f"of {path}" if path else "at the top level"
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown key '{prefix}{key}' (known keys {section}: "
-                              f"{', '.join(known)}){hint}")
+
+def _unknown_key(error: oc_errors.ConfigKeyError, schema: type) -> ConfigError:
+    full_key = str(error.full_key)
+    section, _, key = full_key.rpartition(".")
+    owner = error.object_type if dataclasses.is_dataclass(error.object_type) else None
+    if owner is None:
+        owner = _expected_type(schema, section) if section else schema
+    known = [f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner) else []
+    where = f"of {section}" if section else "at the top level"
+    close = difflib.get_close_matches(key, known, n=1)
+    prefix = f"{section}." if section else ""
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+    return ConfigError(f"unknown key '{full_key}' (known keys {where}: {', '.join(known)}){hint}")
+
+
+def _wrap(error: Exception, schema: type, source: Any, origin: str) -> ConfigError:
+    """An OmegaConf error raised while merging ``source`` (plain data) as a ConfigError."""
+    if isinstance(error, oc_errors.ConfigKeyError) and error.full_key:
+        return _unknown_key(error, schema)
+    full_key = str(getattr(error, "full_key", "") or "")
+    detail = str(error).splitlines()[0] if str(error) else type(error).__name__
+    expected = _expected_type(schema, full_key) if full_key else None
+    found, value = _lookup(source, full_key)
+    if not full_key or expected is None or not found:
+        return ConfigError(f"{_where(full_key)}: {detail} ({origin})")
+    shown = f"{value!r} ({type(value).__name__})"
+    hint = ""
+    if dataclasses.is_dataclass(expected):
+        hint = f"; write a mapping of keys for section {expected.__name__}"
+    elif typing.get_origin(expected) in (list, tuple):
+        args = typing.get_args(expected)
+        fixed = typing.get_origin(expected) is tuple and args and args[-1] is not Ellipsis
+        hint = f"; write a YAML list of {len(args)} items" if fixed else "; write a YAML list like [1, 2]"
+    return ConfigError(f"{full_key}: expected {_type_name(expected)}, got {shown}{hint} "
+                       f"({origin}: {detail})")
+
+
+def _leaves(data: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(dotted path, value) of every leaf of nested mappings; a non-mapping is a leaf."""
+    if not isinstance(data, Mapping) or not data:
+        return [(path, data)]
+    return [leaf for k, v in data.items() for leaf in _leaves(v, f"{path}.{k}" if path else str(k))]
+
+
+def _nested(path: str, value: Any) -> dict:
+    for part in reversed(path.split(".")[1:]):
+        value = {part: value}
+    return {path.split(".")[0]: value}
+
+
+def _merge(base: DictConfig, data: Mapping, schema: type, origin: str) -> DictConfig:
+    try:
+        return typing.cast(DictConfig, OmegaConf.merge(base, data))
+    except (oc_errors.OmegaConfBaseException, ValueError) as e:
+        error: Exception = e
+    if not getattr(error, "full_key", None):  # some merge errors lose the key: find it leaf by leaf
+        for path, value in _leaves(data):
+            try:
+                OmegaConf.merge(base, _nested(path, value))
+            except (oc_errors.OmegaConfBaseException, ValueError) as leaf_error:
+                leaf_error.full_key = getattr(leaf_error, "full_key", None) or path  # type: ignore[attr-defined]
+                error = leaf_error
+                break
+    raise _wrap(error, schema, data, origin)
+
+
+def _leaf(node: DictConfig, name: str, path: str) -> Any:
+    try:
+        value = node[name]
+    except oc_errors.InterpolationResolutionError as e:
+        raise ConfigError(f"{path}: cannot resolve {OmegaConf.to_container(node)[name]!r}: "
+                          f"{str(e).splitlines()[0]}") from None
+    except (oc_errors.OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
+    if OmegaConf.is_config(value):
+        return OmegaConf.to_object(value)
+    return value
+
+
+def _build(schema: type[T], node: DictConfig, path: str) -> T:
+    """Instantiates ``schema`` from a merged config, innermost sections first."""
     hints = typing.get_type_hints(schema)
+    prefix = f"{path}." if path else ""
     kwargs: dict[str, Any] = {}
-    for f in fields:
-        if f.name in data:
-            kwargs[f.name] = _coerce(hints[f.name], data[f.name], prefix + f.name)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"missing required key '{prefix}{f.name}' "
-                              f"({_type_name(hints[f.name])}): set it in the YAML file "
-                              f"or override it with {prefix}{f.name}=<value>")
+    for f in dataclasses.fields(schema):
+        if not f.init:
+            continue
+        where = prefix + f.name
+        if OmegaConf.is_missing(node, f.name):
+            raise ConfigError(f"missing required key '{where}' ({_type_name(hints[f.name])}): set it "
+                              f"in the YAML file or override it with {where}=<value>")
+        child = node._get_node(f.name)
+        if dataclasses.is_dataclass(hints[f.name]) and isinstance(child, DictConfig) and not child._is_none():
+            kwargs[f.name] = _build(hints[f.name], child, where)
+        else:
+            kwargs[f.name] = _leaf(node, f.name, where)
     try:
         return schema(**kwargs)
     except ConfigError:
@@ -185,74 +188,84 @@ def from_dict(schema: type[T], data: Mapping, path: str = "") -> T:
         raise ConfigError(f"{_where(path)}: invalid {schema.__name__}: {e}") from e
 
 
-def apply_override(data: dict, override: str) -> None:
-    """Apply one ``key.path=value`` override to ``data`` in place.
-
-    The value is parsed with ``yaml.safe_load`` (so ``3``, ``1e-4``, ``true``, ``null``,
-    ``[1, 2]`` and ``foo`` all work); missing intermediate sections are created.
-    """
+def _parse_override(override: str) -> dict:
+    """``key.path=value`` -> nested dict; the value is read as YAML (``1e-4`` is a float)."""
     key, sep, raw = override.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not key.strip() or any(not p.strip() for p in parts):
+    parts = [p.strip() for p in key.split(".")]
+    if not sep or not key.strip() or any(not p for p in parts):
         raise ConfigError(f"malformed override {override!r}: expected the form key.path=value, "
                           "e.g. trainer.lr=1e-4")
-    parts = [p.strip() for p in parts]
     try:
-        value = yaml.safe_load(raw)
+        return typing.cast(dict, OmegaConf.to_container(
+            OmegaConf.from_dotlist([f"{'.'.join(parts)}={raw.strip()}"]), resolve=False))
+    except (yaml.YAMLError, oc_errors.OmegaConfBaseException) as e:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML "
+                          f"({str(e).splitlines()[0]}); quote it, e.g. key.path='text'") from None
+
+
+def _read_file(path: str | os.PathLike) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file not found: '{file}'; check the path "
+                          "(or pass no path to start from the schema defaults)")
+    try:
+        data = OmegaConf.create(file.read_text() or "{}")
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {override!r}: the value is not valid YAML ({e}); "
-                          "quote it, e.g. key.path='text'") from e
-    node = data
-    for i, part in enumerate(parts[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        elif not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: '{'.'.join(parts[:i + 1])}' is "
-                              f"{_got(child)}, not a section, so it has no key '{parts[i + 1]}'")
-        node = child
-    node[parts[-1]] = value
+        raise ConfigError(f"config file '{file}' is not valid YAML: {e}") from None
+    if not isinstance(data, DictConfig):
+        raise ConfigError(f"config file '{file}': the top level must be a mapping of "
+                          f"key: value lines, got {type(OmegaConf.to_object(data)).__name__}")
+    return OmegaConf.to_container(data, resolve=False)
+
+
+def from_dict(schema: type[T], *layers: Mapping, origins: Sequence[str] = ()) -> T:
+    """Builds dataclass ``schema`` from its defaults overlaid by ``layers`` (nested mappings).
+
+    Raises ConfigError for unknown keys, missing required keys, values of the wrong type and
+    failed ``__post_init__`` checks, naming the dotted path (and the layer's ``origins``).
+    """
+    if not (dataclasses.is_dataclass(schema) and isinstance(schema, type)):
+        raise TypeError(f"from_dict needs a dataclass type, got {schema!r}")
+    merged = OmegaConf.structured(schema)
+    for i, layer in enumerate(layers):
+        origin = origins[i] if i < len(origins) else f"layer {i}"
+        if not isinstance(layer, Mapping):
+            raise ConfigError(f"{origin}: expected a mapping of keys, got {layer!r}")
+        merged = _merge(merged, layer, schema, origin)
+    return _build(schema, merged, "")
 
 
 def load_config(schema: type[T], path: str | os.PathLike | None = None,
-                overrides: Sequence[str] = ()) -> T:
-    """Read YAML file ``path`` (optional), apply ``overrides`` in order and build ``schema``."""
-    data: Any = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file not found: '{file}'; check the path "
-                              "(or pass no path to start from the schema defaults)")
-        try:
-            data = yaml.safe_load(file.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{file}' is not valid YAML: {e}") from e
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file '{file}': the top level must be a mapping of "
-                              f"key: value lines, got {type(data).__name__}")
+                overrides: Sequence[str] = (), defaults: Mapping | None = None) -> T:
+    """Builds ``schema`` from: its dataclass defaults, ``defaults`` (e.g. ``${steps}``
+    interpolations a schema wants as its defaults), YAML file ``path``, then ``overrides``
+    (``key.path=value`` strings, in order)."""
     if isinstance(overrides, str):
         raise TypeError("overrides must be a sequence of 'key.path=value' strings, not one string")
+    layers: list[Mapping] = [dict(defaults or {})]
+    origins = ["schema defaults"]
+    if path is not None:
+        layers.append(_read_file(path))
+        origins.append(f"file '{path}'")
     for override in overrides:
-        apply_override(data, override)
-    return from_dict(schema, data)
+        layers.append(_parse_override(override))
+        origins.append(f"override '{override}'")
+    return from_dict(schema, *layers, origins=origins)
 
 
 def to_dict(config: Any) -> Any:
-    """Turn a config dataclass into plain dicts/lists/scalars (tuples become lists).
+    """A config dataclass as plain dicts/lists/scalars (tuples become lists)."""
+    return _lists(OmegaConf.to_container(OmegaConf.structured(config), resolve=True))
 
-    Fields declared with ``init=False`` are left out so the result loads back with ``from_dict``.
-    """
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        return {f.name: to_dict(getattr(config, f.name)) for f in _init_fields(type(config))}
-    if isinstance(config, (list, tuple)):
-        return [to_dict(v) for v in config]
-    if isinstance(config, Mapping):
-        return {k: to_dict(v) for k, v in config.items()}
-    return config
+
+def _lists(data: Any) -> Any:
+    if isinstance(data, Mapping):
+        return {k: _lists(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_lists(v) for v in data]
+    return data
 
 
 def dump_yaml(config: Any) -> str:
-    """Render a config as YAML (field order kept), e.g. to log the resolved config."""
+    """Renders a config as YAML (field order kept), e.g. to log the resolved config."""
     return yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False)

@@ -1,17 +1,18 @@
 """The main job end to end (short versions of configs/*.yaml): GRPO and PPO learn the toy task's
 first steps, write metrics.jsonl / reward.png / config.yaml, start from a HF directory, and the
-README's torchrun entry point runs."""
+README's torchrun entry point runs quietly; the job schema's derived values and errors."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from mcore_rl.config_loader import load_config
-from mcore_rl.job.schema import JobConfig
+from mcore_rl.config_loader import ConfigError, load_config
+from mcore_rl.job.schema import JobConfig, load_job_config
 from tests.dist import run_ranks
 from tests.tiny import tiny_config, tiny_hf_model
 
@@ -26,7 +27,7 @@ def _run(cfg: JobConfig) -> list:
 
 def _short(name: str, tmp_path, *overrides: str) -> JobConfig:
     path = os.path.join(ROOT, "configs", f"{name}.yaml")
-    return load_config(JobConfig, path, [f"output_dir={tmp_path}", "progress_bar=false", *overrides])
+    return load_job_config(path, [f"output_dir={tmp_path}", "progress_bar=false", *overrides])
 
 
 @pytest.mark.parametrize("name,steps", [("grpo_demo", 60), ("ppo_demo", 60)])
@@ -55,16 +56,64 @@ def test_starts_from_hf_directory(tmp_path):
     assert len(history) == 3 and "kl_to_ref" in history[0] and "actor/kl_loss" in history[0]
 
 
-def test_torchrun_entry_point(tmp_path):
+def test_torchrun_entry_point_is_quiet(tmp_path):
+    """What a user sees: layout, progress bar, summary; no third-party warnings, rank 1 silent."""
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
-    cmd = ["bash", "launch/run.sh", "2", "configs/grpo_demo.yaml", "steps=2", f"output_dir={tmp_path}"]
+    env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # run.sh must set it
+    cmd = ["bash", "launch/run.sh", "2", "configs/grpo_demo.yaml", "steps=3", f"output_dir={tmp_path}"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert len(open(tmp_path / "metrics.jsonl").readlines()) == 2
+    assert len(open(tmp_path / "metrics.jsonl").readlines()) == 3
+    output = done.stdout + done.stderr
+    lines = output.splitlines()
+    assert len(lines) <= 25, output
+    assert not re.search(r"Warning|warnings\.warn", output), output
+    assert lines[0].startswith("grpo (fp32): tp=2, pp=1"), output
+    summary = [line for line in lines if line.startswith("done: 3 steps in ")]
+    assert len(summary) == 1 and f"outputs in {tmp_path}/" in summary[0], output
+    assert re.search(r"reward 0\.\d{3} at step 0, 0\.\d{3} over the last 3 steps", summary[0]), output
+
+
+def test_quiet_rank_still_shows_its_traceback():
+    code = ("import sys; sys.path.insert(0, 'launch'); import train; train.quiet_third_party(1); "
+            "import warnings; warnings.warn('noise'); print('hidden'); raise RuntimeError('rank 1 failed')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert "Traceback" in done.stderr and "RuntimeError: rank 1 failed" in done.stderr
+    assert "noise" not in done.stderr
 
 
 def test_unknown_config_key_names_its_path(tmp_path):
-    from mcore_rl.config_loader import ConfigError
-
     with pytest.raises(ConfigError, match=r"unknown key 'actor.clip_ratio_hgh'"):
         _short("grpo_demo", tmp_path, "actor.clip_ratio_hgh=0.3")
+
+
+def test_derived_values_follow_unless_set(tmp_path):
+    cfg = _short("ppo_demo", tmp_path, "steps=7", "rollout.temperature=0.6")
+    assert cfg.actor.temperature == 0.6  # log-probs at the rollout's temperature
+    assert cfg.actor_optim.total_steps == 7 and cfg.critic_optim.total_steps == 7
+    cfg = _short("ppo_demo", tmp_path, "steps=7", "actor_optim.total_steps=50", "actor.temperature=1.0")
+    assert cfg.actor_optim.total_steps == 50 and cfg.critic_optim.total_steps == 7
+    with pytest.raises(ConfigError, match=re.escape(
+            "actor.temperature=0.5 differs from rollout.temperature=1.0: the job samples and computes "
+            "the actor's log-probs at one temperature; set rollout.temperature only")):
+        _short("grpo_demo", tmp_path, "actor.temperature=0.5")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.tiny.num_experts=4"], "model.tiny: invalid TinyModelConfig: num_experts=4 is not read by "
+                                   "model_type='llama' (only by qwen2_moe, qwen3_moe, mixtral); remove it"),
+    (["model.tiny.model_type=qwen3_moe"], "model.tiny: invalid TinyModelConfig: model_type='qwen3_moe' needs "
+                                          "num_experts, num_experts_per_tok, moe_intermediate_size"),
+    (["model.tiny.model_type=mixtral", "model.tiny.num_experts=4", "model.tiny.num_experts_per_tok=2",
+      "model.tiny.moe_intermediate_size=8"], "moe_intermediate_size=8 is not read by model_type='mixtral'"),
+    (["model.dtype=fp16"], "model.dtype: expected one of 'fp32', 'bf16', got 'fp16' (str)"),
+    (["model.moe.dispatcher=flex"], "model.moe.dispatcher: expected one of 'alltoall', 'allgather', got 'flex'"),
+    (["model.moe.aux_loss_coeff=0.1"], "model: invalid ModelConfig: aux_loss_coeff=0.1 has no effect with "
+                                       "load_balancing='none'"),
+    (["layout.ep=two"], "layout.ep: expected int, got 'two' (str)"),
+    (["rollout.temperature=0"], "rollout: invalid RolloutConfig: temperature=0.0 must be > 0"),
+])
+def test_schema_errors_name_the_key(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _short("grpo_demo", tmp_path, *overrides)

@@ -1,11 +1,14 @@
 """The main job, top to bottom: set up ranks, build actor (+ reference, + critic), then per step
-generate -> reward -> log-probs -> advantages -> updates -> log. Rank 0 writes metrics.jsonl,
-reward.png and the resolved config under output_dir; every rank runs the same loop."""
+generate -> reward -> log-probs -> advantages -> updates -> log. Sampling and the actor's
+log-probs both use ``rollout.temperature``. Rank 0 prints the layout, a progress bar and a
+closing summary, and writes metrics.jsonl, reward.png and the resolved config under output_dir;
+every rank runs the same loop."""
 from __future__ import annotations
 
 import json
 import os
 import time
+from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
@@ -27,31 +30,49 @@ from mcore_rl.rl.sampler import generate
 Tensor = torch.Tensor
 
 
-def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
-    """ModelArgs and HF-named random weights of the embedded tiny model (same on every rank)."""
+def tiny_hf_model(cfg: TinyModelConfig):
+    """The embedded tiny model as a transformers CausalLM with random weights from ``cfg.seed``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {k: v for k, v in vars(cfg).items() if k not in ("model_type", "seed")}
-    hf_config = AutoConfig.for_model(cfg.model_type, tie_word_embeddings=False, **fields)
+    kwargs = cfg.hf_kwargs()
+    if cfg.model_type in ("mistral", "mixtral"):
+        kwargs.setdefault("sliding_window", None)  # HF's default window is refused (shorter than the sequence)
+    hf_config = AutoConfig.for_model(cfg.model_type, tie_word_embeddings=False, **kwargs)
     torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(hf_config)
-    return model_args_from_hf(hf_config), {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return AutoModelForCausalLM.from_config(hf_config)  # host: HF weights, loaded shard by shard
+
+
+def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
+    """ModelArgs and random weights of the embedded tiny model under their on-disk (Hub) names,
+    the same on every rank. transformers 5 fuses MoE experts in memory and splits them per
+    expert when saving (the layout the mapping tables read); the same conversion is used here."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = tiny_hf_model(cfg)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return model_args_from_hf(model.config), dict(revert_weight_conversion(model, state))
+
+
+def build_options(cfg: JobConfig) -> BuildOptions:
+    """Numerics of every model in the job: parameter dtype and MoE options."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype]
+    return BuildOptions(params_dtype=dtype, moe=cfg.model.moe)
 
 
 def build(cfg: JobConfig, platform: Platform) -> tuple[Actor, Critic | None]:
     """Actor (with a frozen reference when a KL term is on) and, for PPO, a critic."""
-    layout = ParallelLayout(cfg.layout.tp, cfg.layout.pp, cfg.layout.vpp,
-                            sequence_parallel=cfg.layout.sequence_parallel)
+    layout = cfg.layout
     initialize_parallel_state(layout, seed=cfg.seed)
     if cfg.model.hf_dir:
         args, weights = model_args_from_hf(cfg.model.hf_dir), cfg.model.hf_dir
     else:
         args, weights = tiny_model(cfg.model.tiny)
-    options = BuildOptions()
+    options = build_options(cfg)
     policy = ModelEngine(args, layout, "actor", platform, options, cfg.actor_optim, weights)
     needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.kl_in_reward_coeff > 0
     ref = ModelEngine(args, layout, "actor", platform, options, None, weights) if needs_ref else None
-    actor = Actor(policy, cfg.actor, ref)
+    # log-probs at the temperature the rollout samples with
+    actor = Actor(policy, replace(cfg.actor, temperature=cfg.rollout.temperature), ref)
     if cfg.algorithm.name != "ppo":
         return actor, None
     # trunk from the policy, loaded before the optimizer copies the parameters
@@ -63,7 +84,8 @@ def advantages(cfg: JobConfig, batch: dict, scores: Tensor, critic: Critic | Non
     """Adds advantages (and, for PPO, values and returns) [B, R] to the batch."""
     mask = response_mask(batch).float()
     if critic is None:  # GRPO: rewards normalised within each prompt's group of samples
-        groups = torch.arange(cfg.rollout.prompts_per_step).repeat_interleave(cfg.rollout.samples_per_prompt)
+        groups = torch.arange(cfg.rollout.prompts_per_step, device=scores.device)
+        groups = groups.repeat_interleave(cfg.rollout.samples_per_prompt)
         per_seq = losses.grpo_advantages(scores, groups, cfg.algorithm.norm_adv_by_std)
         return {"advantages": losses.broadcast_to_tokens(per_seq, mask)}
     token_rewards = torch.zeros_like(mask)
@@ -76,22 +98,30 @@ def advantages(cfg: JobConfig, batch: dict, scores: Tensor, critic: Critic | Non
     return {"advantages": losses.whiten(adv, mask), "values": values, "returns": returns}
 
 
-def train_step(cfg: JobConfig, actor: Actor, critic: Critic | None, step: int) -> dict[str, Any]:
-    """One RL step; returns its metrics (the same on every rank)."""
-    start = time.perf_counter()
+def rollout(cfg: JobConfig, actor: Actor, step: int) -> tuple[dict, Tensor, Tensor]:
+    """Samples this step's batch at ``rollout.temperature``, scores it and adds the log-probs
+    (and reference log-probs) the update uses; returns (batch, scores [B], entropy [B, R])."""
     vocab = actor.engine.args.vocab_size
     prompts = toy_task.make_prompts(cfg.task, cfg.rollout.prompts_per_step, vocab, step, cfg.seed)
     prompts = prompts.repeat_interleave(cfg.rollout.samples_per_prompt, dim=0)
-    batch = generate(actor, prompts, cfg.task.response_length, seed=cfg.seed * 7919 + step)
+    batch = generate(actor, prompts, cfg.task.response_length, cfg.rollout.temperature,
+                     seed=cfg.seed * 7919 + step)
     scores = toy_task.reward(batch)
     computed = actor.compute_log_prob(batch, with_entropy=True)
     batch["old_log_probs"] = computed["log_probs"]
     if actor.ref is not None:
         batch["ref_log_prob"] = actor.compute_ref_log_prob(batch)
+    return batch, scores, computed["entropy"]
+
+
+def train_step(cfg: JobConfig, actor: Actor, critic: Critic | None, step: int) -> dict[str, Any]:
+    """One RL step; returns its metrics (the same on every rank)."""
+    start = time.perf_counter()
+    batch, scores, entropy = rollout(cfg, actor, step)
     batch.update(advantages(cfg, batch, scores, critic))
     metrics = {"step": step, "reward": float(scores.mean())}
     mask = response_mask(batch).float()
-    metrics["entropy"] = float((computed["entropy"] * mask).sum() / mask.sum())
+    metrics["entropy"] = float((entropy * mask).sum() / mask.sum())
     if "ref_log_prob" in batch:
         metrics["kl_to_ref"] = float(((batch["old_log_probs"] - batch["ref_log_prob"]) * mask).sum() / mask.sum())
     metrics.update(actor.update_policy(batch))
@@ -126,13 +156,16 @@ def run(cfg: JobConfig) -> list[dict]:
     rank0 = torch.distributed.get_rank() == 0
     actor, critic = build(cfg, platform)
     if rank0:
-        print(f"{cfg.algorithm.name}: {actor.engine.layout.describe(torch.distributed.get_world_size())}", flush=True)
+        layout = actor.engine.layout.describe(torch.distributed.get_world_size())
+        print(f"{cfg.algorithm.name} ({cfg.model.dtype}): {layout}", flush=True)
         os.makedirs(cfg.output_dir, exist_ok=True)
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
             f.write(dump_yaml(cfg))
+    start = time.perf_counter()
     history = _loop(cfg, actor, critic, rank0)
     if rank0:
         plot_rewards(history, os.path.join(cfg.output_dir, "reward.png"))
+        print(summary(history, time.perf_counter() - start, cfg.output_dir), flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return history
@@ -152,6 +185,15 @@ def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, rank0: bool) -> l
                 f.write(json.dumps(metrics) + "\n")
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", last5=f"{_last5(history):.3f}")
     return history
+
+
+def summary(history: list[Mapping], seconds: float, output_dir: str) -> str:
+    """The closing line: steps, first and last-5 rewards, training time, where the outputs are."""
+    if not history:
+        return f"done: 0 steps; outputs in {output_dir}/"
+    return (f"done: {len(history)} steps in {seconds:.1f} s; reward {history[0]['reward']:.3f} "
+            f"at step 0, {_last5(history):.3f} over the last {min(5, len(history))} steps; outputs in "
+            f"{output_dir}/ (metrics.jsonl, reward.png, config.yaml)")
 
 
 def _last5(history: list[Mapping]) -> float:

@@ -1,18 +1,50 @@
-"""Typed schema of the main job's YAML configs (configs/*.yaml); loaded by mcore_rl.config_loader."""
+"""Typed schema of the main job's YAML configs (configs/*.yaml), loaded with ``load_job_config``.
+
+Two values follow others unless set explicitly (interpolations in ``JOB_DEFAULTS``):
+``actor.temperature`` is ``rollout.temperature`` (the job samples and computes log-probs at one
+temperature; setting them differently is an error), and ``actor_optim.total_steps`` /
+``critic_optim.total_steps`` are ``steps`` (the LR schedule spans the run).
+"""
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mcore_rl.config_loader import load_config
 from mcore_rl.job.toy_task import ToyTaskConfig
+from mcore_rl.models.moe import MoEOptions
+from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.rl.actor import ActorConfig
 from mcore_rl.rl.critic import CriticConfig
 from mcore_rl.rl.engine import OptimConfig
 
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
+# MoE keys of TinyModelConfig -> the model types that read them
+_MOE_KEYS = {
+    "num_experts": MOE_MODEL_TYPES,
+    "num_experts_per_tok": MOE_MODEL_TYPES,
+    "moe_intermediate_size": ("qwen2_moe", "qwen3_moe"),  # mixtral's experts use intermediate_size
+    "shared_expert_intermediate_size": ("qwen2_moe",),
+    "norm_topk_prob": ("qwen2_moe", "qwen3_moe"),  # mixtral always renormalises
+    "decoder_sparse_step": ("qwen2_moe", "qwen3_moe"),
+    "mlp_only_layers": ("qwen2_moe", "qwen3_moe"),
+}
+_MOE_REQUIRED = {  # HF's defaults are full-size models (60 experts, ...): tiny runs set them
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"),
+    "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "mixtral": ("num_experts", "num_experts_per_tok"),
+}
+
 
 @dataclass(frozen=True)
 class TinyModelConfig:
-    """A HF config built in memory (nothing downloaded) and randomly initialised with ``seed``."""
+    """A HF config built in memory (nothing downloaded) and randomly initialised with ``seed``.
+
+    MoE model types (qwen2_moe, qwen3_moe, mixtral) need the MoE sizes; a MoE key on a model
+    type that does not read it is an error (it would be ignored).
+    """
 
     model_type: str = "llama"
     vocab_size: int = 16
@@ -22,34 +54,67 @@ class TinyModelConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 64
+    head_dim: int | None = None
+    attention_dropout: float = 0.0
+    num_experts: int | None = None  # mixtral: written as num_local_experts
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    norm_topk_prob: bool | None = None
+    decoder_sparse_step: int | None = None
+    mlp_only_layers: tuple[int, ...] | None = None
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key, types in _MOE_KEYS.items():
+            if getattr(self, key) is not None and self.model_type not in types:
+                raise ValueError(f"{key}={getattr(self, key)!r} is not read by model_type="
+                                 f"{self.model_type!r} (only by {', '.join(types)}); remove it")
+        missing = [k for k in _MOE_REQUIRED.get(self.model_type, ()) if getattr(self, k) is None]
+        if missing:
+            raise ValueError(f"model_type={self.model_type!r} needs {', '.join(missing)} "
+                             "(HF's defaults are full-size); set them, e.g. num_experts=4")
+
+    def hf_kwargs(self) -> dict:
+        """The transformers config kwargs (None fields left to HF; mixtral's expert count renamed)."""
+        skip = ("model_type", "seed")
+        kwargs = {k: v for k, v in vars(self).items() if k not in skip and v is not None}
+        if "mlp_only_layers" in kwargs:
+            kwargs["mlp_only_layers"] = list(kwargs["mlp_only_layers"])
+        if self.model_type == "mixtral":
+            kwargs["num_local_experts"] = kwargs.pop("num_experts")
+        return kwargs
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """``hf_dir``: a HF model directory to start from; otherwise the embedded tiny model."""
+    """``hf_dir``: a HF model directory to start from; otherwise the embedded tiny model.
+
+    ``dtype``: parameter dtype of actor, reference and critic (bf16 trains with fp32 main
+    weights in megatron's optimizer). ``moe``: router/dispatcher options for MoE models.
+    """
 
     hf_dir: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    moe: MoEOptions = field(default_factory=MoEOptions)
 
-
-@dataclass(frozen=True)
-class LayoutConfig:
-    """Parallel sizes of the actor (and critic); DP is what is left of the world size."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    sequence_parallel: bool = False
+    def __post_init__(self) -> None:
+        self.moe.validate()  # e.g. aux_loss_coeff without load_balancing: an error at load time
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """Samples per step = prompts_per_step * samples_per_prompt."""
+    """Samples per step = prompts_per_step * samples_per_prompt, drawn at ``temperature``
+    (the actor's log-probs use the same temperature)."""
 
     prompts_per_step: int = 8
     samples_per_prompt: int = 8
     temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (logits are divided by it)")
 
 
 @dataclass(frozen=True)
@@ -65,14 +130,15 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class JobConfig:
-    """The whole job."""
+    """The whole job. ``layout``: every parallel size of actor, reference and critic (DP is
+    what is left of the world size)."""
 
     steps: int = 40
     seed: int = 1
     output_dir: str = "outputs/grpo_demo"
     progress_bar: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
-    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
     task: ToyTaskConfig = field(default_factory=ToyTaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -80,3 +146,24 @@ class JobConfig:
     actor_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     critic: CriticConfig = field(default_factory=CriticConfig)
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+
+    def __post_init__(self) -> None:
+        if self.actor.temperature != self.rollout.temperature:
+            raise ValueError(
+                f"actor.temperature={self.actor.temperature} differs from rollout.temperature="
+                f"{self.rollout.temperature}: the job samples and computes the actor's log-probs "
+                "at one temperature; set rollout.temperature only (actor.temperature follows it)"
+            )
+
+
+# interpolations resolved against the whole config: values that follow others unless set
+JOB_DEFAULTS = {
+    "actor": {"temperature": "${rollout.temperature}"},
+    "actor_optim": {"total_steps": "${steps}"},
+    "critic_optim": {"total_steps": "${steps}"},
+}
+
+
+def load_job_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> JobConfig:
+    """The job's config from YAML file ``path`` and ``key.path=value`` overrides."""
+    return load_config(JobConfig, path, overrides, defaults=JOB_DEFAULTS)

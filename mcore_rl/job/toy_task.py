@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_rl.platform import active_platform
+
 Tensor = torch.Tensor
 
 
@@ -21,9 +23,11 @@ class ToyTaskConfig:
 
 
 def make_prompts(config: ToyTaskConfig, count: int, vocab_size: int, step: int, seed: int) -> Tensor:
-    """[count, prompt_length] prompt ids, the same on every rank for a given step and seed."""
-    g = torch.Generator().manual_seed(seed * 100_003 + step)
-    return torch.randint(0, vocab_size, (count, config.prompt_length), generator=g)
+    """[count, prompt_length] prompt ids on the platform's device, the same on every rank for
+    a given step and seed (drawn on the host so every device type gives the same prompts)."""
+    g = torch.Generator(device="cpu").manual_seed(seed * 100_003 + step)  # host
+    prompts = torch.randint(0, vocab_size, (count, config.prompt_length), generator=g, device="cpu")  # host
+    return prompts.to(active_platform().device())
 
 
 def reward(batch: dict) -> Tensor:

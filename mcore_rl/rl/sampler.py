@@ -3,7 +3,8 @@
 Each new token is drawn by the Gumbel-max trick on vocab-parallel logits: every TP rank adds
 Gumbel noise to its own shard, takes its shard's best token, and the TP group keeps the global
 best, so no rank gathers full-vocab logits. Without a KV cache every step re-runs the whole
-sequence; it is for tiny models and tests.
+sequence; it is for tiny models and tests. The sampling temperature is an explicit argument
+(the trainer's rollout temperature); the noise is drawn on the logits' device.
 """
 from __future__ import annotations
 
@@ -14,15 +15,25 @@ from mcore_rl.rl.actor import Actor
 from mcore_rl.rl.minibatch import local_rows, micro_batches
 from mcore_rl.rl.batch import concat_rows
 from mcore_rl.rl.engine import gather_dp
+from mcore_rl.errors import McoreRLError
+from mcore_rl.platform import active_platform
 from mcore_rl.rl.logprob import masked_scaled_logits
 
 Tensor = torch.Tensor
 
 
+class SamplerError(McoreRLError, ValueError):
+    """A sampling argument that cannot work; the message names the value and the fix."""
+
+
 def sample_vocab_parallel(logits: Tensor, vocab_size: int, temperature: float, generator: torch.Generator) -> Tensor:
-    """Token ids [...] drawn from softmax(logits / T) over the real vocab; logits [..., V/tp]."""
+    """Token ids [...] drawn from softmax(logits / T) over the real vocab; logits [..., V/tp].
+
+    ``generator`` must live on the logits' device (the noise is drawn there).
+    """
     scaled = masked_scaled_logits(logits, vocab_size, temperature)
-    uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64).clamp_(1e-12, 1.0)
+    uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64, device=scaled.device)
+    uniform = uniform.clamp_(1e-12, 1.0)
     noisy = scaled.double() - torch.log(-torch.log(uniform))
     best, index = noisy.max(dim=-1)
     index = index + parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
@@ -38,18 +49,24 @@ def sample_vocab_parallel(logits: Tensor, vocab_size: int, temperature: float, g
 
 
 @torch.no_grad()
-def generate(actor: Actor, prompts: Tensor, response_length: int, seed: int) -> dict:
-    """Samples ``response_length`` tokens after equal-length prompts [B, P] (no padding).
+def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: float, seed: int) -> dict:
+    """Samples ``response_length`` tokens at ``temperature`` after equal-length prompts [B, P]
+    (no padding).
 
-    Returns a trainer batch: input_ids [B, P + R], attention_mask, responses [B, R]. Every rank
-    passes the same prompts and seed and gets the same batch.
+    Returns a trainer batch on the platform's device: input_ids [B, P + R], attention_mask,
+    responses [B, R]. Every rank passes the same prompts, temperature and seed and gets the same
+    batch. Compute the batch's log-probs at the same temperature (``ActorConfig.temperature``).
     """
+    if not temperature > 0:
+        raise SamplerError(f"temperature={temperature} must be > 0; use 1.0 to sample the raw policy.")
+    device = active_platform().device()
+    prompts = prompts.to(device)
     b, p = prompts.shape
     ids = torch.cat([prompts, prompts.new_zeros(b, response_length)], dim=1)
     mask = torch.cat([torch.ones_like(prompts), prompts.new_zeros(b, response_length)], dim=1)
-    engine, vocab, temperature = actor.engine, actor.engine.args.vocab_size, actor.config.temperature
+    engine, vocab = actor.engine, actor.engine.args.vocab_size
     # distinct noise per TP shard and per DP slice of rows, reproducible from ``seed``
-    generator = torch.Generator().manual_seed(
+    generator = torch.Generator(device=device).manual_seed(
         seed * 1_000_003 + 1009 * parallel_state.get_data_parallel_rank()
         + parallel_state.get_tensor_model_parallel_rank()
     )

@@ -1,0 +1,92 @@
+"""The main job drives other layouts and numerics: a MoE actor with expert parallelism (ep=2,
+world 2) and attention dropout, a bf16 GRPO run and a bf16 PPO run whose critic trunk starts
+from the HF weights."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from mcore_rl.job.schema import JobConfig, load_job_config
+from tests.dist import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MOE = ["model.tiny.model_type=qwen3_moe", "model.tiny.num_experts=4", "model.tiny.num_experts_per_tok=2",
+       "model.tiny.moe_intermediate_size=32", "model.tiny.head_dim=16", "model.moe.router_dtype=fp64",
+       "layout.tp=1", "layout.ep=2"]
+
+
+def _config(name: str, tmp_path, *overrides: str) -> JobConfig:
+    path = os.path.join(ROOT, "configs", f"{name}.yaml")
+    return load_job_config(path, [f"output_dir={tmp_path}", "progress_bar=false", "rollout.prompts_per_step=8",
+                                  "actor.micro_batch_size=16", "actor.ppo_mini_batch_size=32",
+                                  "critic.micro_batch_size=16", "critic.ppo_mini_batch_size=32", *overrides])
+
+
+def _local_params(engine) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float().clone() for c in engine.model for n, p in c.named_parameters()}
+
+
+def _train(cfg: JobConfig, steps: int) -> dict:
+    """Builds the job's models, runs ``steps`` job steps; returns metrics and what moved."""
+    from mcore_rl.job.loop import build, train_step
+    from mcore_rl.platform import active_platform
+
+    actor, critic = build(cfg, active_platform())
+    before = _local_params(actor.engine)
+    history = [train_step(cfg, actor, critic, step) for step in range(steps)]
+    after = _local_params(actor.engine)
+    experts = [n for n in before if ".experts." in n and "weight" in n]
+    return {
+        "history": history,
+        "dtypes": sorted({str(p.dtype) for c in actor.engine.model for p in c.parameters()}),
+        "expert_weights": {n: before[n] for n in experts},
+        "moved": sorted(n for n in before if not torch.equal(before[n], after[n])),
+        "attention_dropout": actor.engine.config.attention_dropout,
+    }
+
+
+def test_moe_job_with_expert_parallelism(tmp_path):
+    cfg = _config("grpo_demo", tmp_path, *MOE, "model.tiny.attention_dropout=0.1")
+    assert (cfg.layout.ep, cfg.layout.tp, cfg.model.tiny.num_experts) == (2, 1, 4)
+    ranks = run_ranks(2, _train, cfg, 2)
+    for r in ranks:
+        assert len(r["history"]) == 2 and r["dtypes"] == ["torch.float32"]
+        assert r["attention_dropout"] == 0.1
+        assert all(math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0 for m in r["history"])
+        assert any(".experts." in n for n in r["moved"]) and any("router" in n for n in r["moved"])
+    # every rank holds 2 of the 4 experts (ep=2), different ones, and the metrics agree
+    local = [r["expert_weights"] for r in ranks]
+    assert set(local[0]) == set(local[1]) and len(local[0]) > 0
+    assert all(not torch.equal(local[0][n], local[1][n]) for n in local[0])
+    assert [m["reward"] for m in ranks[0]["history"]] == [m["reward"] for m in ranks[1]["history"]]
+
+
+def test_bf16_grpo_job(tmp_path):
+    cfg = _config("grpo_demo", tmp_path, "model.dtype=bf16")
+    (r, _) = run_ranks(2, _train, cfg, 2)
+    assert r["dtypes"] == ["torch.bfloat16"]
+    assert all(math.isfinite(m["actor/pg_loss"]) and math.isfinite(m["actor/grad_norm"]) for m in r["history"])
+    assert r["moved"]  # bf16 params take the fp32 main weights' update
+
+
+def _critic_after_frozen_step(cfg: JobConfig) -> tuple[dict, dict]:
+    """Critic trunk (HF names) after one job step with critic lr=0, and the HF weights."""
+    from mcore_rl.job.loop import build, tiny_model, train_step
+    from mcore_rl.models.hf_weights import export_hf
+    from mcore_rl.platform import active_platform
+
+    actor, critic = build(cfg, active_platform())
+    train_step(cfg, actor, critic, 0)
+    exported = export_hf(critic.engine.model, critic.engine.args, "critic")
+    return exported, tiny_model(cfg.model.tiny)[1]
+
+
+def test_bf16_ppo_critic_trunk_starts_from_hf_weights(tmp_path):
+    cfg = _config("ppo_demo", tmp_path, "model.dtype=bf16", "critic_optim.lr=0.0", "critic_optim.warmup_steps=0")
+    exported, hf = run_ranks(2, _critic_after_frozen_step, cfg)[0]
+    trunk = [n for n in exported if not n.startswith("score.")]
+    assert len(trunk) == len([n for n in hf if n != "lm_head.weight"])
+    for name in trunk:  # a step with lr=0 must not write back a random trunk
+        assert torch.equal(exported[name], hf[name].to(torch.bfloat16)), name
