@@ -43,17 +43,17 @@ def _train(cfg: JobConfig, steps: int) -> dict:
         "dtypes": sorted({str(p.dtype) for c in actor.engine.model for p in c.parameters()}),
         "expert_weights": {n: before[n] for n in experts},
         "moved": sorted(n for n in before if not torch.equal(before[n], after[n])),
-        "attention_dropout": actor.engine.config.attention_dropout,
+        "dropout": (actor.engine.config.attention_dropout, actor.engine.config.hidden_dropout),
     }
 
 
 def test_moe_job_with_expert_parallelism(tmp_path):
-    cfg = _config("grpo_demo", tmp_path, *MOE, "model.tiny.attention_dropout=0.1")
+    cfg = _config("grpo_demo", tmp_path, *MOE, "model.tiny.attention_dropout=0.1", "model.hidden_dropout=0.2")
     assert (cfg.layout.ep, cfg.layout.tp, cfg.model.tiny.num_experts) == (2, 1, 4)
     ranks = run_ranks(2, _train, cfg, 2)
     for r in ranks:
         assert len(r["history"]) == 2 and r["dtypes"] == ["torch.float32"]
-        assert r["attention_dropout"] == 0.1
+        assert r["dropout"] == (0.1, 0.2)
         assert all(math.isfinite(m["actor/grad_norm"]) and m["actor/grad_norm"] > 0 for m in r["history"])
         assert any(".experts." in n for n in r["moved"]) and any("router" in n for n in r["moved"])
     # every rank holds 2 of the 4 experts (ep=2), different ones, and the metrics agree

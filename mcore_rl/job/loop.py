@@ -54,9 +54,9 @@ def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
 
 
 def build_options(cfg: JobConfig) -> BuildOptions:
-    """Numerics of every model in the job: parameter dtype and MoE options."""
+    """Numerics of every model in the job: parameter dtype, dropout and MoE options."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype]
-    return BuildOptions(params_dtype=dtype, moe=cfg.model.moe)
+    return BuildOptions(params_dtype=dtype, hidden_dropout=cfg.model.hidden_dropout, moe=cfg.model.moe)
 
 
 def build(cfg: JobConfig, platform: Platform) -> tuple[Actor, Critic | None]:

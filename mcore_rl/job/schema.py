@@ -92,11 +92,14 @@ class ModelConfig:
 
     ``dtype``: parameter dtype of actor, reference and critic (bf16 trains with fp32 main
     weights in megatron's optimizer). ``moe``: router/dispatcher options for MoE models.
+    ``hidden_dropout``: dropout after attention and MLP blocks (attention dropout is
+    ``tiny.attention_dropout`` or the HF config's).
     """
 
     hf_dir: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: Literal["fp32", "bf16"] = "fp32"
+    hidden_dropout: float = 0.0
     moe: MoEOptions = field(default_factory=MoEOptions)
 
     def __post_init__(self) -> None:

@@ -25,9 +25,12 @@ VOCAB_MULTIPLE = 128
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Numerics and memory options. recompute: None, 'full' (whole layers) or 'selective'."""
+    """Numerics and memory options. recompute: None, 'full' (whole layers) or 'selective'.
+    hidden_dropout: dropout after attention and MLP (megatron's hidden_dropout; HF checkpoints of
+    the supported architectures have none, so 0 unless a trainer wants it)."""
 
     params_dtype: torch.dtype = torch.float32
+    hidden_dropout: float = 0.0
     recompute: Literal["full", "selective"] | None = None
     recompute_num_layers: int = 1
     max_seq_len: int | None = None
@@ -145,7 +148,7 @@ def transformer_config(
         add_bias_linear=False,
         add_qkv_bias=args.arch.qkv_bias,
         qk_layernorm=args.arch.qk_norm,
-        hidden_dropout=0.0,
+        hidden_dropout=options.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_std,
         tensor_model_parallel_size=layout.tp,
