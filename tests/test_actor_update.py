@@ -104,7 +104,6 @@ def dense(tmp_path_factory):
     hf = tiny_hf_model(tiny_config("llama", num_hidden_layers=4))
     hf.save_pretrained(d)
     batch = make_batch(hf)
-    hf.train()
     return str(d), batch, reference_update(hf, batch), run_ranks(1, _update, str(d), {}, batch, False)[0]
 
 
@@ -114,7 +113,6 @@ def moe(tmp_path_factory):
     hf = tiny_hf_model(tiny_config("qwen3_moe", num_hidden_layers=2))
     hf.save_pretrained(d)
     batch = make_batch(hf)
-    hf.train()
     return str(d), batch, reference_update(hf, batch), run_ranks(1, _update, str(d), {}, batch, True)[0]
 
 
