@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl.rl.batch import BatchError, split_by_tokens, split_rows, validate_batch
+from mcore_rl.rl.batch import BatchError, split_rows, validate_batch
+from mcore_rl.rl.microbatcher import MicroBatchSpec, plan_micro_batches, pad_sequence_to_multiple
 from tests.tiny import rl_batch
 
 
@@ -36,8 +37,8 @@ def test_response_longer_than_sequence():
 def test_batch_not_divisible_into_micro_batches():
     with pytest.raises(BatchError, match=r"a batch of 6 rows does not split into pieces of 4; choose a size dividing 6"):
         split_rows(rl_batch(50, batch=6), 4)
-    with pytest.raises(BatchError, match=r"max_tokens_per_micro_batch=8 is below one sequence \(16 tokens\)"):
-        split_by_tokens(rl_batch(50, batch=6), 8)
+    with pytest.raises(BatchError, match=r"max_tokens_per_micro_batch=8 is below one row's padded length"):
+        plan_micro_batches(rl_batch(50, batch=6), MicroBatchSpec(max_tokens=8))
 
 
 def test_inconsistent_position_ids():
@@ -53,6 +54,56 @@ def test_inconsistent_position_ids():
 
 def test_dynamic_pieces_share_one_shape_and_respect_pipeline_multiple():
     batch = rl_batch(50, batch=10)
-    pieces = split_by_tokens(batch, max_tokens=48, multiple_of=2)  # 3 rows of 16 tokens each
-    assert len(pieces) == 4 and {p["input_ids"].shape for p in pieces} == {(3, 16)}
-    assert pieces[-1]["attention_mask"][1:].sum() == 0  # two all-padding rows top it up
+    spec = MicroBatchSpec(max_tokens=48, uniform_shape=True, count_multiple=2, seq_multiple=4)
+    plan = plan_micro_batches(batch, spec)
+    shapes = {p["input_ids"].shape for p in plan.batches}
+    assert len(plan.batches) % 2 == 0 and len(shapes) == 1, shapes
+    b, s = shapes.pop()
+    assert s % 4 == 0 and b * s <= 48
+    assert sorted(i for rows in plan.rows for i in rows) == list(range(10))  # every row once
+
+
+def test_out_of_vocab_and_negative_ids():
+    batch = rl_batch(50, batch=4)
+    batch["input_ids"][2, 12] = 50
+    batch["attention_mask"][2, 12] = 1
+    batch["responses"][2, 2] = 50
+    with pytest.raises(BatchError, match=r"input_ids\[2, 12\] = 50 is a real token .* outside the model's vocabulary \[0, 50\)"):
+        validate_batch(batch, vocab_size=50)
+    batch = rl_batch(50, batch=4)
+    batch["input_ids"][1, 3] = -7
+    batch["attention_mask"][1, 3] = 1
+    with pytest.raises(BatchError, match=r"input_ids\[1, 3\] = -7 is a real token"):
+        validate_batch(batch, vocab_size=50)
+    batch = rl_batch(50, batch=4)
+    batch["input_ids"][batch["attention_mask"] == 0] = -100  # padding may hold anything
+    batch["responses"] = batch["input_ids"][:, -6:].clone()
+    validate_batch(batch, vocab_size=50)
+
+
+def test_responses_must_be_the_tail_of_input_ids():
+    batch = rl_batch(50, batch=4)
+    batch["responses"][3, 0] = (batch["responses"][3, 0] + 1) % 50
+    with pytest.raises(BatchError, match=r"responses\[3, 0\] = \d+ but input_ids\[3, 10\] = \d+"):
+        validate_batch(batch)
+    batch = rl_batch(50, batch=4)
+    pad = batch["attention_mask"][:, -6:] == 0
+    assert pad.any()
+    batch["responses"][pad] = 7  # differs from input_ids only at padding: fine
+    validate_batch(batch)
+
+
+def test_loss_mask_outside_attention():
+    batch = rl_batch(50, batch=4)
+    row, col = (int(x) for x in (batch["attention_mask"][:, -6:] == 0).nonzero()[0])
+    batch["response_mask"] = torch.ones(4, 6, dtype=torch.long)
+    with pytest.raises(BatchError, match=rf"response_mask\[{row}, {col}\] is 1 but that position is padding"):
+        validate_batch(batch)
+
+
+def test_pad_sequence_to_multiple_pads_on_the_left():
+    batch = rl_batch(50, batch=2, prompt=9, response=6)  # S = 15
+    padded = pad_sequence_to_multiple(batch, 4)
+    assert padded["input_ids"].shape == (2, 16) and padded["attention_mask"][:, 0].sum() == 0
+    assert torch.equal(padded["input_ids"][:, -6:], batch["responses"].masked_fill(batch["attention_mask"][:, -6:] == 0, 0))
+    assert torch.equal(padded["responses"], batch["responses"])

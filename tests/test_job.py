@@ -39,7 +39,7 @@ def test_demo_learns(name, steps, tmp_path):
     assert sum(rewards[-10:]) / 10 >= 0.3  # the full config reaches >= 0.9 (see README)
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [m["step"] for m in lines] == list(range(steps))
-    required = {"step", "reward", "actor/pg_loss", "actor/approx_kl", "entropy", "actor/grad_norm", "time_s"}
+    required = {"step", "reward", "actor/pg_loss", "actor/ppo_kl", "entropy", "actor/grad_norm", "time_s"}
     assert required <= set(lines[-1])
     if name == "ppo_demo":
         assert {"critic/vf_loss", "critic/grad_norm"} <= set(lines[-1])

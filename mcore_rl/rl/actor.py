@@ -1,7 +1,8 @@
 """Actor: per-token log-probs (and entropy) of responses, reference log-probs, PPO/GRPO updates.
 
-Every rank calls these with the same global batch (see mcore_rl.rl.batch for the contract).
-Each DP rank computes its slice of rows; results come back as [B, R] on every rank.
+Batch contract: mcore_rl.rl.batch. Who passes which rows and where results go:
+mcore_rl.rl.minibatch (``dispatch='global'``: the same global batch everywhere, [B, R] results
+on every rank; ``'sharded'``: each DP rank its own rows and results).
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from typing import Literal
 import torch
 
 from mcore_rl.rl import losses
-from mcore_rl.rl.batch import concat_rows, response_mask, validate_batch
-from mcore_rl.rl.engine import ModelEngine, gather_dp
+from mcore_rl.rl.batch import attended_responses, response_mask, validate_batch
+from mcore_rl.rl.engine import ModelEngine
 from mcore_rl.rl.logprob import log_probs_and_entropy
-from mcore_rl.rl.minibatch import local_rows, micro_batches, ppo_update, response_logits
+from mcore_rl.rl.minibatch import forward_rows, ppo_update, response_logits
 
 Tensor = torch.Tensor
 UPDATE_KEYS = ("old_log_probs", "advantages")
@@ -22,12 +23,22 @@ UPDATE_KEYS = ("old_log_probs", "advantages")
 
 @dataclass(frozen=True)
 class ActorConfig:
-    """How the actor batches and what its policy loss is (names follow verl where they exist)."""
+    """How the actor batches and what its policy loss is (names follow verl where they exist).
+
+    Batch sizes count rows (= samples = responses), never prompts: with n samples per prompt
+    verl's ``ppo_mini_batch_size`` (prompts) is ``ppo_mini_batch_size * n`` here.
+    ``ppo_mini_batch_size``: global rows per optimizer step (over all DP ranks, in both dispatch
+    modes). ``micro_batch_size``: rows per micro-batch on each DP rank (verl's
+    ``ppo_micro_batch_size_per_gpu``). ``max_tokens_per_micro_batch``: dynamic batching — rows
+    grouped by length up to this many padded tokens per micro-batch on each DP rank (verl's
+    ``ppo_max_token_len_per_gpu``); replaces micro_batch_size when set. ``dispatch``: 'global'
+    (every rank passes the whole batch) or 'sharded' (each DP rank passes its own rows).
+    """
 
     temperature: float = 1.0
     micro_batch_size: int = 4  # rows per micro-batch on each DP rank
-    max_tokens_per_micro_batch: int | None = None  # dynamic batching by padded tokens
-    ppo_mini_batch_size: int = 16  # global rows per optimizer step
+    max_tokens_per_micro_batch: int | None = None  # dynamic batching by padded tokens per DP rank
+    ppo_mini_batch_size: int = 16  # global rows (samples, not prompts) per optimizer step
     ppo_epochs: int = 1
     clip_ratio_low: float = 0.2
     clip_ratio_high: float | None = None  # None: symmetric; DAPO's clip-higher when larger
@@ -37,6 +48,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coeff: float = 0.0
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
+    dispatch: Literal["global", "sharded"] = "global"
 
 
 class Actor:
@@ -46,34 +58,32 @@ class Actor:
         self.engine, self.config, self.ref = engine, config, ref
 
     def _forward_log_probs(self, engine: ModelEngine, batch: dict, with_entropy: bool) -> dict:
-        validate_batch(batch)
+        validate_batch(batch, vocab_size=engine.args.vocab_size)
         vocab = engine.args.vocab_size
         temperature = self.config.temperature
 
         def loss_fn(mb: dict, output: Tensor):
             logits = response_logits(output, mb)
             lp, ent = log_probs_and_entropy(logits, mb["responses"], vocab, temperature, with_entropy)
-            mask = response_mask(mb).to(lp.dtype)
-            out = {"log_probs": (lp * mask).detach()}
+            real = attended_responses(mb).bool()
+            out = {"log_probs": torch.where(real, lp, 0.0).detach()}
             if with_entropy:
-                out["entropy"] = (ent * mask).detach()
+                out["entropy"] = torch.where(real, ent, 0.0).detach()
             return lp.sum() * 0.0, out
 
-        engine.train(False)
-        local = local_rows(batch)
-        pieces = engine.run(micro_batches(local, self.config, engine), loss_fn, True)
-        rows = local["input_ids"].shape[0]
-        return {k: gather_dp(v) for k, v in concat_rows(pieces, rows).items()}
+        keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
+        return forward_rows(engine, batch, self.config, loss_fn, keys)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict, with_entropy: bool = False) -> dict[str, Tensor]:
         """{'log_probs': [B, R]} (+ 'entropy' [B, R]) of the responses under the current policy,
-        at ``config.temperature``; zeros at padding. Same result on every rank."""
+        at ``config.temperature``; zeros at attention padding; on the batch's device. [B, R] on
+        every rank with dispatch='global', this DP rank's rows with 'sharded'."""
         return self._forward_log_probs(self.engine, batch, with_entropy)
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: dict) -> Tensor:
-        """[B, R] log-probs under the frozen reference policy."""
+        """[B, R] log-probs under the frozen reference policy (rows as compute_log_prob)."""
         if self.ref is None:
             raise ValueError("this Actor has no reference model; pass ref=ModelEngine(...).")
         return self._forward_log_probs(self.ref, batch, False)["log_probs"]
@@ -82,9 +92,10 @@ class Actor:
     def update_policy(self, batch: dict) -> dict[str, float]:
         """PPO/GRPO update: ppo_epochs x mini-batches of ppo_mini_batch_size global rows, one
         optimizer step each. Needs old_log_probs and advantages [B, R] (+ ref_log_prob with
-        use_kl_loss). Returns metrics averaged over the steps, the same on every rank."""
+        use_kl_loss); the loss mask is ``response_mask`` when given. Returns metrics averaged
+        over the steps, the same on every rank (names: the metrics table in the README)."""
         keys = UPDATE_KEYS + (("ref_log_prob",) if self.config.use_kl_loss else ())
-        validate_batch(batch, keys)
+        validate_batch(batch, keys, vocab_size=self.engine.args.vocab_size)
         return ppo_update(self.engine, batch, self.config, self._policy_loss_fn, "actor")
 
     def _policy_loss_fn(self, denominator: float, scale: int):
@@ -95,15 +106,23 @@ class Actor:
             lp, ent = log_probs_and_entropy(
                 logits, mb["responses"], vocab, cfg.temperature, True, entropy_grad=cfg.entropy_coeff != 0
             )
-            mask = response_mask(mb).to(lp.dtype)
+            mask = response_mask(mb).bool()
             pg, m = losses.policy_loss(
                 lp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_ratio_low,
                 cfg.clip_ratio_high, cfg.dual_clip_c, cfg.loss_agg_mode, denominator,
             )
             loss = pg - cfg.entropy_coeff * losses.entropy_bonus(ent, mask, cfg.loss_agg_mode, denominator)
             n = mask.sum()
-            stats = {"pg_loss": pg.detach(), "tokens": n, "entropy_sum": (ent * mask).sum().detach(),
-                     "clipfrac_sum": m["clipfrac"] * n, "approx_kl_sum": m["approx_kl"] * n}
+            negative = (mask & (mb["advantages"] < 0)).sum()
+            stats = {
+                "pg_loss": pg.detach(), "tokens": n,
+                "entropy_sum": torch.where(mask, ent, 0.0).sum().detach(),
+                "pg_clipfrac_sum": m["clipfrac"] * n,
+                # verl's pg_clipfrac_lower: share of all loss tokens the dual clip capped
+                "pg_clipfrac_lower_sum": m["dual_clipfrac"] * negative,
+                # verl's ppo_kl: mean of -log ratio = old_lp - lp
+                "ppo_kl_sum": torch.where(mask, mb["old_log_probs"] - lp, 0.0).sum().detach(),
+            }
             if cfg.use_kl_loss:
                 kl = losses.agg_loss(
                     losses.kl_penalty(lp, mb["ref_log_prob"], cfg.kl_loss_type), mask,

@@ -1,12 +1,15 @@
-"""The batch contract between a trainer and mcore_rl, and how batches are split.
+"""The batch contract between a trainer and mcore_rl, and row-level batch helpers.
 
-A batch is a dict of tensors, the same global batch on every rank:
+A batch is a dict of tensors (see ``dispatch`` in the actor/critic configs for whose rows):
   input_ids [B, S]        prompt (left-padded) followed by response (right-padded)
   attention_mask [B, S]   1 = token, 0 = padding
-  responses [B, R]        the last R columns of input_ids (R < S)
+  responses [B, R]        the last R columns of input_ids (R < S), equal on real tokens
+  response_mask [B, R]    optional loss mask (verl's name): 1 = token in the loss and metrics;
+                          default = attention_mask[:, -R:]; must be 0 where attention is 0
   position_ids [B, S]     optional; must be index + constant over each row's tokens
   per-token update inputs [B, R]: old_log_probs, advantages, ref_log_prob, values, returns
-Outputs are [B, R] over response positions, zero at padding.
+Outputs are [B, R] over response positions, zero at attention padding (tokens outside the loss
+mask but inside the attention mask get their real value).
 """
 from __future__ import annotations
 
@@ -17,14 +20,16 @@ from mcore_rl.errors import McoreRLError
 
 Tensor = torch.Tensor
 BASE_KEYS = ("input_ids", "attention_mask", "responses")
+SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, S]; every other token key is [B, R]
 
 
 class BatchError(McoreRLError, ValueError):
     """A batch that breaks the contract above; the message names the key and the fix."""
 
 
-def validate_batch(batch: dict, required: Iterable[str] = ()) -> None:
-    """Checks keys, shapes and position ids; raises BatchError naming what is wrong."""
+def validate_batch(batch: dict, required: Iterable[str] = (), vocab_size: int | None = None) -> None:
+    """Checks keys, shapes, token ids (in [0, vocab_size) on real tokens), that responses are
+    the tail of input_ids, the loss mask and position ids; raises BatchError naming the fix."""
     missing = [k for k in (*BASE_KEYS, *required) if k not in batch]
     if missing:
         raise BatchError(f"batch is missing keys {missing}; it has {sorted(batch)}.")
@@ -33,6 +38,8 @@ def validate_batch(batch: dict, required: Iterable[str] = ()) -> None:
         raise BatchError(
             f"input_ids {tuple(ids.shape)} and attention_mask {tuple(mask.shape)} must both be [B, S]."
         )
+    if ids.is_floating_point() or resp.is_floating_point():
+        raise BatchError(f"input_ids ({ids.dtype}) and responses ({resp.dtype}) must hold integer token ids.")
     b, s = ids.shape
     if resp.dim() != 2 or resp.shape[0] != b:
         raise BatchError(f"responses {tuple(resp.shape)} must be [B={b}, R].")
@@ -42,11 +49,52 @@ def validate_batch(batch: dict, required: Iterable[str] = ()) -> None:
             "shorter than the sequence (it follows a prompt of at least one token)."
         )
     r = resp.shape[1]
-    for key in required:
+    for key in (*required, *(("response_mask",) if "response_mask" in batch else ())):
         if batch[key].shape != (b, r):
             raise BatchError(f"{key} has shape {tuple(batch[key].shape)}; expected [B, R] = [{b}, {r}].")
+    _check_token_ids(ids, mask.bool(), vocab_size)
+    _check_responses_are_tail(ids, mask.bool(), resp)
+    if "response_mask" in batch:
+        _check_loss_mask(batch["response_mask"], mask[:, -r:])
     if "position_ids" in batch:
         _check_positions(batch["position_ids"], mask)
+
+
+def _check_token_ids(ids: Tensor, real: Tensor, vocab_size: int | None) -> None:
+    # an id outside the vocab gives -inf log-probs (NaN after masking) or an embedding fault
+    bad = real & (ids < 0)
+    if vocab_size is not None:
+        bad |= real & (ids >= vocab_size)
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        limit = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise BatchError(
+            f"input_ids[{row}, {col}] = {int(ids[row, col])} is a real token (attention_mask 1) "
+            f"outside the model's vocabulary {limit}; use the model's tokenizer, or set "
+            "attention_mask to 0 at that position if it is padding."
+        )
+
+
+def _check_responses_are_tail(ids: Tensor, real: Tensor, resp: Tensor) -> None:
+    r = resp.shape[1]
+    bad = real[:, -r:] & (ids[:, -r:] != resp)
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise BatchError(
+            f"responses[{row}, {col}] = {int(resp[row, col])} but input_ids[{row}, "
+            f"{ids.shape[1] - r + col}] = {int(ids[row, ids.shape[1] - r + col])}: responses must "
+            "equal the last R columns of input_ids on real tokens; pass responses = input_ids[:, -R:]."
+        )
+
+
+def _check_loss_mask(loss_mask: Tensor, attention: Tensor) -> None:
+    bad = loss_mask.bool() & ~attention.bool()
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise BatchError(
+            f"response_mask[{row}, {col}] is 1 but that position is padding (attention_mask 0): "
+            "the loss mask must be a subset of attention_mask[:, -R:]; zero it there."
+        )
 
 
 def _check_positions(positions: Tensor, mask: Tensor) -> None:
@@ -54,7 +102,7 @@ def _check_positions(positions: Tensor, mask: Tensor) -> None:
     # real tokens of a row give the same attention, anything else cannot be honoured
     if positions.shape != mask.shape:
         raise BatchError(f"position_ids {tuple(positions.shape)} must match attention_mask {tuple(mask.shape)}.")
-    offset = positions - torch.arange(mask.shape[1], device=positions.device)
+    offset = positions - torch.arange(mask.shape[1], device=positions.device)  # host
     real = mask.bool()
     for row in range(mask.shape[0]):
         values = offset[row][real[row]]
@@ -66,10 +114,17 @@ def _check_positions(positions: Tensor, mask: Tensor) -> None:
             )
 
 
-def response_mask(batch: dict) -> Tensor:
-    """[B, R] mask of real response tokens."""
+def attended_responses(batch: dict) -> Tensor:
+    """[B, R] attention mask of the response positions (1 = real token)."""
     r = batch["responses"].shape[1]
     return batch["attention_mask"][:, -r:]
+
+
+def response_mask(batch: dict) -> Tensor:
+    """[B, R] loss mask: ``batch['response_mask']`` when given, else the attended responses."""
+    if "response_mask" in batch:
+        return batch["response_mask"]
+    return attended_responses(batch)
 
 
 def select_rows(batch: dict, rows: Tensor | slice) -> dict:
@@ -87,35 +142,6 @@ def split_rows(batch: dict, size: int) -> list[dict]:
     return [select_rows(batch, slice(i, i + size)) for i in range(0, b, size)]
 
 
-def split_by_tokens(batch: dict, max_tokens: int, multiple_of: int = 1) -> list[dict]:
-    """Dynamic micro-batches: as few pieces as keep each piece's padded tokens <= max_tokens,
-    rounded up to a multiple of ``multiple_of`` (the interleaved pipeline schedule needs a
-    multiple of PP). All pieces get the same shape (pipeline stages exchange fixed shapes): the
-    last is topped up with all-padding rows, which concat_rows(..., rows=B) drops again."""
-    b, s = batch["input_ids"].shape
-    if max_tokens < s:
-        raise BatchError(
-            f"max_tokens_per_micro_batch={max_tokens} is below one sequence ({s} tokens); raise it."
-        )
-    pieces = -(-b // (max_tokens // s))
-    pieces = -(-pieces // multiple_of) * multiple_of
-    rows = -(-b // pieces)
-    if rows * (pieces - 1) >= b:
-        raise BatchError(
-            f"{b} rows cannot fill {pieces} micro-batches (a multiple of {multiple_of}); send "
-            "more rows per call or lower the multiple (pipeline size)."
-        )
-    padded = _pad_rows(batch, rows * pieces - b)
-    return [select_rows(padded, slice(i, i + rows)) for i in range(0, rows * pieces, rows)]
-
-
-def _pad_rows(batch: dict, count: int) -> dict:
-    """Appends ``count`` rows of zeros (attention_mask 0: no token, no loss, no output)."""
-    if count == 0:
-        return batch
-    return {k: torch.cat([v, v.new_zeros(count, *v.shape[1:])]) for k, v in batch.items()}
-
-
 def concat_rows(pieces: list[dict], rows: int | None = None) -> dict:
-    """Inverse of split_rows / split_by_tokens: the first ``rows`` rows of the pieces joined."""
+    """Inverse of split_rows: the first ``rows`` rows of the pieces joined."""
     return {k: torch.cat([p[k] for p in pieces])[:rows] for k in pieces[0]}

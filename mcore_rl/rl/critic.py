@@ -1,7 +1,8 @@
 """Critic: per-token values of response positions and clipped value-loss updates.
 
 The value of response token j is read at the position that predicts it (the state before it),
-as for the actor's log-probs. Same batch contract as the actor (mcore_rl.rl.batch).
+as for the actor's log-probs. Same batch contract (mcore_rl.rl.batch) and dispatch modes
+(mcore_rl.rl.minibatch) as the actor.
 """
 from __future__ import annotations
 
@@ -11,23 +12,27 @@ from typing import Literal
 import torch
 
 from mcore_rl.rl import losses
-from mcore_rl.rl.batch import concat_rows, response_mask, validate_batch
-from mcore_rl.rl.engine import ModelEngine, gather_dp
-from mcore_rl.rl.minibatch import local_rows, micro_batches, ppo_update, response_logits
+from mcore_rl.rl.batch import attended_responses, response_mask, validate_batch
+from mcore_rl.rl.engine import ModelEngine
+from mcore_rl.rl.minibatch import forward_rows, ppo_update, response_logits
 
 Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
 class CriticConfig:
-    """Batching and value loss of the critic."""
+    """Batching and value loss of the critic. Batch sizes count rows (samples), as in
+    ActorConfig: ``ppo_mini_batch_size`` global rows per optimizer step, ``micro_batch_size``
+    rows per micro-batch on each DP rank, ``max_tokens_per_micro_batch`` padded tokens per
+    micro-batch on each DP rank (dynamic batching), ``dispatch`` 'global' or 'sharded'."""
 
-    micro_batch_size: int = 4
-    max_tokens_per_micro_batch: int | None = None
-    ppo_mini_batch_size: int = 16
+    micro_batch_size: int = 4  # rows per micro-batch on each DP rank
+    max_tokens_per_micro_batch: int | None = None  # dynamic batching by padded tokens per DP rank
+    ppo_mini_batch_size: int = 16  # global rows (samples, not prompts) per optimizer step
     ppo_epochs: int = 1
     cliprange_value: float | None = 0.5
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    dispatch: Literal["global", "sharded"] = "global"
 
 
 class Critic:
@@ -40,22 +45,20 @@ class Critic:
 
     @torch.no_grad()
     def compute_values(self, batch: dict) -> Tensor:
-        """[B, R] values of the response positions (zeros at padding), on every rank."""
-        validate_batch(batch)
+        """[B, R] values of the response positions (zeros at attention padding), on the batch's
+        device; every rank gets [B, R] with dispatch='global', its own rows with 'sharded'."""
+        validate_batch(batch, vocab_size=self.engine.args.vocab_size)
 
         def loss_fn(mb: dict, output: Tensor):
             values = response_logits(output, mb).squeeze(-1).float()
-            return values.sum() * 0.0, {"values": values * response_mask(mb)}
+            return values.sum() * 0.0, {"values": torch.where(attended_responses(mb).bool(), values, 0.0)}
 
-        self.engine.train(False)
-        local = local_rows(batch)
-        pieces = self.engine.run(micro_batches(local, self.config, self.engine), loss_fn, True)
-        return gather_dp(concat_rows(pieces, local["input_ids"].shape[0])["values"])
+        return forward_rows(self.engine, batch, self.config, loss_fn, ("values",))["values"]
 
     def update_critic(self, batch: dict) -> dict[str, float]:
         """Value-loss updates (ppo_epochs x mini-batches); needs 'values' (old) and 'returns'
         [B, R]. Returns metrics averaged over the optimizer steps."""
-        validate_batch(batch, ("values", "returns"))
+        validate_batch(batch, ("values", "returns"), vocab_size=self.engine.args.vocab_size)
         return ppo_update(self.engine, batch, self.config, self._value_loss_fn, "critic")
 
     def _value_loss_fn(self, denominator: float, scale: int):
@@ -63,7 +66,7 @@ class Critic:
 
         def loss_fn(mb: dict, output: Tensor):
             values = response_logits(output, mb).squeeze(-1).float()
-            mask = response_mask(mb).to(values.dtype)
+            mask = response_mask(mb).bool()
             vf, m = losses.value_loss(
                 values, mb["values"], mb["returns"], mask, cfg.cliprange_value, cfg.loss_agg_mode,
                 denominator,

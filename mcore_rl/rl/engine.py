@@ -1,6 +1,7 @@
 """ModelEngine: one model's chunks, DDP, optimizer and LR scheduler, and the schedule runner
-that actor and critic share. Results computed on the last pipeline stage are shared with every
-rank of the model-parallel group, and DP shards are gathered so every rank sees the full batch."""
+that actor and critic share. Micro-batches are moved to the platform's device; results computed
+on the last pipeline stage are shared with every rank of the pipeline group as tensor
+broadcasts (a small integer header describes names, dtypes and shapes: no pickling)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from mcore_rl.models.forward import LossFn, run_schedule
 from mcore_rl.models.hf_config import ModelArgs
 from mcore_rl.models.hf_weights import load_hf
 from mcore_rl.parallel.layout import ParallelLayout
-from mcore_rl.platform import Platform
+from mcore_rl.platform import Platform, active_platform
 from mcore_rl.rl.batch import BatchError
 
 Tensor = torch.Tensor
@@ -65,7 +66,7 @@ class ModelEngine:
         """``hf_weights``: a HF directory (or HF name -> tensor) loaded before the optimizer
         copies the parameters. ``init_value_head=True`` (critic only) starts a critic from a
         causal LM: the trunk is loaded, ``lm_head`` ignored, the value head keeps its init."""
-        self.args, self.layout, self.role = args, layout, role
+        self.args, self.layout, self.role, self.platform = args, layout, role, platform
         chunks = build_model(args, layout, role, platform, options)
         if hf_weights is not None:
             load_hf(chunks, args, role, hf_weights, init_value_head=init_value_head)
@@ -119,10 +120,18 @@ class ModelEngine:
                 f"needs a multiple of {pp}; change the micro-batch size or the batch."
             )
 
+    @property
+    def seq_multiple(self) -> int:
+        """What padded sequence lengths must divide by: TP when sequence parallel is on."""
+        return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+
     def run(self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
-        """Forward (and backward) through megatron's schedule; loss_fn's metrics from the last
-        stage, on every rank of the pipeline group (in micro-batch order)."""
+        """Forward (and backward) through megatron's schedule on the platform's device;
+        loss_fn's results (dicts of tensors) from the last stage, on every rank of the
+        pipeline group (in micro-batch order)."""
         self.check_micro_batches(len(micro_batches))
+        device = self.platform.device()
+        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         if not forward_only:
             for m in self.model:
                 m.zero_grad_buffer()
@@ -160,15 +169,74 @@ def _megatron_optim_config(optim: OptimConfig, options: BuildOptions) -> Optimiz
     )
 
 
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
 def share_from_last_stage(obj):
-    """The last pipeline stage's Python object (tensors inside are fine), on every PP rank."""
+    """The last pipeline stage's results on every PP rank, sent as tensors (no pickling).
+
+    ``obj``: a tensor, or a list of dicts of tensors with the same keys and shapes (one per
+    micro-batch, as the schedule returns them); the other stages pass None. Returns the same
+    structure on every stage, on the platform's device.
+    """
     group = parallel_state.get_pipeline_model_parallel_group()
-    if torch.distributed.get_world_size(group) == 1:
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
         return obj
-    last = torch.distributed.get_global_rank(group, torch.distributed.get_world_size(group) - 1)
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=last, group=group)
-    return box[0]
+    last = torch.distributed.get_global_rank(group, size - 1)
+    is_last = parallel_state.get_pipeline_model_parallel_rank() == size - 1
+    device = active_platform().device()
+    named = _flatten(obj) if is_last else {}
+    header = _encode_header(obj, named, device) if is_last else None
+    length = torch.tensor([header.numel() if is_last else 0], dtype=torch.int64, device=device)
+    torch.distributed.broadcast(length, src=last, group=group)
+    if not is_last:
+        header = torch.empty(int(length.item()), dtype=torch.int64, device=device)
+    torch.distributed.broadcast(header, src=last, group=group)
+    kind, specs = _decode_header(header)
+    out = {}
+    for name, dtype, shape in specs:
+        wire = torch.uint8 if dtype == torch.bool else dtype  # gloo has no bool broadcast
+        t = named[name].to(wire).contiguous() if is_last else torch.empty(shape, dtype=wire, device=device)
+        torch.distributed.broadcast(t, src=last, group=group)
+        out[name] = t.to(dtype)
+    return _unflatten(kind, out)
+
+
+def _flatten(obj) -> dict[str, Tensor]:
+    if isinstance(obj, Tensor):
+        return {"": obj}
+    return {k: torch.stack([mb[k] for mb in obj]) for k in obj[0]}
+
+
+def _unflatten(kind: int, named: dict[str, Tensor]):
+    if kind == 0:
+        return named[""]
+    count = next(iter(named.values())).shape[0]
+    return [{k: v[i] for k, v in named.items()} for i in range(count)]
+
+
+def _encode_header(obj, named: dict[str, Tensor], device) -> Tensor:
+    """[kind, n, then per tensor: name length, name bytes, dtype code, ndim, shape]."""
+    values = [0 if isinstance(obj, Tensor) else 1, len(named)]
+    for name, t in named.items():
+        raw = list(name.encode())
+        values += [len(raw), *raw, _DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _decode_header(header: Tensor) -> tuple[int, list]:
+    values = header.tolist()
+    kind, count, pos, specs = values[0], values[1], 2, []
+    for _ in range(count):
+        n = values[pos]
+        name = bytes(values[pos + 1 : pos + 1 + n]).decode()
+        pos += 1 + n
+        dtype, ndim = _DTYPES[values[pos]], values[pos + 1]
+        specs.append((name, dtype, tuple(values[pos + 2 : pos + 2 + ndim])))
+        pos += 2 + ndim
+    return kind, specs
 
 
 def dp_rank_size() -> tuple[int, int]:
@@ -183,7 +251,7 @@ def gather_dp(tensor: Tensor) -> Tensor:
     rank, size = dp_rank_size()
     if size == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(size)]
+    parts = [torch.empty_like(tensor) for _ in range(size)]  # same device as the tensor
     torch.distributed.all_gather(parts, tensor.contiguous(), group=parallel_state.get_data_parallel_group())
     return torch.cat(parts)
 

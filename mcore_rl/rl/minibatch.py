@@ -1,15 +1,28 @@
-"""Batch plumbing shared by actor, critic and sampler: this DP rank's rows, micro-batches,
-response-aligned outputs, and the ppo_epochs x mini-batches update loop."""
+"""Batch plumbing shared by actor, critic and sampler: which rows this rank computes
+(dispatch), micro-batches through the one micro-batcher, response-aligned outputs, and the
+ppo_epochs x mini-batches update loop.
+
+Dispatch modes (``config.dispatch``):
+  global   every rank passes the same global batch [B, ...]; each DP rank computes its
+           contiguous slice and results come back as [B, R] on every rank.
+  sharded  each DP rank passes only its own rows (TP/PP peers of one DP rank pass the same
+           rows) and gets only its own results [B_local, R]. How verl and NeMo-RL dispatch.
+Batch sizes stay global in both: ``ppo_mini_batch_size`` is rows of the global batch; in
+sharded mode each DP rank takes ppo_mini_batch_size / DP of its rows per mini-batch.
+Results are returned on the device of the batch the caller passed (CPU batch -> CPU results).
+"""
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from dataclasses import replace
+from typing import Callable, Iterator, Protocol
 
 import torch
+from megatron.core import parallel_state
 
 from mcore_rl.models.forward import LossFn
-from mcore_rl.rl import losses
-from mcore_rl.rl.batch import BatchError, response_mask, select_rows, split_by_tokens, split_rows
-from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size
+from mcore_rl.rl.batch import BatchError, response_mask, select_rows, split_rows
+from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size, gather_dp
+from mcore_rl.rl.microbatcher import MicroBatches, MicroBatchSpec, plan_micro_batches
 
 Tensor = torch.Tensor
 
@@ -20,6 +33,11 @@ class BatchingConfig(Protocol):
     ppo_mini_batch_size: int
     ppo_epochs: int
     loss_agg_mode: str
+    dispatch: str
+
+
+class BatchMismatchError(BatchError):
+    """Ranks that must pass the same rows passed different ones."""
 
 
 def local_rows(batch: dict) -> dict:
@@ -32,12 +50,97 @@ def local_rows(batch: dict) -> dict:
     return select_rows(batch, slice(rank * per, (rank + 1) * per))
 
 
+def _checksum(batch: dict) -> Tensor:
+    """[keys, B, S, R, weighted sum of every value] as float64 (host): equal batches, equal sums."""
+    stats = [float(len(batch)), *batch["input_ids"].shape, float(batch["responses"].shape[1])]
+    total = 0.0
+    for k in sorted(batch):
+        v = torch.nan_to_num(batch[k].double().flatten())  # NaN at padding must not mismatch
+        weights = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder_(9973)  # host
+        total += float((v * (weights + 1)).sum()) * (1 + len(k))
+    return torch.tensor([*stats, total], dtype=torch.float64)  # host
+
+
+def check_same_rows(batch: dict, group, what: str) -> None:
+    """Raises BatchMismatchError unless every rank of ``group`` passed the same batch."""
+    if torch.distributed.get_world_size(group) == 1:
+        return
+    mine = _checksum(batch).to(active_device())
+    both = torch.cat([mine, -mine])
+    torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=group)
+    n = mine.numel()
+    if not torch.equal(both[:n], -both[n:]):
+        raise BatchMismatchError(
+            f"ranks of one {what} passed different batches (shape or checksum differ: this rank "
+            f"{mine.tolist()}); {what} peers must pass the same rows. With dispatch='sharded' give "
+            "the TP/PP peers of a DP rank the same rows; with dispatch='global' give every rank "
+            "the whole batch."
+        )
+
+
+def active_device() -> torch.device:
+    from mcore_rl.platform import active_platform
+
+    return active_platform().device()
+
+
+def dispatch_rows(batch: dict, config: BatchingConfig) -> dict:
+    """This rank's rows per ``config.dispatch`` (module doc), after the same-rows check."""
+    if config.dispatch == "global":
+        check_same_rows(batch, None, "world (dispatch='global')")
+        return local_rows(batch)
+    if config.dispatch != "sharded":
+        raise BatchError(f"dispatch={config.dispatch!r} is not a mode; use 'global' or 'sharded'.")
+    check_same_rows(batch, parallel_state.get_model_parallel_group(), "model-parallel group")
+    return batch
+
+
+def spec_for(config: BatchingConfig, engine: ModelEngine) -> MicroBatchSpec:
+    """The micro-batcher's settings for this engine's layout."""
+    layout = engine.layout
+    return MicroBatchSpec(
+        micro_batch_size=config.micro_batch_size,
+        max_tokens=config.max_tokens_per_micro_batch,
+        seq_multiple=engine.seq_multiple,
+        uniform_shape=layout.pp > 1,
+        count_multiple=layout.pp if layout.vpp else 1,
+    )
+
+
+def micro_batch_plan(batch: dict, config: BatchingConfig, engine: ModelEngine) -> MicroBatches:
+    """This rank's rows cut into micro-batches (see mcore_rl.rl.microbatcher)."""
+    spec = spec_for(config, engine)
+    plan = plan_micro_batches(batch, spec)
+    # dynamic counts differ between DP ranks; MoE layers run collectives in every forward
+    if config.max_tokens_per_micro_batch and dp_rank_size()[1] > 1:
+        count = torch.tensor([len(plan.batches)], device=active_device())
+        count = all_reduce_dp(count, torch.distributed.ReduceOp.MAX)
+        if int(count) != len(plan.batches):
+            plan = plan_micro_batches(batch, replace(spec, min_count=int(count)))
+    return plan
+
+
 def micro_batches(batch: dict, config: BatchingConfig, engine: ModelEngine) -> list[dict]:
-    """Fixed-size micro-batches, or token-budget ones that keep the pipeline schedule's rules."""
-    if config.max_tokens_per_micro_batch:
-        multiple = engine.layout.pp if engine.layout.vpp else 1
-        return split_by_tokens(batch, config.max_tokens_per_micro_batch, multiple)
-    return split_rows(batch, min(config.micro_batch_size, batch["input_ids"].shape[0]))
+    """The micro-batches alone (the demo sampler's entry point; row order kept when all rows
+    have one length). Prefer micro_batch_plan, whose restore() puts rows back in order."""
+    return micro_batch_plan(batch, config, engine).batches
+
+
+def forward_rows(engine: ModelEngine, batch: dict, config: BatchingConfig, loss_fn: LossFn,
+                 keys: tuple[str, ...]) -> dict[str, Tensor]:
+    """Forward-only over this rank's rows; results ``keys`` ([b, R] per micro-batch) as
+    [B, R] (global dispatch) or [B_local, R] (sharded), on the batch's device."""
+    engine.train(False)
+    local = dispatch_rows(batch, config)
+    plan = micro_batch_plan(local, config, engine)
+    results = engine.run(plan.batches, loss_fn, True)
+    out = {}
+    for key in keys:
+        value = plan.restore([r[key] for r in results])
+        if config.dispatch == "global":
+            value = gather_dp(value)
+        out[key] = value.to(batch["input_ids"].device)
+    return out
 
 
 def response_logits(output: Tensor, batch: dict) -> Tensor:
@@ -51,21 +154,60 @@ def response_logits(output: Tensor, batch: dict) -> Tensor:
 LossMaker = Callable[[float, int], LossFn]
 
 
+def _local_minis(batch: dict, config: BatchingConfig) -> Iterator[dict]:
+    """This rank's rows of each mini-batch of ppo_mini_batch_size global rows."""
+    dp = dp_rank_size()[1]
+    if config.dispatch == "global":
+        rows = batch["input_ids"].shape[0]
+        for mini in split_rows(batch, min(config.ppo_mini_batch_size, rows)):
+            yield local_rows(mini)
+        return
+    rows = batch["input_ids"].shape[0]
+    if config.ppo_mini_batch_size % dp != 0:
+        raise BatchError(
+            f"ppo_mini_batch_size={config.ppo_mini_batch_size} global rows does not divide over "
+            f"{dp} data-parallel ranks; choose a multiple of {dp}."
+        )
+    yield from split_rows(batch, min(config.ppo_mini_batch_size // dp, rows))
+
+
 def ppo_update(engine: ModelEngine, batch: dict, config: BatchingConfig, make_loss: LossMaker, prefix: str) -> dict:
     """ppo_epochs x mini-batches of ppo_mini_batch_size global rows, one optimizer step each;
     returns metrics averaged over the steps (same on every rank), keys prefixed '{prefix}/'."""
-    rows = batch["input_ids"].shape[0]
+    if config.dispatch == "sharded":
+        batch = dispatch_rows(batch, config)
+        _check_equal_rows_over_dp(batch)
+    else:
+        check_same_rows(batch, None, "world (dispatch='global')")
     engine.train(True)
     steps = []
     for _ in range(config.ppo_epochs):
-        for mini in split_rows(batch, min(config.ppo_mini_batch_size, rows)):
+        for mini in _local_minis(batch, config):
             steps.append(_mini_batch_step(engine, mini, config, make_loss, prefix))
     return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
 
+def _check_equal_rows_over_dp(batch: dict) -> None:
+    # every DP rank must take the same number of optimizer steps
+    rows = torch.tensor([batch["input_ids"].shape[0]] * 2, device=active_device())
+    rows[1] = -rows[1]
+    rows = all_reduce_dp(rows, torch.distributed.ReduceOp.MAX)
+    if int(rows[0]) != -int(rows[1]):
+        raise BatchMismatchError(
+            f"data-parallel ranks passed between {-int(rows[1])} and {int(rows[0])} rows to an "
+            "update with dispatch='sharded'; give every DP rank the same number of rows."
+        )
+
+
+def _denominator(mask: Tensor, agg_mode: str) -> float:
+    """The mini-batch's global token count (token-mean) or non-empty row count (seq-mean-*)."""
+    local = mask.sum() if agg_mode == "token-mean" else (mask.sum(-1) > 0).sum()
+    return float(all_reduce_dp(local.to(active_device()).double()).clamp(min=1))
+
+
 def _mini_batch_step(engine: ModelEngine, mini: dict, config: BatchingConfig, make_loss: LossMaker, prefix: str) -> dict:
-    denominator = losses.global_denominator(response_mask(mini), config.loss_agg_mode)
-    pieces = micro_batches(local_rows(mini), config, engine)
+    denominator = _denominator(response_mask(mini), config.loss_agg_mode)
+    pieces = micro_batch_plan(mini, config, engine).batches
     # megatron divides each micro-batch loss by the micro-batch count and DDP averages over DP;
     # with a global denominator the sum over all of them is the mini-batch loss
     scale = len(pieces) * dp_rank_size()[1]
