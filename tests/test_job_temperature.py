@@ -14,11 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT, RESPONSE = 4, 2
 
 
-def _config(temperature: float, tmp_path) -> JobConfig:
+def _config(temperature: float, tmp_path, *overrides: str) -> JobConfig:
     return load_job_config(os.path.join(ROOT, "configs", "grpo_demo.yaml"), [
         f"output_dir={tmp_path}", f"rollout.temperature={temperature}", "rollout.prompts_per_step=16",
         "rollout.samples_per_prompt=4", f"task.response_length={RESPONSE}",
-        "actor.micro_batch_size=32", "actor.ppo_mini_batch_size=64",
+        "actor.micro_batch_size=32", "actor.ppo_mini_batch_size=64", *overrides,
     ])
 
 
@@ -42,7 +42,7 @@ def _hf_logits(cfg: JobConfig, input_ids: torch.Tensor) -> torch.Tensor:
 
     with torch.no_grad():
         logits = tiny_hf_model(cfg.model.tiny).eval()(input_ids).logits.float()
-    return logits[:, PROMPT - 1 : PROMPT + RESPONSE - 1]
+    return logits[:, -RESPONSE - 1 : -1]
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +75,15 @@ def test_sampler_draws_at_rollout_temperature(rollouts):
     # T=1e-4 is greedy wherever the top-2 margin is clear; T=2 is not
     assert torch.equal(cold["responses"][cold["clear"]], cold["greedy"][cold["clear"]])
     assert (hot["responses"] != hot["greedy"]).float().mean() > 0.5
+
+
+def test_sampler_with_sequence_parallel_and_odd_length(tmp_path):
+    # S = 5 + 2 = 7 does not divide by tp=2: the micro-batcher left-pads a column, and the
+    # sampler must still read the logits of the last real position (greedy at T=1e-4)
+    cfg = _config(1e-4, tmp_path, "layout.sequence_parallel=true", "task.prompt_length=5")
+    batch = run_ranks(2, _rollouts, [cfg])[0][0]
+    assert batch["input_ids"].shape[1] == 7
+    top2 = _hf_logits(cfg, batch["input_ids"]).topk(2, dim=-1)
+    clear = (top2.values[..., 0] - top2.values[..., 1]) > 2e-3
+    assert clear.float().mean() > 0.8
+    assert torch.equal(batch["responses"][clear], top2.indices[..., 0][clear])

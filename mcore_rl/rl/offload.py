@@ -120,7 +120,7 @@ class Offloader:
         for storage in self.storages():
             on_cuda |= storage.device.type == "cuda"
             device_bytes = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=storage.device.type == "cuda")  # host: the offload copy
             host.copy_(device_bytes)
             freed += storage.nbytes()
             storage.resize_(0)

@@ -8,12 +8,13 @@ sequence; it is for tiny models and tests. The sampling temperature is an explic
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from megatron.core import parallel_state
 
 from mcore_rl.rl.actor import Actor
-from mcore_rl.rl.minibatch import local_rows, micro_batches
-from mcore_rl.rl.batch import concat_rows
+from mcore_rl.rl.minibatch import local_rows, micro_batch_plan
 from mcore_rl.rl.engine import gather_dp
 from mcore_rl.errors import McoreRLError
 from mcore_rl.platform import active_platform
@@ -71,17 +72,20 @@ def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: f
         + parallel_state.get_tensor_model_parallel_rank()
     )
     engine.train(False)
+    # fixed micro-batches: dynamic ones would trim the empty response columns sampled next
+    config = replace(actor.config, max_tokens_per_micro_batch=None)
     for step in range(response_length):
-        position = p + step - 1  # this position's logits predict the next token
+        # counted from the end: the micro-batcher may left-pad columns (sequence parallel)
+        from_end = p + step - 1 - ids.shape[1]  # these logits predict the next token
 
         def loss_fn(mb: dict, output: Tensor):
-            token = sample_vocab_parallel(output[:, position], vocab, temperature, generator)
-            return output.sum() * 0.0, {"token": token}
+            token = sample_vocab_parallel(output[:, from_end], vocab, temperature, generator)
+            return output.sum() * 0.0, {"token": token.unsqueeze(1)}
 
         batch = {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:]}
-        local = local_rows(batch)
-        pieces = engine.run(micro_batches(local, actor.config, engine), loss_fn, True)
-        tokens = gather_dp(concat_rows(pieces, local["input_ids"].shape[0])["token"])
+        plan = micro_batch_plan(local_rows(batch), config, engine)
+        pieces = engine.run(plan.batches, loss_fn, True)
+        tokens = gather_dp(plan.restore([piece["token"] for piece in pieces])[:, 0])
         ids[:, p + step] = tokens
         mask[:, p + step] = 1
     return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:].clone()}
