@@ -2,6 +2,8 @@
 the platform can be set up again after a teardown and megatron runs."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -90,3 +92,38 @@ def test_scope_nesting_teardown_and_setup_again(tmp_path):
     assert out["pinned_kept"]
     assert out["restored_after_teardown"] == []
     assert out["again_equal"]
+
+
+_IMPORT_AFTER_SETUP = """
+import sys, torch
+from mcore_rl.platform import init_distributed, setup_platform
+from mcore_rl.platform.cpu_shim import NamespaceProxy
+
+platform = setup_platform("cpu")
+assert "megatron.core.models.gpt.gpt_model" not in sys.modules
+init_distributed(platform, 0, 1, init_method="file://" + sys.argv[2])
+from tests.steps import forward_outputs  # imports megatron's model, DDP, optimizer modules now
+from tests.tiny import padded_batch
+
+out = forward_outputs(sys.argv[1], {}, "actor", padded_batch(200))
+gpt = sys.modules["megatron.core.models.gpt.gpt_model"]
+torch.save({"out": out, "proxied": isinstance(gpt.torch, NamespaceProxy)}, sys.argv[3])
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_megatron_imported_after_setup_gets_the_shim(tmp_path):
+    # a trainer may set the platform up before importing mcore_rl's model code: megatron modules
+    # imported later get the CPU view through the import hook
+    d = str(tmp_path / "llama")
+    tiny_hf_model(tiny_config("llama", num_hidden_layers=2)).save_pretrained(d)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [d, str(tmp_path / "store"), str(tmp_path / "out.pt")]
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_AFTER_SETUP, *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert result["proxied"]
+    (forked,) = run_ranks(1, forward_outputs, d, {}, "actor", padded_batch(200))
+    assert torch.equal(result["out"], forked)
