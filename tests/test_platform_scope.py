@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.steps import forward_outputs
+from tests.steps import forward_outputs, train_step
 from tests.tiny import padded_batch, tiny_config, tiny_hf_model
 
 
@@ -101,13 +101,14 @@ from mcore_rl.platform.cpu_shim import NamespaceProxy
 
 platform = setup_platform("cpu")
 assert "megatron.core.models.gpt.gpt_model" not in sys.modules
+assert "megatron.core.transformer.attention" not in sys.modules
 init_distributed(platform, 0, 1, init_method="file://" + sys.argv[2])
-from tests.steps import forward_outputs  # imports megatron's model, DDP, optimizer modules now
-from tests.tiny import padded_batch
+from tests.steps import train_step  # imports megatron's model, DDP, schedule modules now
 
-out = forward_outputs(sys.argv[1], {}, "actor", padded_batch(200))
-gpt = sys.modules["megatron.core.models.gpt.gpt_model"]
-torch.save({"out": out, "proxied": isinstance(gpt.torch, NamespaceProxy)}, sys.argv[3])
+out = train_step(sys.argv[1], {})
+late = ("megatron.core.models.gpt.gpt_model", "megatron.core.transformer.attention")
+proxied = [isinstance(sys.modules[name].torch, NamespaceProxy) for name in late]
+torch.save({"grads": out["grads"], "outputs": out["outputs"], "proxied": proxied}, sys.argv[3])
 torch.distributed.destroy_process_group()
 """
 
@@ -124,6 +125,8 @@ def test_megatron_imported_after_setup_gets_the_shim(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert result["proxied"]
-    (forked,) = run_ranks(1, forward_outputs, d, {}, "actor", padded_batch(200))
-    assert torch.equal(result["out"], forked)
+    assert result["proxied"] == [True, True]
+    (forked,) = run_ranks(1, train_step, d, {})  # megatron imported before setup, then forked
+    assert torch.equal(result["outputs"], forked["outputs"])
+    assert result["grads"].keys() == forked["grads"].keys()
+    assert all(torch.equal(g, forked["grads"][k]) for k, g in result["grads"].items())
