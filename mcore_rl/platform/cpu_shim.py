@@ -78,18 +78,14 @@ def _build_proxies() -> list[tuple[types.ModuleType, NamespaceProxy]]:
     return [(torch.cuda, cuda), (dist, dist_proxy), (torch, NamespaceProxy(torch, torch_overrides))]
 
 
-def _caller_is_shimmed() -> bool:
-    # frame 0: this function, 1: the method wrapper, 2: the code that called the method
-    return _is_shimmed(sys._getframe(2).f_globals.get("__name__") or "")
-
-
 def _gated(original: Callable, for_megatron: Callable) -> Callable:
     """A method that runs ``for_megatron(original, self, ...)`` for calls from megatron's code
     and ``original(self, ...)`` for everyone else."""
 
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _caller_is_shimmed():
+        # inlined (user code pays this on every call): frame 1 is the code calling the method
+        if (sys._getframe(1).f_globals.get("__name__") or "").startswith(_SHIMMED_PREFIX):
             return for_megatron(original, self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
