@@ -158,3 +158,12 @@ def test_gloo_uneven_all_gather_and_reduce_scatter():
     for rank, result in enumerate(run_ranks(2, _uneven_collectives)):
         assert [p.tolist() for p in result["gathered"]] == [[[1.0, 1.0]], [[2.0, 2.0]] * 2]
         assert torch.equal(result["reduced"], torch.full((rank + 1, 2), 3.0))
+
+
+def test_unknown_device_type_is_refused():
+    from mcore_rl.errors import McoreRLError
+    from mcore_rl.platform import setup_platform
+
+    with pytest.raises(McoreRLError, match="device_type='tpu'; use 'cuda', 'cpu' or None"):
+        setup_platform("tpu")
+    assert platform_mod._active is None

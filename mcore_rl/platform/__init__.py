@@ -79,7 +79,13 @@ def _acquire(device_type: Literal["cuda", "cpu"] | None) -> Platform:
     else:
         _previous_cuda_device = torch.cuda.current_device()
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    fixes = apply_fixes(on_cpu=device_type == "cpu")
+    try:
+        fixes = apply_fixes(on_cpu=device_type == "cpu")
+    except BaseException:  # leave the process as it was
+        if _shim is not None:
+            _shim.deactivate()
+        _shim = None
+        raise
     has_te = device_type == "cuda" and importlib.util.find_spec("transformer_engine") is not None
     _active = Platform(
         device_type=device_type,
