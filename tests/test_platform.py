@@ -1,6 +1,10 @@
 """The platform layer: nothing happens at import; setup makes megatron's CUDA-assuming calls land
-on the CPU in every rank; RNG tracker streams behave as on GPU; fixes are version-gated."""
+on the CPU in every rank, for megatron's code only; RNG tracker streams behave as on GPU; fixes are
+version-gated."""
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
@@ -14,26 +18,42 @@ from tests.dist import run_ranks
 
 def test_import_patches_nothing():
     # pytest's own process imported all of mcore_rl but never called setup_platform
+    import megatron.core.utils as mutils
+
     assert platform_mod._active is None
     assert not hasattr(torch.zeros, "__wrapped__")
     assert not hasattr(torch.Tensor.to, "__wrapped__")
+    assert mutils.torch is torch
     with pytest.raises((RuntimeError, AssertionError)):
         torch.cuda.current_device()
 
 
-def _cuda_calls_land_on_cpu():
-    from megatron.core import tensor_parallel
+def as_megatron_code(fn, module: str = "megatron.core.utils"):
+    """``fn`` re-bound to a megatron module's globals: it runs as code of that module would."""
+    namespace = vars(sys.modules[module])
+    return types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
 
+
+def _cuda_intent_calls():
+    # runs with megatron.core.utils' globals: `torch` is whatever megatron's code sees there
     out = {
         "literal": torch.empty(3, device="cuda").device.type,
         "ordinal": torch.zeros(2, device=torch.cuda.current_device()).device.type,
         "dot_cuda": torch.ones(2).cuda().device.type,
         "to": torch.ones(2).to(torch.device("cuda", 0)).device.type,
         "new": torch.ones(2).new_zeros(3, device="cuda").device.type,
+        "type": torch.ones(2).type(),
     }
     torch.cuda.synchronize()
     with torch.cuda.stream(torch.cuda.Stream()):
         torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
+    return out
+
+
+def _megatron_calls_land_on_cpu():
+    from megatron.core import tensor_parallel
+
+    out = as_megatron_code(_cuda_intent_calls)()
     # megatron's tracker: forked regions draw from their own saved stream, the default continues
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.add("test-stream", 1234)
@@ -48,8 +68,9 @@ def _cuda_calls_land_on_cpu():
     return out
 
 
-def test_cuda_calls_land_on_cpu_in_ranks():
-    for result in run_ranks(2, _cuda_calls_land_on_cpu):
+def test_megatron_cuda_calls_land_on_cpu_in_ranks():
+    for result in run_ranks(2, _megatron_calls_land_on_cpu):
+        assert result.pop("type") == "torch.cuda.FloatTensor"
         assert set(result.values()) == {"cpu"}, result
 
 
@@ -75,7 +96,7 @@ def test_model_parallel_rng_streams():
 def _shim_is_needed():
     platform_mod._shim.deactivate()
     try:
-        torch.empty(3, device=torch.cuda.current_device())
+        as_megatron_code(_cuda_intent_calls)()
     except (RuntimeError, AssertionError) as e:
         return f"raised: {e}"
     return "no error"
@@ -119,14 +140,17 @@ def test_fixes_are_version_gated(monkeypatch):
 
 
 def _uneven_collectives():
-    rank = torch.distributed.get_rank()
-    mine = torch.full((rank + 1, 2), float(rank + 1))  # rank r holds r + 1 rows
-    pieces = [torch.empty(r + 1, 2) for r in range(2)]
-    torch.distributed.all_gather(pieces, mine)
-    inputs = [torch.full((r + 1, 2), float(rank + 1)) for r in range(2)]
-    out = torch.empty(rank + 1, 2)
-    torch.distributed.reduce_scatter(out, inputs)
-    return {"gathered": pieces, "reduced": out}
+    def collectives():  # run as megatron's MoE dispatchers would call them
+        rank = torch.distributed.get_rank()
+        mine = torch.full((rank + 1, 2), float(rank + 1))  # rank r holds r + 1 rows
+        pieces = [torch.empty(r + 1, 2) for r in range(2)]
+        torch.distributed.all_gather(pieces, mine)
+        inputs = [torch.full((r + 1, 2), float(rank + 1)) for r in range(2)]
+        out = torch.empty(rank + 1, 2)
+        torch.distributed.reduce_scatter(out, inputs)
+        return {"gathered": pieces, "reduced": out}
+
+    return as_megatron_code(collectives, "megatron.core.tensor_parallel.mappings")()
 
 
 def test_gloo_uneven_all_gather_and_reduce_scatter():
@@ -134,3 +158,12 @@ def test_gloo_uneven_all_gather_and_reduce_scatter():
     for rank, result in enumerate(run_ranks(2, _uneven_collectives)):
         assert [p.tolist() for p in result["gathered"]] == [[[1.0, 1.0]], [[2.0, 2.0]] * 2]
         assert torch.equal(result["reduced"], torch.full((rank + 1, 2), 3.0))
+
+
+def test_unknown_device_type_is_refused():
+    from mcore_rl.errors import McoreRLError
+    from mcore_rl.platform import setup_platform
+
+    with pytest.raises(McoreRLError, match="device_type='tpu'; use 'cuda', 'cpu' or None"):
+        setup_platform("tpu")
+    assert platform_mod._active is None

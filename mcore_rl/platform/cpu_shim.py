@@ -1,271 +1,220 @@
-"""Lets megatron-core's CUDA-assuming code run unchanged on a CPU-only torch build.
+"""Lets megatron-core's CUDA-assuming code run unchanged on a CPU-only torch build, and nothing else.
 
-Three pieces, installed together by :func:`activate` (called only from
-``mcore_rl.platform.setup_platform``, never at import):
+Only megatron-core's code sees the CPU stand-ins (:mod:`mcore_rl.platform.cpu_standins`); a
+trainer's own torch code in the same process (a HF reward or reference model, its collectives)
+sees torch exactly as without the shim. Two mechanisms, installed by :meth:`CpuShim.activate`
+(called only from ``mcore_rl.platform``, never at import) and undone by :meth:`CpuShim.deactivate`:
 
-1. Device remap: torch's tensor factories, ``Tensor.new_*``, ``Tensor.to``/``Module.to`` and
-   ``.cuda()`` are wrapped so that megatron's ``device=torch.cuda.current_device()`` (0) and
-   ``'cuda'`` placements land on the CPU. Plain patches rather than a TorchFunctionMode: a mode
-   is popped while its handler runs, so code inside ``torch.autograd.backward`` (megatron's
-   custom backward functions allocate there) would escape it; it is also thread-local.
-2. ``torch.cuda`` stand-ins: ``current_device`` (0, remapped by the mode), ``synchronize``,
-   streams and events as no-ops, since on CPU every op is already synchronous.
-   ``Tensor.type()`` reports CUDA type names, which megatron's optimizers check.
-3. gloo collectives: megatron's MoE dispatchers call list-form ``all_gather``/``reduce_scatter``
-   with uneven pieces, which NCCL accepts and gloo refuses; these are done by padding/reducing.
-4. The CUDA RNG is the CPU generator: megatron's RNG tracker forks/restores the "cuda" state
-   around tensor-parallel regions; on CPU that state is ``torch.get_rng_state()``.
+1. Namespace proxies. Every ``megatron.*`` module whose globals hold ``torch``, ``torch.cuda``
+   or ``torch.distributed`` (``import torch.distributed as dist``) gets a proxy module in their
+   place: its tensor factories remap CUDA devices to the CPU, its ``cuda`` has the stand-ins,
+   its ``distributed`` has gloo's uneven ``all_gather``/``reduce_scatter``; every other name is
+   read from the real module at each access. megatron modules imported later are patched by an
+   import hook. The torch module itself is never modified, so e.g. torch's device-context
+   constructor table (which transformers' meta-device loading relies on) stays intact.
+   Proxies are globals, not a TorchFunctionMode: a mode is popped while its handler runs and is
+   thread-local, so allocations inside megatron's custom autograd backward would escape it.
+2. Caller-gated methods. ``Tensor.to/.cuda/.new_*/.type/.pin_memory/.record_stream`` and
+   ``Module.to/.cuda`` are methods of shared classes; their wrappers apply the CPU behaviour only
+   when the calling frame belongs to a ``megatron.`` module and otherwise call the original with
+   the same arguments.
 
-``torch.cuda.is_available()`` stays False so code that branches on it keeps its CPU path.
+``torch.cuda.is_available()`` stays False everywhere, so code that branches on it keeps its CPU
+path.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
+import importlib.abc
+import sys
+import types
 from typing import Any, Callable
 
 import torch
 
-_CPU = torch.device("cpu")
+from mcore_rl.platform import cpu_standins as cs
+
+_SHIMMED_PREFIX = "megatron."  # modules whose code sees the CPU view of torch
 
 
-def _cpu_if_cuda(device: Any) -> Any:
-    """Maps any CUDA device spelling (int ordinal, 'cuda[:n]', torch.device) to CPU."""
-    if isinstance(device, bool):
-        return device
-    if isinstance(device, int):
-        return _CPU
-    if isinstance(device, str) and device.startswith("cuda"):
-        return _CPU
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return _CPU
-    return device
+def _is_shimmed(module_name: str) -> bool:
+    return module_name == "megatron" or module_name.startswith(_SHIMMED_PREFIX)
 
 
-def _remap_device(fn: Callable) -> Callable:
-    """Wraps a tensor factory so ``device=<cuda>`` lands on the CPU and pin_memory is dropped."""
+class NamespaceProxy(types.ModuleType):
+    """Stands in for a module (``torch``, ``torch.cuda``, ``torch.distributed``) in megatron's
+    globals: its overrides first, every other attribute read from the real module on access."""
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
-        if kwargs.get("pin_memory"):
-            kwargs["pin_memory"] = False
-        return fn(*args, **kwargs)
+    def __init__(self, target: types.ModuleType, overrides: dict[str, Any]) -> None:
+        super().__init__(target.__name__, target.__doc__)
+        for dunder in ("__package__", "__loader__", "__spec__"):
+            del self.__dict__[dunder]  # read from the target instead of None
+        self.__dict__.update(overrides)
+        self.__dict__["_mcore_rl_target"] = target
 
-    return wrapper
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_mcore_rl_target"], name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.__dict__["_mcore_rl_target"], name, value)  # writes reach the real module
 
-def _remap_to(fn: Callable) -> Callable:
-    """Tensor.to / Module.to: a CUDA target (positional or keyword) becomes the CPU."""
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(self.__dict__["_mcore_rl_target"])) | set(self.__dict__))
 
-    @functools.wraps(fn)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            args = (_cpu_if_cuda(args[0]), *args[1:])
-        if "device" in kwargs:
-            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
-        return fn(self, *args, **kwargs)
-
-    return wrapper
+    def __repr__(self) -> str:
+        return f"<mcore_rl CPU view of module {self.__name__!r}>"
 
 
-def _cuda_type_names(original: Callable) -> Callable:
-    """``Tensor.type()`` with no argument reports CPU tensors under their CUDA type names:
-    megatron's optimizers check ``param.type() == 'torch.cuda.FloatTensor'``."""
+def _build_proxies() -> list[tuple[types.ModuleType, NamespaceProxy]]:
+    """(real module, proxy) for torch.cuda, torch.distributed and torch."""
+    dist = torch.distributed
+    cuda = NamespaceProxy(torch.cuda, dict(cs.TORCH_CUDA_STANDINS))
+    dist_proxy = NamespaceProxy(dist, {
+        "all_gather": cs.uneven_all_gather(dist.all_gather),
+        "reduce_scatter": cs.uneven_reduce_scatter(dist.all_reduce, dist.reduce_scatter),
+    })
+    torch_overrides: dict[str, Any] = {name: cs.remap_factory(getattr(torch, name)) for name in cs.FACTORIES}
+    torch_overrides.update(cuda=cuda, distributed=dist_proxy)
+    return [(torch.cuda, cuda), (dist, dist_proxy), (torch, NamespaceProxy(torch, torch_overrides))]
+
+
+def _gated(original: Callable, for_megatron: Callable) -> Callable:
+    """A method that runs ``for_megatron(original, self, ...)`` for calls from megatron's code
+    and ``original(self, ...)`` for everyone else."""
 
     @functools.wraps(original)
-    def type_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        name = original(self, *args, **kwargs)
-        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") \
-                and not name.startswith("torch.cuda.") and self.device.type == "cpu":
-            return "torch.cuda." + name[len("torch."):]
-        return name
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # inlined (user code pays this on every call): frame 1 is the code calling the method
+        if (sys._getframe(1).f_globals.get("__name__") or "").startswith(_SHIMMED_PREFIX):
+            return for_megatron(original, self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    return type_
+    return method
 
 
-def _identity(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _to_cpu(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    args, kwargs = cs.remap_to_args(args, kwargs)
+    return original(self, *args, **kwargs)
+
+
+def _new_on_cpu(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    return original(self, *args, **cs.remap_factory_kwargs(kwargs))
+
+
+def _stay(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
     return self
 
 
-def _no_op(*args: Any, **kwargs: Any) -> None:
+def _skip(original: Callable, self: Any, *args: Any, **kwargs: Any) -> None:
     return None
 
 
-# torch factories megatron-core calls with device=torch.cuda.current_device() or 'cuda'.
-_FACTORIES = (
-    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "linspace",
-    "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_like", "zeros_like",
-    "ones_like", "full_like", "rand_like", "randn_like", "randint_like", "empty_strided",
-    "scalar_tensor",
-)
-_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+def _cuda_type(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    name = original(self, *args, **kwargs)
+    return cs.cuda_type_name(name, self) if not args and not kwargs else name
 
 
-class _NoOpEvent:
-    """CUDA event stand-in: CPU work is complete when the call returns."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
+def _method_patches() -> list[tuple[type, str, Callable]]:
+    """(class, method name, megatron behaviour) for the methods megatron calls with CUDA intent."""
+    patches: list[tuple[type, str, Callable]] = [
+        (torch.Tensor, "to", _to_cpu), (torch.nn.Module, "to", _to_cpu),
+        (torch.Tensor, "cuda", _stay), (torch.nn.Module, "cuda", _stay),
+        (torch.Tensor, "pin_memory", _stay), (torch.Tensor, "type", _cuda_type),
+        (torch.Tensor, "record_stream", _skip),
+    ]
+    patches += [(torch.Tensor, name, _new_on_cpu) for name in cs.TENSOR_FACTORIES]
+    return patches
 
 
-class _NoOpStream:
-    """CUDA stream stand-in: one implicit in-order CPU stream."""
+class _PatchAfterExec(importlib.abc.Loader):
+    """Runs the real loader, then gives the new megatron module its proxies."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    def __init__(self, loader: Any, patch: Callable[[types.ModuleType], None]) -> None:
+        self._loader, self._patch = loader, patch
 
-    def wait_stream(self, stream: Any) -> None:
-        pass
+    def create_module(self, spec: Any) -> Any:
+        return self._loader.create_module(spec)
 
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> _NoOpEvent:
-        return event or _NoOpEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def __enter__(self) -> "_NoOpStream":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__loader__ = self._loader  # the module keeps its real loader (inspect, linecache)
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        self._patch(module)
 
 
-_DEFAULT_STREAM = _NoOpStream()
+class _MegatronImportHook(importlib.abc.MetaPathFinder):
+    """Finds megatron modules with the other finders and patches them once they have run."""
 
+    def __init__(self, patch: Callable[[types.ModuleType], None]) -> None:
+        self._patch = patch
 
-def _uneven_all_gather(original: Callable) -> Callable:
-    """gloo's all_gather needs equal sizes; megatron's MoE dispatchers gather uneven token counts
-    (NCCL allows it). Pads to the largest piece, gathers, and copies each piece out."""
-
-    @functools.wraps(original)
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        sizes = [t.shape[0] for t in tensor_list]
-        if len(set(sizes)) == 1 or async_op or tensor.dim() == 0:
-            return original(tensor_list, tensor, group=group, async_op=async_op)
-        longest = max(sizes)
-        padded = tensor.new_zeros(longest, *tensor.shape[1:])
-        padded[: tensor.shape[0]] = tensor
-        pieces = [torch.empty_like(padded) for _ in sizes]
-        original(pieces, padded, group=group)
-        for out, piece, n in zip(tensor_list, pieces, sizes):
-            out.copy_(piece[:n])
-        return None
-
-    return all_gather
-
-
-def _uneven_reduce_scatter(all_reduce: Callable, original: Callable) -> Callable:
-    """gloo has no list-form reduce_scatter; megatron's MoE combine uses it with uneven pieces.
-    Reduces the concatenation and keeps this rank's piece."""
-
-    @functools.wraps(original)
-    def reduce_scatter(output, input_list, op=None, group=None, async_op=False):
-        if async_op:
-            return original(output, input_list, op=op, group=group, async_op=async_op)
-        full = torch.cat(list(input_list))
-        kwargs = {"group": group} if op is None else {"group": group, "op": op}
-        all_reduce(full, **kwargs)
-        rank = torch.distributed.get_rank(group)
-        start = sum(t.shape[0] for t in input_list[:rank])
-        output.copy_(full[start : start + input_list[rank].shape[0]])
-        return None
-
-    return reduce_scatter
-
-
-def _cpu_manual_seed(seed: int) -> None:
-    torch.default_generator.manual_seed(int(seed))
-
-
-def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
-    return torch.get_rng_state()
-
-
-def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
-    torch.set_rng_state(new_state)
-
-
-# name -> CPU stand-in for attributes of torch.cuda that megatron-core calls unconditionally.
-_TORCH_CUDA_STANDINS = {
-    "current_device": lambda: 0,
-    "set_device": lambda device: None,
-    "synchronize": lambda device=None: None,
-    "Stream": _NoOpStream,
-    "Event": _NoOpEvent,
-    "current_stream": lambda device=None: _DEFAULT_STREAM,
-    "default_stream": lambda device=None: _DEFAULT_STREAM,
-    "set_stream": lambda stream: None,
-    "stream": lambda stream=None: contextlib.nullcontext(stream),
-    "manual_seed": _cpu_manual_seed,
-    "manual_seed_all": _cpu_manual_seed,
-    "get_rng_state": _cpu_get_rng_state,
-    "set_rng_state": _cpu_set_rng_state,
-    "empty_cache": lambda: None,
-    "memory_allocated": lambda device=None: 0,
-    "max_memory_allocated": lambda device=None: 0,
-    "memory_reserved": lambda device=None: 0,
-}
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if not _is_shimmed(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchAfterExec(spec.loader, self._patch)
+        return spec
 
 
 class CpuShim:
-    """Holds what :func:`activate` replaced so tests can undo it (``deactivate``)."""
+    """Installs the CPU view of torch for megatron-core; ``deactivate`` restores every object."""
 
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any]] = []
+        self._proxies: list[tuple[types.ModuleType, NamespaceProxy]] = []
+        self._hook: _MegatronImportHook | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._hook is not None
 
     def _replace(self, owner: Any, name: str, value: Any) -> None:
         self.saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
+    def patch_module(self, module: types.ModuleType) -> None:
+        """Replaces torch / torch.cuda / torch.distributed in a megatron module's globals."""
+        namespace = getattr(module, "__dict__", None)
+        if not self.active or not isinstance(namespace, dict):
+            return
+        for name, value in list(namespace.items()):
+            for real, proxy in self._proxies:
+                if value is real:
+                    self._replace(module, name, proxy)
+
     def activate(self) -> None:
+        """Gives megatron's loaded and future modules the CPU view; gates the shared methods."""
+        if self.active:
+            return
         import megatron.core.tensor_parallel.random as mrandom
 
-        for name, value in _TORCH_CUDA_STANDINS.items():
-            self._replace(torch.cuda, name, value)
-        self._replace(torch.cuda.random, "get_rng_state", _cpu_get_rng_state)
-        self._replace(torch.cuda.random, "set_rng_state", _cpu_set_rng_state)
-        # megatron's tracker reads/writes the CUDA generator through these two module functions.
-        self._replace(mrandom, "_get_cuda_rng_state", _cpu_get_rng_state)
-        self._replace(mrandom, "_set_cuda_rng_state", _cpu_set_rng_state)
-        for name in _FACTORIES:
-            self._replace(torch, name, _remap_device(getattr(torch, name)))
-        for name in _TENSOR_FACTORIES:
-            self._replace(torch.Tensor, name, _remap_device(getattr(torch.Tensor, name)))
-        self._replace(torch.Tensor, "to", _remap_to(torch.Tensor.to))
-        self._replace(torch.nn.Module, "to", _remap_to(torch.nn.Module.to))
-        for owner in (torch.Tensor, torch.nn.Module):
-            self._replace(owner, "cuda", _identity)
-        self._replace(torch.Tensor, "pin_memory", _identity)
-        self._replace(torch.Tensor, "type", _cuda_type_names(torch.Tensor.type))
-        self._replace(torch.Tensor, "record_stream", _no_op)
-        dist = torch.distributed
-        self._replace(dist, "all_gather", _uneven_all_gather(dist.all_gather))
-        self._replace(dist, "reduce_scatter", _uneven_reduce_scatter(dist.all_reduce, dist.reduce_scatter))
+        self._proxies = _build_proxies()
+        self._hook = _MegatronImportHook(self.patch_module)
+        sys.meta_path.insert(0, self._hook)
+        for module_name, module in list(sys.modules.items()):
+            if _is_shimmed(module_name) and module is not None:
+                self.patch_module(module)
+        # megatron's RNG tracker reads/writes the CUDA generator through these two functions.
+        self._replace(mrandom, "_get_cuda_rng_state", cs.cpu_get_rng_state)
+        self._replace(mrandom, "_set_cuda_rng_state", cs.cpu_set_rng_state)
+        for owner, name, for_megatron in _method_patches():
+            self._replace(owner, name, _gated(getattr(owner, name), for_megatron))
 
     def deactivate(self) -> None:
+        """Restores every replaced object and removes the import hook."""
+        if self._hook is not None and self._hook in sys.meta_path:
+            sys.meta_path.remove(self._hook)
+        self._hook = None
         for owner, name, value in reversed(self.saved):
             setattr(owner, name, value)
         self.saved.clear()
+        self._proxies = []

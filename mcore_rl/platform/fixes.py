@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
-
 from packaging.version import Version
+
+from mcore_rl.errors import McoreRLError
+
+
+class FixError(McoreRLError, LookupError):
+    """A fix was named that is not applied."""
 
 
 @dataclass(frozen=True)
@@ -72,33 +77,26 @@ def _cpu_splits_as_numpy() -> Callable[[], None]:
 
 
 def _experts_reduce_over_expert_dp() -> Callable[[], None]:
-    """Expert linears set ``allreduce = not (is_expert and ep > 1)``: with ep == 1 their grads
-    go to the dense DP group even when etp != tp gives experts another data-parallel group, so
-    DDP averages grads of different expert shards (tp=1/etp=2) or skips the expert-DP sum
-    (tp=2/etp=1). Expert parameters always belong to the expert-DP group."""
-    from megatron.core.tensor_parallel import layers
+    """Every expert class sets its own ``allreduce`` flag as ``not (is_expert and ep > 1)``
+    (local ``ColumnParallelLinear``/``RowParallelLinear`` in ``SequentialMLP``, ``GroupedMLP``'s
+    weights, TE's grouped linears in ``TEGroupedMLP``): with ep == 1 their grads go to the dense
+    DP group even when etp != tp gives experts another data-parallel group, so DDP averages grads
+    of different expert shards (tp=1/etp=2) or skips the expert-DP sum (tp=2/etp=1). Fixed where
+    all expert specs meet: after ``MoELayer`` builds its experts module, every parameter of the
+    routed experts belongs to the expert-DP group (``allreduce=False``); shared experts and the
+    router stay dense."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    originals = {cls: cls.__init__ for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear)}
+    original = MoELayer.__dict__["__init__"]
 
-    def wrap(init):
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            init(self, *args, **kwargs)
-            if getattr(self, "is_expert", False):
-                for param in (getattr(self, "weight", None), getattr(self, "bias", None)):
-                    if isinstance(param, torch.nn.Parameter):
-                        param.allreduce = False
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for param in self.experts.parameters():
+            param.allreduce = False
 
-        return __init__
-
-    for cls, init in originals.items():
-        cls.__init__ = wrap(init)
-
-    def undo() -> None:
-        for cls, init in originals.items():
-            cls.__init__ = init
-
-    return undo
+    MoELayer.__init__ = __init__
+    return lambda: setattr(MoELayer, "__init__", original)
 
 
 FIXES: list[Fix] = [
@@ -151,4 +149,14 @@ def apply_fixes(on_cpu: bool, only: set[str] | None = None) -> list[str]:
 
 def revert_fix(name: str) -> None:
     """Undoes an applied fix in this process (tests use it to show the defect comes back)."""
+    if name not in _undo:
+        raise FixError(f"fix {name!r} is not applied in this process (applied: {sorted(_undo)})")
     _undo.pop(name)()
+
+
+def revert_fixes(names: Iterable[str]) -> None:
+    """Undoes those of ``names`` that are still applied (teardown; a test may have reverted one)."""
+    for name in reversed(list(names)):
+        if name in _undo:
+            _undo.pop(name)()
+
