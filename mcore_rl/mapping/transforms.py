@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from mcore_rl.errors import McoreRLError
 
 Tensor = torch.Tensor
 
@@ -61,9 +62,16 @@ class Transform:
         return torch.cat(locals_, dim=self.split_dim)
 
 
+class ShardError(McoreRLError, ValueError):
+    """A tensor that cannot be split over the tensor-parallel ranks as its transform says."""
+
+
 def _chunk(full: Tensor, dim: int, rank: int, size: int) -> Tensor:
     if full.shape[dim] % size != 0:
-        raise ValueError(f"dim {dim} of shape {tuple(full.shape)} does not divide by TP={size}")
+        raise ShardError(
+            f"dim {dim} of shape {tuple(full.shape)} does not divide by TP={size}; the model config "
+            "does not fit this tensor-parallel size."
+        )
     return full.chunk(size, dim=dim)[rank]
 
 

@@ -225,7 +225,7 @@ def build_model(
     Megatron's parallel state must already be initialized for ``layout``.
     """
     if role not in ("actor", "critic"):
-        raise ValueError(f"role={role!r}; use 'actor' or 'critic'.")
+        raise ConfigError(f"role={role!r}; use 'actor' or 'critic'.")
     config = transformer_config(args, layout, options, platform)
     stages = range(layout.vpp) if layout.vpp else [None]
     chunks = [_build_chunk(args, config, role, platform, vp) for vp in stages]

@@ -10,7 +10,7 @@ from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.transforms import Dims
 from mcore_rl.mapping.weights import WeightMap, export_hf_weights, load_hf_weights
 from mcore_rl.models.builder import Role, padded_vocab_size
-from mcore_rl.models.hf_config import ModelArgs
+from mcore_rl.models.hf_config import ConfigError, ModelArgs
 
 
 def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> WeightMap:
@@ -57,7 +57,7 @@ def load_hf(
     from megatron.core import parallel_state
 
     if init_value_head and role != "critic":
-        raise ValueError("init_value_head=True is for role='critic' only.")
+        raise ConfigError("init_value_head=True is for role='critic' only; an actor keeps its LM head.")
     if isinstance(source, (str, os.PathLike)):
         source = SafetensorsReader(source)
     tp = parallel_state.get_tensor_model_parallel_world_size()

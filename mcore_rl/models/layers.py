@@ -18,6 +18,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from mcore_rl.parallel.layout import LayoutError
 
 Tensor = torch.Tensor
 
@@ -44,7 +45,7 @@ class TorchCoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size > 1:
-            raise NotImplementedError(
+            raise LayoutError(
                 f"context_parallel_size={config.context_parallel_size}: TorchCoreAttention has no "
                 "context parallelism yet; use cp=1."
             )
@@ -63,7 +64,10 @@ class TorchCoreAttention(MegatronModule):
         packed_seq_params: Any = None,
     ) -> Tensor:
         if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("packed sequences / attention bias are not supported yet")
+            raise LayoutError(
+                "packed sequences and attention bias are not supported by TorchCoreAttention yet; "
+                "pass padded batches without attention_bias."
+            )
         s_q, b, heads, d = query.shape
         s_k = key.shape[0]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]

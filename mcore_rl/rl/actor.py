@@ -16,6 +16,7 @@ from mcore_rl.rl.batch import attended_responses, response_mask, validate_batch
 from mcore_rl.rl.engine import ModelEngine
 from mcore_rl.rl.logprob import log_probs_and_entropy
 from mcore_rl.rl.minibatch import forward_rows, ppo_update, response_logits
+from mcore_rl.models.hf_config import ConfigError
 
 Tensor = torch.Tensor
 UPDATE_KEYS = ("old_log_probs", "advantages")
@@ -85,7 +86,7 @@ class Actor:
     def compute_ref_log_prob(self, batch: dict) -> Tensor:
         """[B, R] log-probs under the frozen reference policy (rows as compute_log_prob)."""
         if self.ref is None:
-            raise ValueError("this Actor has no reference model; pass ref=ModelEngine(...).")
+            raise ConfigError("this Actor has no reference model; pass Actor(..., ref=ModelEngine(...)).")
         return self._forward_log_probs(self.ref, batch, False)["log_probs"]
 
     # ---- update --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from mcore_rl.rl import losses
 from mcore_rl.rl.batch import attended_responses, response_mask, validate_batch
 from mcore_rl.rl.engine import ModelEngine
 from mcore_rl.rl.minibatch import forward_rows, ppo_update, response_logits
+from mcore_rl.models.hf_config import ConfigError
 
 Tensor = torch.Tensor
 
@@ -40,7 +41,7 @@ class Critic:
 
     def __init__(self, engine: ModelEngine, config: CriticConfig):
         if engine.role != "critic":
-            raise ValueError(f"Critic needs an engine built with role='critic', got {engine.role!r}.")
+            raise ConfigError(f"Critic needs an engine built with role='critic', got {engine.role!r}; build it with ModelEngine(..., 'critic', ...).")
         self.engine, self.config = engine, config
 
     @torch.no_grad()

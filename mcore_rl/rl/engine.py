@@ -21,6 +21,7 @@ from mcore_rl.models.hf_weights import load_hf
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.platform import Platform, active_platform
 from mcore_rl.rl.batch import BatchError
+from mcore_rl.models.hf_config import ConfigError
 
 Tensor = torch.Tensor
 
@@ -43,7 +44,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         if self.name == "sgd" and self.use_distributed_optimizer:
-            raise ValueError(
+            raise ConfigError(
                 "name='sgd' needs use_distributed_optimizer=False (megatron's DistributedOptimizer "
                 "supports Adam only)."
             )

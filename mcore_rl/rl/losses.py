@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from mcore_rl.errors import McoreRLError
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
@@ -15,11 +16,15 @@ KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
 _LOG_RATIO_CLAMP = 20.0
 
 
+class LossInputError(McoreRLError, ValueError):
+    """Loss or estimator inputs of the wrong shape, dtype or range; the message says the fix."""
+
+
 def _check_shapes(**tensors: Tensor) -> None:
     shapes = {name: tuple(x.shape) for name, x in tensors.items()}
     if len(set(shapes.values())) > 1:
         listed = ", ".join(f"{name}={shape}" for name, shape in shapes.items())
-        raise ValueError(f"shape mismatch: {listed}; all per-token tensors must be [b, t]")
+        raise LossInputError(f"shape mismatch: {listed}; all per-token tensors must be [b, t]")
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -40,12 +45,12 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, agg_mode: str,
     ranks, so that summing the micro-batch results gives the whole-batch loss.
     """
     if agg_mode not in AGG_MODES:
-        raise ValueError(f"agg_mode={agg_mode!r} is not supported; use one of {', '.join(AGG_MODES)}")
+        raise LossInputError(f"agg_mode={agg_mode!r} is not supported; use one of {', '.join(AGG_MODES)}")
     _check_shapes(loss_mat=loss_mat, mask=mask)
     if isinstance(denominator, Tensor) and denominator.dim() != 0:
-        raise ValueError(f"denominator has shape {tuple(denominator.shape)}; pass a float or 0-dim tensor")
+        raise LossInputError(f"denominator has shape {tuple(denominator.shape)}; pass a float or 0-dim tensor")
     if isinstance(denominator, (int, float)) and denominator <= 0:
-        raise ValueError(f"denominator={denominator} must be > 0; pass the global token/sequence count")
+        raise LossInputError(f"denominator={denominator} must be > 0; pass the global token/sequence count")
     valid = mask.bool()
     masked = torch.where(valid, loss_mat, 0.0)
     if agg_mode == "token-mean":
@@ -70,7 +75,7 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     r = exp(ref - lp) (non-negative, unbiased, low variance). ``abs``: |lp - ref|.
     """
     if kind not in KL_KINDS:
-        raise ValueError(f"kl kind={kind!r} is not supported; use one of {', '.join(KL_KINDS)}")
+        raise LossInputError(f"kl kind={kind!r} is not supported; use one of {', '.join(KL_KINDS)}")
     _check_shapes(log_prob=log_prob, ref_log_prob=ref_log_prob)
     diff = log_prob - ref_log_prob
     if kind == "k1":
@@ -100,9 +105,9 @@ def policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask
     if clip_high is None:
         clip_high = clip_low
     if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low={clip_low}, clip_high={clip_high} must be >= 0; typical is 0.2")
+        raise LossInputError(f"clip_low={clip_low}, clip_high={clip_high} must be >= 0; typical is 0.2")
     if dual_clip_c is not None and dual_clip_c <= 1.0:
-        raise ValueError(f"dual_clip_c={dual_clip_c} must be > 1 (typical 3.0); pass None to disable it")
+        raise LossInputError(f"dual_clip_c={dual_clip_c} must be > 1 (typical 3.0); pass None to disable it")
     _check_shapes(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, mask=mask)
     valid = mask.bool()
     log_ratio = log_prob - old_log_prob
@@ -140,7 +145,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     means ``vf_clipfrac`` (clipped term larger; 0 without clipping) and ``vpred_mean``.
     """
     if clip_range is not None and clip_range <= 0:
-        raise ValueError(f"clip_range={clip_range} must be > 0; pass None to disable value clipping")
+        raise LossInputError(f"clip_range={clip_range} must be > 0; pass None to disable value clipping")
     _check_shapes(values=values, old_values=old_values, returns=returns, mask=mask)
     valid = mask.bool()
     unclipped = (values - returns).square()
@@ -219,10 +224,10 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, norm_by_std: bool = True,
     ``norm_by_std=False`` only the group mean is subtracted (Dr. GRPO).
     """
     if scores.dim() != 1 or group_ids.shape != scores.shape:
-        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} "
+        raise LossInputError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} "
                          "must both be 1-D [b]; pass one score and one group id per response")
     if group_ids.is_floating_point():
-        raise ValueError(f"group_ids has dtype {group_ids.dtype}; pass integer ids (e.g. .long())")
+        raise LossInputError(f"group_ids has dtype {group_ids.dtype}; pass integer ids (e.g. .long())")
     if not scores.is_floating_point():
         scores = scores.to(torch.get_default_dtype())  # integer rewards: means need a float dtype
     _, group = torch.unique(group_ids, return_inverse=True)
@@ -242,7 +247,7 @@ def grpo_advantages(scores: Tensor, group_ids: Tensor, norm_by_std: bool = True,
 def broadcast_to_tokens(per_seq: Tensor, mask: Tensor) -> Tensor:
     """Spread one value per sequence ``[b]`` over its valid tokens ``[b, t]``; padding gets 0."""
     if per_seq.dim() != 1 or mask.dim() != 2 or per_seq.shape[0] != mask.shape[0]:
-        raise ValueError(f"per_seq {tuple(per_seq.shape)} must be [b] and mask {tuple(mask.shape)} "
+        raise LossInputError(f"per_seq {tuple(per_seq.shape)} must be [b] and mask {tuple(mask.shape)} "
                          "[b, t] with the same b")
     return torch.where(mask.bool(), per_seq[:, None], 0.0).to(per_seq.dtype)
 
@@ -252,7 +257,7 @@ def global_denominator(mask: Tensor, agg_mode: str) -> float:
     its number of non-empty sequences (seq-mean-*). Micro-batch losses aggregated with it sum
     to the mini-batch loss."""
     if agg_mode not in AGG_MODES:
-        raise ValueError(f"agg_mode={agg_mode!r} is not supported; use one of {', '.join(AGG_MODES)}")
+        raise LossInputError(f"agg_mode={agg_mode!r} is not supported; use one of {', '.join(AGG_MODES)}")
     if agg_mode == "token-mean":
         return float(max(mask.sum().item(), 1))
     return float(max((mask.sum(-1) > 0).sum().item(), 1))

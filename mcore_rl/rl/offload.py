@@ -24,6 +24,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel as DDP
 
 from mcore_rl.rl.engine import ModelEngine
+from mcore_rl.errors import McoreRLError
 
 Tensor = torch.Tensor
 
@@ -94,6 +95,10 @@ def engine_tensors(engine: ModelEngine, params: bool = True, grads: bool = True,
     return tensors
 
 
+class OffloadError(McoreRLError, RuntimeError):
+    """Offload/onload called out of order."""
+
+
 class Offloader:
     """``offload()`` moves the engine's state to host memory and frees its storage;
     ``onload()`` restores it bit for bit. Trainable (either optimizer kind) or frozen engines."""
@@ -115,7 +120,7 @@ class Offloader:
     def offload(self) -> int:
         """Copies every storage to host memory and shrinks it to 0 bytes; returns bytes freed."""
         if self._host:
-            raise RuntimeError("already offloaded; call onload() first.")
+            raise OffloadError("already offloaded; call onload() first.")
         freed, on_cuda = 0, False
         for storage in self.storages():
             on_cuda |= storage.device.type == "cuda"
