@@ -113,6 +113,8 @@ def test_derived_values_follow_unless_set(tmp_path):
                                        "load_balancing='none'"),
     (["layout.ep=two"], "layout.ep: expected int, got 'two' (str)"),
     (["rollout.temperature=0"], "rollout: invalid RolloutConfig: temperature=0.0 must be > 0"),
+    (["actor.dispatch=sharded"], "actor.dispatch='sharded': the main job passes the whole batch on "
+                                 "every rank; set actor.dispatch=global"),
 ])
 def test_schema_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -157,6 +157,13 @@ class JobConfig:
                 f"{self.rollout.temperature}: the job samples and computes the actor's log-probs "
                 "at one temperature; set rollout.temperature only (actor.temperature follows it)"
             )
+        for section in ("actor", "critic"):
+            if getattr(self, section).dispatch != "global":
+                raise ValueError(
+                    f"{section}.dispatch={getattr(self, section).dispatch!r}: the main job passes "
+                    f"the whole batch on every rank; set {section}.dispatch=global (sharded "
+                    "dispatch is for trainers that hand each DP rank its own rows)"
+                )
 
 
 # interpolations resolved against the whole config: values that follow others unless set
