@@ -199,5 +199,7 @@ def _collate(batch: dict, rows: list[int], lo: int, hi: int, rows_per: int | Non
         piece[key] = v
     # padding ids never reach the embedding: -100 or ids past the vocab there are harmless
     piece["input_ids"] = piece["input_ids"].masked_fill(piece["attention_mask"] == 0, 0)
+    # responses' padding too (the contract fixes only real tokens): the labels must be ids
+    piece["responses"] = piece["responses"].masked_fill(piece["attention_mask"][:, -keep_r:] == 0, 0)
     piece.pop("position_ids", None)  # validated already; RoPE uses the sequence index
     return _left_pad_to(piece, width) if width else pad_sequence_to_multiple(piece, multiple)
