@@ -107,3 +107,15 @@ def test_pad_sequence_to_multiple_pads_on_the_left():
     assert padded["input_ids"].shape == (2, 16) and padded["attention_mask"][:, 0].sum() == 0
     assert torch.equal(padded["input_ids"][:, -6:], batch["responses"].masked_fill(batch["attention_mask"][:, -6:] == 0, 0))
     assert torch.equal(padded["responses"], batch["responses"])
+
+
+def test_response_without_prompt():
+    batch = rl_batch(50, batch=3)
+    batch["attention_mask"][1, :10] = 0  # prompt is the first 10 columns: all padding
+    batch["attention_mask"][2, :] = 0  # an empty row stays allowed
+    batch["input_ids"] *= batch["attention_mask"]
+    batch["responses"] = batch["input_ids"][:, -6:].clone()
+    with pytest.raises(BatchError, match=r"row 1 has response tokens but no prompt token"):
+        validate_batch(batch)
+    batch["attention_mask"][1, 9] = 1  # one prompt token is enough
+    validate_batch(batch)

@@ -103,3 +103,20 @@ def test_sequence_padded_for_sequence_parallel(hf_dir):
     for rank, result in enumerate(run_ranks(2, _run, hf_dir, dict(tp=2, sequence_parallel=True),
                                             dict(micro_batch_size=2), batch)):
         _assert_same(result, ref, f"tp2+sp rank {rank}")
+
+
+def test_pipeline_shape_keeps_the_token_budget():
+    """Under PP every piece has the width of the columns any row uses, which is wider than any
+    single row when long prompts and long responses sit in different rows."""
+    batch = rl_batch(50, batch=4, prompt=10, response=8)
+    mask = batch["attention_mask"]
+    mask[:] = 0
+    mask[0, 9:] = 1  # one-token prompt, full response: columns 9..17
+    mask[1, :11] = 1  # full prompt, one-token response: columns 0..10
+    mask[2:, 9:11] = 1
+    batch["input_ids"] *= mask
+    batch["responses"] = batch["input_ids"][:, 10:].clone()
+    for multiple in (1, 4):
+        spec = MicroBatchSpec(max_tokens=40, uniform_shape=True, seq_multiple=multiple)
+        shapes = [tuple(p["input_ids"].shape) for p in plan_micro_batches(batch, spec).batches]
+        assert all(b * s <= 40 for b, s in shapes), (multiple, shapes)

@@ -126,7 +126,8 @@ class Actor:
             }
             if cfg.use_kl_loss:
                 kl = losses.agg_loss(
-                    losses.kl_penalty(lp, mb["ref_log_prob"], cfg.kl_loss_type), mask,
+                    # ref outside the mask may be anything (inf, NaN): keep it out of the gradient
+                    losses.kl_penalty(lp, torch.where(mask, mb["ref_log_prob"], 0.0), cfg.kl_loss_type), mask,
                     cfg.loss_agg_mode, denominator,
                 )
                 loss = loss + cfg.kl_loss_coeff * kl

@@ -54,6 +54,7 @@ def validate_batch(batch: dict, required: Iterable[str] = (), vocab_size: int | 
             raise BatchError(f"{key} has shape {tuple(batch[key].shape)}; expected [B, R] = [{b}, {r}].")
     _check_token_ids(ids, mask.bool(), vocab_size)
     _check_responses_are_tail(ids, mask.bool(), resp)
+    _check_prompts(mask.bool(), r)
     if "response_mask" in batch:
         _check_loss_mask(batch["response_mask"], mask[:, -r:])
     if "position_ids" in batch:
@@ -84,6 +85,19 @@ def _check_responses_are_tail(ids: Tensor, real: Tensor, resp: Tensor) -> None:
             f"responses[{row}, {col}] = {int(resp[row, col])} but input_ids[{row}, "
             f"{ids.shape[1] - r + col}] = {int(ids[row, ids.shape[1] - r + col])}: responses must "
             "equal the last R columns of input_ids on real tokens; pass responses = input_ids[:, -R:]."
+        )
+
+
+def _check_prompts(real: Tensor, r: int) -> None:
+    # the first response token is predicted from the last prompt position: without a prompt
+    # token that position is padding and its log-prob/value is meaningless
+    orphan = real[:, -r:].any(dim=1) & ~real[:, :-r].any(dim=1)
+    if bool(orphan.any()):
+        row = int(orphan.nonzero()[0])
+        raise BatchError(
+            f"row {row} has response tokens but no prompt token (attention_mask[{row}, :S-R] is all "
+            "0): nothing predicts its first response token; give every response at least one "
+            "prompt token (e.g. BOS) or drop the row."
         )
 
 

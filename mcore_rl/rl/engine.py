@@ -126,6 +126,22 @@ class ModelEngine:
         """What padded sequence lengths must divide by: TP when sequence parallel is on."""
         return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
 
+    @property
+    def experts_span_dp(self) -> bool:
+        """MoE layers whose expert group (ETP x EP) reaches past the TP group run collectives
+        with other DP ranks in every forward: those ranks must run equally many micro-batches."""
+        c = self.config
+        if not c.num_moe_experts:
+            return False
+        etp = c.expert_tensor_parallel_size or c.tensor_model_parallel_size
+        return c.expert_model_parallel_size * etp > c.tensor_model_parallel_size
+
+    @property
+    def needs_equal_tokens_over_dp(self) -> bool:
+        """The allgather dispatcher gathers equal-sized token blocks over the expert group, so
+        coupled DP ranks must also give their micro-batches one shape."""
+        return self.experts_span_dp and self.config.moe_token_dispatcher_type == "allgather"
+
     def run(self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
         """Forward (and backward) through megatron's schedule on the platform's device;
         loss_fn's results (dicts of tensors) from the last stage, on every rank of the

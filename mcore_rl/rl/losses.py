@@ -27,6 +27,12 @@ def _check_shapes(**tensors: Tensor) -> None:
         raise LossInputError(f"shape mismatch: {listed}; all per-token tensors must be [b, t]")
 
 
+def _zero_outside(valid: Tensor, x: Tensor) -> Tensor:
+    """``x`` with 0 where ``valid`` is False: an inf/NaN input there would otherwise reach the
+    gradient as 0 * NaN through the product rule even though the loss selects it away."""
+    return torch.where(valid, x, torch.zeros_like(x))
+
+
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``x`` over ``mask`` (bool, same shape); 0 when the mask is empty."""
     total = torch.where(mask, x, 0.0).sum()
@@ -110,6 +116,7 @@ def policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask
         raise LossInputError(f"dual_clip_c={dual_clip_c} must be > 1 (typical 3.0); pass None to disable it")
     _check_shapes(log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages, mask=mask)
     valid = mask.bool()
+    old_log_prob, advantages = _zero_outside(valid, old_log_prob), _zero_outside(valid, advantages)
     log_ratio = log_prob - old_log_prob
     # clamp before exp: padding or stale tokens with huge log-ratios would give inf and NaN grads
     ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
@@ -148,6 +155,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         raise LossInputError(f"clip_range={clip_range} must be > 0; pass None to disable value clipping")
     _check_shapes(values=values, old_values=old_values, returns=returns, mask=mask)
     valid = mask.bool()
+    old_values, returns = _zero_outside(valid, old_values), _zero_outside(valid, returns)
     unclipped = (values - returns).square()
     if clip_range is None:
         loss_mat = 0.5 * unclipped

@@ -12,8 +12,9 @@ Collate
            need 2 * cp * tp) through ``pad_sequence_to_multiple``. Left padding moves every
            position by the same amount, which RoPE (relative) does not see, and the response
            columns stay the last ones, so results need no stripping. ("packing" comes later.)
-Pipeline rules: with ``uniform_shape`` (PP > 1: variable_seq_lengths is off) every micro-batch
-gets one [b, s]; the count is raised to ``min_count`` (agreed across DP ranks, so MoE's
+Pipeline rules: with ``uniform_shape`` (PP > 1: variable_seq_lengths is off; MoE's allgather
+dispatcher across DP ranks) every micro-batch gets one [b, s] (at least min_rows x min_width,
+agreed across DP ranks for the allgather dispatcher); the count is raised to ``min_count`` (agreed across DP ranks, so MoE's
 collectives see equal numbers of forward passes) and to a multiple of ``count_multiple`` (the
 interleaved schedule's PP rule). Filler rows (attention all 0) fill shapes and are dropped.
 """
@@ -39,6 +40,8 @@ class MicroBatchSpec:
     uniform_shape: bool = False  # all micro-batches one [b, s] (PP > 1)
     count_multiple: int = 1  # micro-batch count multiple (interleaved schedule: PP)
     min_count: int = 1  # at least this many micro-batches (agreed over DP)
+    min_rows: int = 1  # uniform_shape: at least this many rows (agreed over DP for MoE allgather)
+    min_width: int = 1  # uniform_shape: at least this many columns (likewise)
     collate: Literal["padding"] = "padding"
 
 
@@ -98,8 +101,10 @@ def plan_micro_batches(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
         spans = [_span(cols, list(range(b)), s, r)] * len(groups)
     else:
         spans = [_span(cols, g, s, r) for g in groups]
-    rows_per = max(len(g) for g in groups) if spec.uniform_shape else None
-    width = max(_round(hi - lo + 1, spec.seq_multiple) for lo, hi in spans) if spec.uniform_shape else None
+    rows_per = width = None
+    if spec.uniform_shape:
+        rows_per = max(max(len(g) for g in groups), spec.min_rows)
+        width = max(max(_round(hi - lo + 1, spec.seq_multiple) for lo, hi in spans), _round(spec.min_width, spec.seq_multiple))
     batches = [_collate(batch, g, lo, hi, rows_per, width, spec.seq_multiple) for g, (lo, hi) in zip(groups, spans)]
     return MicroBatches(batches, groups, b, r)
 
@@ -149,8 +154,9 @@ def _dynamic_groups(batch: dict, spec: MicroBatchSpec) -> tuple[list[list[int]],
             f"tokens, row {widths.index(max(widths))}); raise it."
         )
     order = sorted(range(b), key=lambda i: -widths[i])  # stable: equal lengths keep their order
-    if spec.uniform_shape:  # one shape for all: as many rows as the widest row allows
-        per = max(1, budget // widths[order[0]])
+    if spec.uniform_shape:  # one shape for all: the columns any row uses, as many rows as fit
+        lo, hi = _span(cols, list(range(b)), s, r)
+        per = max(1, budget // _round(hi - lo + 1, spec.seq_multiple))
         return [order[i : i + per] for i in range(0, b, per)], cols
     groups: list[list[int]] = [[]]
     for i in order:
@@ -199,5 +205,7 @@ def _collate(batch: dict, rows: list[int], lo: int, hi: int, rows_per: int | Non
         piece[key] = v
     # padding ids never reach the embedding: -100 or ids past the vocab there are harmless
     piece["input_ids"] = piece["input_ids"].masked_fill(piece["attention_mask"] == 0, 0)
+    # responses' padding too (the contract fixes only real tokens): the labels must be ids
+    piece["responses"] = piece["responses"].masked_fill(piece["attention_mask"][:, -keep_r:] == 0, 0)
     piece.pop("position_ids", None)  # validated already; RoPE uses the sequence index
     return _left_pad_to(piece, width) if width else pad_sequence_to_multiple(piece, multiple)

@@ -102,7 +102,7 @@ def spec_for(config: BatchingConfig, engine: ModelEngine) -> MicroBatchSpec:
         micro_batch_size=config.micro_batch_size,
         max_tokens=config.max_tokens_per_micro_batch,
         seq_multiple=engine.seq_multiple,
-        uniform_shape=layout.pp > 1,
+        uniform_shape=layout.pp > 1 or engine.needs_equal_tokens_over_dp,
         count_multiple=layout.pp if layout.vpp else 1,
     )
 
@@ -111,12 +111,18 @@ def micro_batch_plan(batch: dict, config: BatchingConfig, engine: ModelEngine) -
     """This rank's rows cut into micro-batches (see mcore_rl.rl.microbatcher)."""
     spec = spec_for(config, engine)
     plan = plan_micro_batches(batch, spec)
-    # dynamic counts differ between DP ranks; MoE layers run collectives in every forward
-    if config.max_tokens_per_micro_batch and dp_rank_size()[1] > 1:
-        count = torch.tensor([len(plan.batches)], device=active_device())
-        count = all_reduce_dp(count, torch.distributed.ReduceOp.MAX)
-        if int(count) != len(plan.batches):
-            plan = plan_micro_batches(batch, replace(spec, min_count=int(count)))
+    # counts differ between DP ranks with dynamic batching or sharded rows; MoE layers whose
+    # expert group spans DP ranks run collectives in every forward (allgather: equal shapes too)
+    if dp_rank_size()[1] == 1 or not (config.max_tokens_per_micro_batch or engine.experts_span_dp):
+        return plan
+    b, s = plan.batches[0]["input_ids"].shape  # uniform_shape: every piece has this shape
+    agreed = all_reduce_dp(torch.tensor([len(plan.batches), b, s], device=active_device()),
+                           torch.distributed.ReduceOp.MAX).tolist()
+    new = replace(spec, min_count=agreed[0])
+    if engine.needs_equal_tokens_over_dp:
+        new = replace(new, min_rows=agreed[1], min_width=agreed[2])
+    if (agreed[0], agreed[1], agreed[2]) != (len(plan.batches), b, s):
+        plan = plan_micro_batches(batch, new)
     return plan
 
 
