@@ -160,7 +160,8 @@ class ModelEngine:
         finalize_model_grads(self.model)
         ok, grad_norm, _ = self.optimizer.step()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step(increment=1)
+        if ok:  # as Megatron-LM: a skipped step (fp16 overflow) does not advance the schedule
+            self.scheduler.step(increment=1)
         return {"grad_norm": float(grad_norm or 0.0), "lr": float(lr), "update_ok": float(ok)}
 
     def train(self, mode: bool = True) -> None:

@@ -45,7 +45,10 @@ def local_rows(batch: dict) -> dict:
     rank, size = dp_rank_size()
     b = batch["input_ids"].shape[0]
     if b % size != 0:
-        raise BatchError(f"batch of {b} rows does not divide over {size} data-parallel ranks.")
+        raise BatchError(
+            f"batch of {b} rows does not divide over {size} data-parallel ranks; pass a multiple of "
+            f"{size} rows (add empty rows with attention_mask 0) or use dispatch='sharded'."
+        )
     per = b // size
     return select_rows(batch, slice(rank * per, (rank + 1) * per))
 
