@@ -203,3 +203,33 @@ def test_failed_setup_reverts_the_fixes_it_applied():
     assert out["left_applied"] == [], out  # earlier fixes must not stay patched
     assert out["objects_restored"] == [True, True, True], out
     assert out["applied_again"] == [f.name for f in FIXES], out
+
+
+def _rng_fork_notices() -> dict:
+    import logging
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+
+    initialize_parallel_state(ParallelLayout(), seed=1)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    logger.addHandler(handler)
+    before = torch.get_rng_state()
+    with mrandom.get_cuda_rng_tracker().fork():  # what megatron's dropout in a TP region does
+        inside = torch.rand(4)  # moves the CPU generator: megatron's check sees a change
+    after = torch.get_rng_state()
+    logger.warning("another notice")  # the filter drops only the shared-RNG false positive
+    logger.removeHandler(handler)
+    return {"records": records, "restored": torch.equal(before, after),
+            "own_stream": not torch.equal(inside, torch.rand(4))}
+
+
+def test_rng_fork_on_the_shared_cpu_generator_logs_nothing():
+    # on CPU the "CUDA" generator is the CPU one: megatron's check would log on every dropout
+    (out,) = run_ranks(1, _rng_fork_notices)
+    assert out["restored"] and out["own_stream"], out  # the fork drew from its own state, then restored
+    assert out["records"] == ["another notice"], out

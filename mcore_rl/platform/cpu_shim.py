@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import logging
 import sys
 import types
 from typing import Any, Callable
@@ -35,6 +36,17 @@ import torch
 from mcore_rl.platform import cpu_standins as cs
 
 _SHIMMED_PREFIX = "megatron."  # modules whose code sees the CPU view of torch
+# megatron's RNG tracker warns when the CPU generator moves inside a CUDA fork; here the "CUDA"
+# generator is the CPU one (restored when the fork exits), so every dropout would log it
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+_RNG_NOTICE = "CPU RNG state changed within GPU RNG context"
+
+
+class _DropSharedRngNotice(logging.Filter):
+    """Drops megatron's CPU-RNG-changed notice (a false positive when both RNGs are one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _RNG_NOTICE
 
 
 def _is_shimmed(module_name: str) -> bool:
@@ -172,6 +184,7 @@ class CpuShim:
         self.saved: list[tuple[Any, str, Any]] = []
         self._proxies: list[tuple[types.ModuleType, NamespaceProxy]] = []
         self._hook: _MegatronImportHook | None = None
+        self._log_filter = _DropSharedRngNotice()
 
     @property
     def active(self) -> bool:
@@ -208,6 +221,7 @@ class CpuShim:
         self._replace(mrandom, "_set_cuda_rng_state", cs.cpu_set_rng_state)
         for owner, name, for_megatron in _method_patches():
             self._replace(owner, name, _gated(getattr(owner, name), for_megatron))
+        logging.getLogger(_RNG_LOGGER).addFilter(self._log_filter)
 
     def deactivate(self) -> None:
         """Restores every replaced object and removes the import hook."""
@@ -218,3 +232,4 @@ class CpuShim:
             setattr(owner, name, value)
         self.saved.clear()
         self._proxies = []
+        logging.getLogger(_RNG_LOGGER).removeFilter(self._log_filter)
