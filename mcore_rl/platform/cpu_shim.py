@@ -42,6 +42,9 @@ _RNG_LOGGER = "megatron.core.tensor_parallel.random"
 _RNG_NOTICE = "CPU RNG state changed within GPU RNG context"
 
 
+_INHERITED = object()  # saved value of an attribute that was not in the class's own __dict__
+
+
 class _DropSharedRngNotice(logging.Filter):
     """Drops megatron's CPU-RNG-changed notice (a false positive when both RNGs are one)."""
 
@@ -191,7 +194,9 @@ class CpuShim:
         return self._hook is not None
 
     def _replace(self, owner: Any, name: str, value: Any) -> None:
-        self.saved.append((owner, name, getattr(owner, name)))
+        # a class that inherits the attribute (Tensor.to lives on TensorBase) gets it deleted back
+        inherited = isinstance(owner, type) and name not in vars(owner)
+        self.saved.append((owner, name, _INHERITED if inherited else getattr(owner, name)))
         setattr(owner, name, value)
 
     def patch_module(self, module: types.ModuleType) -> None:
@@ -229,7 +234,10 @@ class CpuShim:
             sys.meta_path.remove(self._hook)
         self._hook = None
         for owner, name, value in reversed(self.saved):
-            setattr(owner, name, value)
+            if value is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         self.saved.clear()
         self._proxies = []
         logging.getLogger(_RNG_LOGGER).removeFilter(self._log_filter)
