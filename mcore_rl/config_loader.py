@@ -117,6 +117,10 @@ def _wrap(error: Exception, schema: type, source: Any, origin: str) -> ConfigErr
         args = typing.get_args(expected)
         fixed = typing.get_origin(expected) is tuple and args and args[-1] is not Ellipsis
         hint = f"; write a YAML list of {len(args)} items" if fixed else "; write a YAML list like [1, 2]"
+        if isinstance(value, Mapping):  # e.g. the override a.list.0=x: lists are replaced whole
+            hint += f" (an override replaces the whole list: {full_key}=[...])"
+    elif typing.get_origin(expected) is dict:
+        hint = "; write a mapping like {key: value}"
     return ConfigError(f"{full_key}: expected {_type_name(expected)}, got {shown}{hint} "
                        f"({origin}: {detail})")
 
@@ -134,17 +138,37 @@ def _nested(path: str, value: Any) -> dict:
     return {path.split(".")[0]: value}
 
 
+def _container_mismatch(schema: type, data: Mapping, path: str) -> str:
+    """The first prefix of ``path`` where ``data`` holds a list for a mapping or the reverse
+    (OmegaConf's TypeError for that names no key); ``path`` itself when none is found."""
+    parts = path.split(".")
+    for n in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:n])
+        origin = typing.get_origin(_expected_type(schema, prefix))
+        _, value = _lookup(data, prefix)
+        if (origin in (list, tuple) and isinstance(value, Mapping)) or \
+                (origin is dict and isinstance(value, (list, tuple))):
+            return prefix
+    return path
+
+
+_MERGE_ERRORS = (oc_errors.OmegaConfBaseException, ValueError, TypeError)  # TypeError: list vs mapping
+
+
 def _merge(base: DictConfig, data: Mapping, schema: type, origin: str) -> DictConfig:
     try:
         return typing.cast(DictConfig, OmegaConf.merge(base, data))
-    except (oc_errors.OmegaConfBaseException, ValueError) as e:
+    except _MERGE_ERRORS as e:
         error: Exception = e
     if not getattr(error, "full_key", None):  # some merge errors lose the key: find it leaf by leaf
         for path, value in _leaves(data):
             try:
                 OmegaConf.merge(base, _nested(path, value))
-            except (oc_errors.OmegaConfBaseException, ValueError) as leaf_error:
-                leaf_error.full_key = getattr(leaf_error, "full_key", None) or path  # type: ignore[attr-defined]
+            except _MERGE_ERRORS as leaf_error:
+                key = getattr(leaf_error, "full_key", None) or path
+                if isinstance(leaf_error, TypeError):
+                    key = _container_mismatch(schema, data, path)
+                leaf_error.full_key = key  # type: ignore[attr-defined]
                 error = leaf_error
                 break
     raise _wrap(error, schema, data, origin)
@@ -161,6 +185,36 @@ def _leaf(node: DictConfig, name: str, path: str) -> Any:
     if OmegaConf.is_config(value):
         return OmegaConf.to_object(value)
     return value
+
+
+def _shape_error(value: Any, tp: Any, path: str) -> tuple[str, Any, Any] | None:
+    """(path, expected type, value) of the first container where a scalar is expected, or of
+    the wrong container kind, inside ``value`` (OmegaConf checks only the outer container)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Union or origin is types.UnionType:
+        if value is None and type(None) in args:
+            return None
+        others = [a for a in args if a is not type(None)]
+        return _shape_error(value, others[0], path) if len(others) == 1 else None
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return path, tp, value
+        fixed = origin is tuple and args and args[-1] is not Ellipsis
+        for i, item in enumerate(value):
+            item_tp = (args[min(i, len(args) - 1)] if fixed else args[0]) if args else Any
+            found = _shape_error(item, item_tp, f"{path}[{i}]")
+            if found:
+                return found
+    elif origin is dict:
+        if not isinstance(value, Mapping):
+            return path, tp, value
+        for k, item in value.items():
+            found = _shape_error(item, args[1] if args else Any, f"{path}.{k}")
+            if found:
+                return found
+    elif tp in (int, float, bool, str) and isinstance(value, (list, tuple, Mapping)):
+        return path, tp, value
+    return None
 
 
 def _build(schema: type[T], node: DictConfig, path: str) -> T:
@@ -180,6 +234,11 @@ def _build(schema: type[T], node: DictConfig, path: str) -> T:
             kwargs[f.name] = _build(hints[f.name], child, where)
         else:
             kwargs[f.name] = _leaf(node, f.name, where)
+            wrong = _shape_error(kwargs[f.name], hints[f.name], where)
+            if wrong:
+                at, expected, value = wrong
+                raise ConfigError(f"{at}: expected {_type_name(expected)}, got {value!r} "
+                                  f"({type(value).__name__}); set {at} to a {_type_name(expected)}")
     try:
         return schema(**kwargs)
     except ConfigError:

@@ -246,3 +246,29 @@ def test_to_dict_and_round_trip(cfg_file, tmp_path):
     out = tmp_path / "resolved.yaml"
     out.write_text(text)
     assert load_config(Config, out) == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("layers.0=5", "layers: expected list[int], got {'0': 5} (dict); write a YAML list like [1, 2] "
+                   "(an override replaces the whole list: layers=[...])"),
+    ("trainer.optim.betas.1=0.5", "trainer.optim.betas: expected tuple[float, float], got {'1': 0.5} (dict)"),
+    ("trainer.optim.betas={a: 1}", "trainer.optim.betas: expected tuple[float, float], got {'a': 1} (dict)"),
+    ("extra=[1]", "extra: expected dict[str, float], got [1] (list); write a mapping like {key: value}"),
+])
+def test_list_for_mapping_and_back_names_the_path(cfg_file, override, message):
+    # OmegaConf raises a bare TypeError ("Cannot merge incompatible container types") here
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(Config, cfg_file, [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("layers=[[1]]", "layers[0]: expected int, got [1] (list)"),
+    ("tags=[a, [b]]", "tags[1]: expected str, got ['b'] (list)"),
+    ("trainer.optim.betas=[[0.9], 0.99]", "trainer.optim.betas[0]: expected float, got [0.9] (list)"),
+    ("extra.w.x=1", "extra.w: expected float, got {'x': 1} (dict)"),
+    ("extra={k: [1]}", "extra.k: expected float, got [1] (list)"),
+])
+def test_nested_container_in_a_scalar_slot_is_refused(cfg_file, override, message):
+    # OmegaConf checks only the outer container's kind: these loaded before as nested lists/dicts
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(Config, cfg_file, [override])

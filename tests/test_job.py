@@ -115,6 +115,11 @@ def test_derived_values_follow_unless_set(tmp_path):
     (["rollout.temperature=0"], "rollout: invalid RolloutConfig: temperature=0.0 must be > 0"),
     (["actor.dispatch=sharded"], "actor.dispatch='sharded': the main job passes the whole batch on "
                                  "every rank; set actor.dispatch=global"),
+    (["rollout.prompts_per_step=0"], "rollout: invalid RolloutConfig: prompts_per_step=0 must be >= 1"),
+    (["rollout.samples_per_prompt=0"], "rollout: invalid RolloutConfig: samples_per_prompt=0 must be >= 1"),
+    (["task.response_length=0"], "task: invalid ToyTaskConfig: response_length=0 must be >= 1"),
+    (["task.prompt_length=0"], "task: invalid ToyTaskConfig: prompt_length=0 must be >= 1"),
+    (["steps=-1"], "<top level>: invalid JobConfig: steps=-1 must be >= 0"),
 ])
 def test_schema_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -90,3 +90,29 @@ def test_bf16_ppo_critic_trunk_starts_from_hf_weights(tmp_path):
     assert len(trunk) == len([n for n in hf if n != "lm_head.weight"])
     for name in trunk:  # a step with lr=0 must not write back a random trunk
         assert torch.equal(exported[name], hf[name].to(torch.bfloat16)), name
+
+
+def _train_chunks(cfg: JobConfig, steps: int) -> dict:
+    from mcore_rl.job.loop import build, train_step
+    from mcore_rl.platform import active_platform
+
+    actor, critic = build(cfg, active_platform())
+    before = _local_params(actor.engine), _local_params(critic.engine)
+    history = [train_step(cfg, actor, critic, step) for step in range(steps)]
+    after = _local_params(actor.engine), _local_params(critic.engine)
+    return {"history": history, "chunks": (len(actor.engine.model), len(critic.engine.model)),
+            "moved": [sorted(n for n in b if not torch.equal(b[n], a[n])) for b, a in zip(before, after)]}
+
+
+def test_ppo_job_with_virtual_pipeline_stages(tmp_path):
+    # actor and critic both run the interleaved schedule: pp=2 x vpp=2 over 4 layers
+    cfg = _config("ppo_demo", tmp_path, "layout.tp=1", "layout.pp=2", "layout.vpp=2",
+                  "model.tiny.num_hidden_layers=4", "task.response_length=2")
+    ranks = run_ranks(2, _train_chunks, cfg, 2)
+    for r in ranks:
+        assert r["chunks"] == (2, 2), r["chunks"]
+        for m in r["history"]:
+            assert all(math.isfinite(m[k]) for k in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm")), m
+        assert r["moved"][0] and r["moved"][1], r["moved"]  # actor and critic chunks on every stage learn
+    assert [m["reward"] for m in ranks[0]["history"]] == [m["reward"] for m in ranks[1]["history"]]
+    assert ranks[0]["history"][-1]["critic/vf_loss"] == ranks[1]["history"][-1]["critic/vf_loss"]

@@ -124,3 +124,31 @@ def test_offload_frees_everything_and_onload_is_bit_identical(layout, tmp_path):
         assert frozen["before"]["params"] > 0 and frozen["offloaded"] == dict.fromkeys(frozen["before"], 0)
         assert frozen["after"] == frozen["before"]
         assert torch.equal(frozen["plain"], frozen["again"]), f"rank {rank}: frozen forward differs after onload"
+
+
+def _offload_twice(hf_dir: str) -> str:
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.rl.offload import Offloader, OffloadError
+
+    layout = ParallelLayout()
+    initialize_parallel_state(layout)
+    offloader = Offloader(_engine(hf_dir, layout, "fp32", dict(use_distributed_optimizer=True)))
+    offloader.offload()
+    try:
+        offloader.offload()
+    except OffloadError as e:  # a McoreRLError (and a RuntimeError), not a bare RuntimeError
+        message = str(e)
+    else:
+        message = "no error"
+    offloader.onload()
+    return message
+
+
+def test_offload_twice_is_an_error_that_says_what_to_do(tmp_path):
+    from mcore_rl.errors import McoreRLError
+    from mcore_rl.rl.offload import OffloadError
+
+    assert issubclass(OffloadError, McoreRLError) and issubclass(OffloadError, RuntimeError)
+    tiny_hf_model(tiny_config("llama", num_hidden_layers=2)).save_pretrained(tmp_path)
+    (message,) = run_ranks(1, _offload_twice, str(tmp_path))
+    assert message.startswith("offload() called twice") and "call onload() first" in message, message

@@ -12,7 +12,7 @@ import torch
 import mcore_rl  # noqa: F401
 import mcore_rl.models.builder  # noqa: F401
 import mcore_rl.platform as platform_mod
-from mcore_rl.platform.fixes import Fix, apply_fixes
+from mcore_rl.platform.fixes import FIXES, Fix, apply_fixes
 from tests.dist import run_ranks
 
 
@@ -167,3 +167,69 @@ def test_unknown_device_type_is_refused():
     with pytest.raises(McoreRLError, match="device_type='tpu'; use 'cuda', 'cpu' or None"):
         setup_platform("tpu")
     assert platform_mod._active is None
+
+
+def _setup_with_a_failing_fix() -> dict:
+    import mcore_rl.platform as pm
+    from mcore_rl.platform import fixes, setup_platform, teardown_platform
+    from megatron.core.transformer.moe import moe_layer, moe_utils
+
+    teardown_platform()
+    clean = (moe_layer.MoELayer.__dict__["__init__"], moe_utils.maybe_move_tensor_to_cpu,
+             hasattr(moe_utils, "te_general_gemm"))
+
+    def broken():
+        raise RuntimeError("planted: this fix cannot be applied")
+
+    fixes.FIXES.append(Fix("broken", "d", "0.0.0", "99.0.0", cpu_only=False, apply=broken))
+    try:
+        setup_platform("cpu")
+    except RuntimeError as e:
+        error = str(e)
+    else:
+        error = "no error"
+    fixes.FIXES.pop()
+    after = (moe_layer.MoELayer.__dict__["__init__"], moe_utils.maybe_move_tensor_to_cpu,
+             hasattr(moe_utils, "te_general_gemm"))
+    out = {"error": error, "active": pm._active is not None, "left_applied": sorted(fixes._undo),
+           "objects_restored": [a is b for a, b in zip(clean, after)]}
+    out["applied_again"] = list(setup_platform("cpu").applied_fixes)  # a later setup applies them all
+    return out
+
+
+def test_failed_setup_reverts_the_fixes_it_applied():
+    (out,) = run_ranks(1, _setup_with_a_failing_fix)
+    assert out["error"] == "planted: this fix cannot be applied" and not out["active"]
+    assert out["left_applied"] == [], out  # earlier fixes must not stay patched
+    assert out["objects_restored"] == [True, True, True], out
+    assert out["applied_again"] == [f.name for f in FIXES], out
+
+
+def _rng_fork_notices() -> dict:
+    import logging
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+
+    initialize_parallel_state(ParallelLayout(), seed=1)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("megatron.core.tensor_parallel.random")
+    logger.addHandler(handler)
+    before = torch.get_rng_state()
+    with mrandom.get_cuda_rng_tracker().fork():  # what megatron's dropout in a TP region does
+        inside = torch.rand(4)  # moves the CPU generator: megatron's check sees a change
+    after = torch.get_rng_state()
+    logger.warning("another notice")  # the filter drops only the shared-RNG false positive
+    logger.removeHandler(handler)
+    return {"records": records, "restored": torch.equal(before, after),
+            "own_stream": not torch.equal(inside, torch.rand(4))}
+
+
+def test_rng_fork_on_the_shared_cpu_generator_logs_nothing():
+    # on CPU the "CUDA" generator is the CPU one: megatron's check would log on every dropout
+    (out,) = run_ranks(1, _rng_fork_notices)
+    assert out["restored"] and out["own_stream"], out  # the fork drew from its own state, then restored
+    assert out["records"] == ["another notice"], out

@@ -130,3 +130,20 @@ def test_megatron_imported_after_setup_gets_the_shim(tmp_path):
     assert torch.equal(result["outputs"], forked["outputs"])
     assert result["grads"].keys() == forked["grads"].keys()
     assert all(torch.equal(g, forked["grads"][k]) for k, g in result["grads"].items())
+
+
+def _left_after_first_teardown(clean: dict) -> list[str]:
+    from mcore_rl.platform import teardown_platform
+
+    assert "to" in vars(torch.Tensor)  # the worker's setup_platform() gated Tensor.to
+    teardown_platform()
+    return _changed(clean, _snapshot())
+
+
+def test_teardown_leaves_no_trace_of_the_first_setup():
+    # Tensor.to/.cuda/.new_* are inherited from TensorBase: putting the originals back into
+    # Tensor's own __dict__ would leave 10 class attributes behind
+    assert "to" not in vars(torch.Tensor)
+    clean = _snapshot()  # pytest's process: the platform was never set up here (fork passes it as is)
+    (left,) = run_ranks(1, _left_after_first_teardown, clean)
+    assert left == [], left

@@ -116,6 +116,10 @@ class RolloutConfig:
     temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (each step samples "
+                                 "prompts_per_step * samples_per_prompt responses)")
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (logits are divided by it)")
 
@@ -151,6 +155,8 @@ class JobConfig:
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
 
     def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps={self.steps} must be >= 0 (the number of RL steps to run)")
         if self.actor.temperature != self.rollout.temperature:
             raise ValueError(
                 f"actor.temperature={self.actor.temperature} differs from rollout.temperature="

@@ -21,6 +21,12 @@ class ToyTaskConfig:
     prompt_length: int = 4
     response_length: int = 2
 
+    def __post_init__(self) -> None:
+        for name in ("prompt_length", "response_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (the reward compares the "
+                                 "first response token with the first prompt token)")
+
 
 def make_prompts(config: ToyTaskConfig, count: int, vocab_size: int, step: int, seed: int) -> Tensor:
     """[count, prompt_length] prompt ids on the platform's device, the same on every rank for

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import logging
 import sys
 import types
 from typing import Any, Callable
@@ -35,6 +36,20 @@ import torch
 from mcore_rl.platform import cpu_standins as cs
 
 _SHIMMED_PREFIX = "megatron."  # modules whose code sees the CPU view of torch
+# megatron's RNG tracker warns when the CPU generator moves inside a CUDA fork; here the "CUDA"
+# generator is the CPU one (restored when the fork exits), so every dropout would log it
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+_RNG_NOTICE = "CPU RNG state changed within GPU RNG context"
+
+
+_INHERITED = object()  # saved value of an attribute that was not in the class's own __dict__
+
+
+class _DropSharedRngNotice(logging.Filter):
+    """Drops megatron's CPU-RNG-changed notice (a false positive when both RNGs are one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _RNG_NOTICE
 
 
 def _is_shimmed(module_name: str) -> bool:
@@ -172,13 +187,16 @@ class CpuShim:
         self.saved: list[tuple[Any, str, Any]] = []
         self._proxies: list[tuple[types.ModuleType, NamespaceProxy]] = []
         self._hook: _MegatronImportHook | None = None
+        self._log_filter = _DropSharedRngNotice()
 
     @property
     def active(self) -> bool:
         return self._hook is not None
 
     def _replace(self, owner: Any, name: str, value: Any) -> None:
-        self.saved.append((owner, name, getattr(owner, name)))
+        # a class that inherits the attribute (Tensor.to lives on TensorBase) gets it deleted back
+        inherited = isinstance(owner, type) and name not in vars(owner)
+        self.saved.append((owner, name, _INHERITED if inherited else getattr(owner, name)))
         setattr(owner, name, value)
 
     def patch_module(self, module: types.ModuleType) -> None:
@@ -208,6 +226,7 @@ class CpuShim:
         self._replace(mrandom, "_set_cuda_rng_state", cs.cpu_set_rng_state)
         for owner, name, for_megatron in _method_patches():
             self._replace(owner, name, _gated(getattr(owner, name), for_megatron))
+        logging.getLogger(_RNG_LOGGER).addFilter(self._log_filter)
 
     def deactivate(self) -> None:
         """Restores every replaced object and removes the import hook."""
@@ -215,6 +234,10 @@ class CpuShim:
             sys.meta_path.remove(self._hook)
         self._hook = None
         for owner, name, value in reversed(self.saved):
-            setattr(owner, name, value)
+            if value is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         self.saved.clear()
         self._proxies = []
+        logging.getLogger(_RNG_LOGGER).removeFilter(self._log_filter)

@@ -137,13 +137,17 @@ def megatron_version() -> str:
 def apply_fixes(on_cpu: bool, only: set[str] | None = None) -> list[str]:
     """Applies every matching fix (or only those named in ``only``); returns the names applied."""
     version = megatron_version()
-    applied = []
-    for fix in FIXES:
-        if only is not None and fix.name not in only:
-            continue
-        if fix.matches(version, on_cpu) and fix.name not in _undo:
-            _undo[fix.name] = fix.apply() or (lambda: None)
-            applied.append(fix.name)
+    applied: list[str] = []
+    try:
+        for fix in FIXES:
+            if only is not None and fix.name not in only:
+                continue
+            if fix.matches(version, on_cpu) and fix.name not in _undo:
+                _undo[fix.name] = fix.apply() or (lambda: None)
+                applied.append(fix.name)
+    except BaseException:  # all or nothing: a failed setup leaves megatron as it was
+        revert_fixes(applied)
+        raise
     return applied
 
 

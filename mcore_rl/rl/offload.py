@@ -23,10 +23,14 @@ from typing import Iterable, Iterator
 import torch
 from megatron.core.distributed import DistributedDataParallel as DDP
 
-from mcore_rl.rl.engine import ModelEngine
 from mcore_rl.errors import McoreRLError
+from mcore_rl.rl.engine import ModelEngine
 
 Tensor = torch.Tensor
+
+
+class OffloadError(McoreRLError, RuntimeError):
+    """offload() called while the engine's state is already on the host."""
 
 # megatron optimizer attributes holding lists (per param group) of main / shard tensors
 _OPTIMIZER_GROUPS = (
@@ -95,10 +99,6 @@ def engine_tensors(engine: ModelEngine, params: bool = True, grads: bool = True,
     return tensors
 
 
-class OffloadError(McoreRLError, RuntimeError):
-    """Offload/onload called out of order."""
-
-
 class Offloader:
     """``offload()`` moves the engine's state to host memory and frees its storage;
     ``onload()`` restores it bit for bit. Trainable (either optimizer kind) or frozen engines."""
@@ -120,7 +120,8 @@ class Offloader:
     def offload(self) -> int:
         """Copies every storage to host memory and shrinks it to 0 bytes; returns bytes freed."""
         if self._host:
-            raise OffloadError("already offloaded; call onload() first.")
+            raise OffloadError("offload() called twice: the engine's state is already on the host "
+                               "(its device storages are empty); call onload() first.")
         freed, on_cuda = 0, False
         for storage in self.storages():
             on_cuda |= storage.device.type == "cuda"
