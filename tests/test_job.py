@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mcore_rl.config_loader import ConfigError, load_config
+from mcore_rl.config_loader import ConfigError
 from mcore_rl.job.schema import JobConfig, load_job_config
 from tests.dist import run_ranks
 from tests.tiny import tiny_config, tiny_hf_model
@@ -44,7 +44,7 @@ def test_demo_learns(name, steps, tmp_path):
     if name == "ppo_demo":
         assert {"critic/vf_loss", "critic/grad_norm"} <= set(lines[-1])
     assert (tmp_path / "reward.png").stat().st_size > 1000
-    assert load_config(JobConfig, tmp_path / "config.yaml") == cfg
+    assert load_job_config(tmp_path / "config.yaml") == cfg
 
 
 def test_starts_from_hf_directory(tmp_path):
@@ -86,6 +86,20 @@ def test_quiet_rank_still_shows_its_traceback():
 def test_unknown_config_key_names_its_path(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown key 'actor.clip_ratio_hgh'"):
         _short("grpo_demo", tmp_path, "actor.clip_ratio_hgh=0.3")
+
+
+def test_written_config_keeps_following(tmp_path):
+    # the resolved config.yaml is a starting point for the next run: values that followed others
+    # keep following when that run overrides what they follow
+    from mcore_rl.job.schema import dump_job_config
+
+    cfg = _short("ppo_demo", tmp_path, "steps=7", "critic_optim.total_steps=50")
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_job_config(cfg))
+    assert load_job_config(path) == cfg
+    again = load_job_config(path, ["steps=12", "rollout.temperature=0.5"])
+    assert (again.actor_optim.total_steps, again.critic_optim.total_steps) == (12, 50)
+    assert again.actor.temperature == 0.5
 
 
 def test_derived_values_follow_unless_set(tmp_path):

@@ -13,9 +13,8 @@ from typing import Any, Mapping
 
 import torch
 
-from mcore_rl.config_loader import dump_yaml
 from mcore_rl.job import toy_task
-from mcore_rl.job.schema import JobConfig, TinyModelConfig
+from mcore_rl.job.schema import JobConfig, TinyModelConfig, dump_job_config
 from mcore_rl.models.builder import BuildOptions
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
@@ -160,7 +159,7 @@ def run(cfg: JobConfig) -> list[dict]:
         print(f"{cfg.algorithm.name} ({cfg.model.dtype}): {layout}", flush=True)
         os.makedirs(cfg.output_dir, exist_ok=True)
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
-            f.write(dump_yaml(cfg))
+            f.write(dump_job_config(cfg))
     start = time.perf_counter()
     history = _loop(cfg, actor, critic, rank0)
     if rank0:

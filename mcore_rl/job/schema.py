@@ -12,7 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from mcore_rl.config_loader import load_config
+import yaml
+
+from mcore_rl.config_loader import load_config, to_dict
 from mcore_rl.job.toy_task import ToyTaskConfig
 from mcore_rl.models.moe import MoEOptions
 from mcore_rl.parallel.layout import ParallelLayout
@@ -178,6 +180,20 @@ JOB_DEFAULTS = {
     "actor_optim": {"total_steps": "${steps}"},
     "critic_optim": {"total_steps": "${steps}"},
 }
+
+
+def dump_job_config(cfg: JobConfig) -> str:
+    """The resolved config as YAML; values that equal what they follow are written as their
+    ``${...}`` reference, so a later run from this file with ``steps=N`` still follows."""
+    data = to_dict(cfg)
+    for section, keys in JOB_DEFAULTS.items():
+        for key, reference in keys.items():
+            target = data
+            for part in reference[2:-1].split("."):
+                target = target[part]
+            if data[section][key] == target:
+                data[section][key] = reference
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
 
 
 def load_job_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> JobConfig:
