@@ -168,13 +168,10 @@ def test_fully_reshardable_dp2_to_tp2(tmp_path):
     """Saved at DP=2, loaded at TP=2 (same 2 processes), re-saved: every tensor of both
     checkpoints (params, fp32 main params, exp_avg, exp_avg_sq) equal."""
     run_ranks(2, _resume, str(tmp_path), FULLY, {}, (), dict(tp=2))
-    from megatron.core.dist_checkpointing import load_common_state_dict
-
     first = run_ranks(1, _plain, str(tmp_path / "ckpt"))[0]
     second = run_ranks(1, _plain, str(tmp_path / "resaved"))[0]
     assert sorted(first) == sorted(second) and len(first) > 20
-    assert [k for k in first if not torch.equal(first[k], second[k])] == []
-    del load_common_state_dict
+    assert [k for k in first if not torch.equal(first[k], second[k])] == []  # incl. Adam steps
 
 
 def _plain(path: str) -> dict:
