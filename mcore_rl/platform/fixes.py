@@ -99,6 +99,113 @@ def _experts_reduce_over_expert_dp() -> Callable[[], None]:
     return lambda: setattr(MoELayer, "__init__", original)
 
 
+def _wrap_method(cls, name: str, make: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Replaces ``cls.name`` by ``make(original)``; the undo restores the original, or, when
+    another fix has wrapped the method since, turns this wrapper into a pass-through (so fixes
+    on one method can be reverted in any order)."""
+    original = cls.__dict__[name]
+    state = {"on": True}
+    fixed = make(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return (fixed if state["on"] else original)(*args, **kwargs)
+
+    setattr(cls, name, wrapper)
+
+    def undo() -> None:
+        if cls.__dict__.get(name) is wrapper:
+            setattr(cls, name, original)
+        state["on"] = False
+
+    return undo
+
+
+def _distopt_load_under_no_grad() -> Callable[[], None]:
+    """``DistributedOptimizer.load_state_dict`` (dp_reshardable) copies the loaded main params into
+    the main params, which for fp32 params are views of the model params: an in-place op on a
+    view of a leaf that requires grad, so autograd raises unless the caller holds
+    ``torch.no_grad()``. Loading is not differentiable: run it under no_grad."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def make(original):
+        def load_state_dict(self, state_dict):
+            with torch.no_grad():
+                return original(self, state_dict)
+
+        return load_state_dict
+
+    return _wrap_method(DistributedOptimizer, "load_state_dict", make)
+
+
+def _distopt_reshardable_keeps_adam_step() -> Callable[[], None]:
+    """With torch's Adam (no apex/TE) every main param's state holds a ``step`` tensor, which
+    ``load_state_dict`` has already set from the checkpoint's param groups before the param
+    state is loaded. Then ``_set_main_param_and_optimizer_states`` copies every destination key
+    from the source: fully_reshardable sources skip ``step`` (KeyError 'step'); dp_reshardable
+    sources carry ``step`` as a LocalNonpersistentObject, i.e. the *loading* optimizer's own
+    step at template time (0 for a fresh one), which overwrites the loaded step. The step set
+    from the param groups is kept in both cases."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def make(original):
+        def _set_main_param_and_optimizer_states(self, model_param, tensors):
+            if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+                group_index, group_order = self.model_param_group_index_map[model_param]
+                main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+                state = self.optimizer.state[main_param]
+                if "step" in state:
+                    tensors = {**tensors, "step": state["step"]}
+            return original(self, model_param, tensors)
+
+        return _set_main_param_and_optimizer_states
+
+    return _wrap_method(DistributedOptimizer, "_set_main_param_and_optimizer_states", make)
+
+
+def _distopt_unshare_loaded_adam_step() -> Callable[[], None]:
+    """Without apex/TE, ``load_state_dict`` gives every param's Adam state the same ``step``
+    tensor object and torch's Adam keeps it shared, so each update adds 1 once per parameter
+    (step 2 becomes 2 + n_params): the bias correction of every resumed run is wrong. Each
+    param gets its own copy after loading."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def make(original):
+        def load_state_dict(self, state_dict):
+            out = original(self, state_dict)
+            for state in self.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].detach().clone()
+            return out
+
+        return load_state_dict
+
+    return _wrap_method(DistributedOptimizer, "load_state_dict", make)
+
+
+def _distopt_state_dict_before_first_step() -> Callable[[], None]:
+    """Without apex/TE, ``DistributedOptimizer.state_dict`` reads the one ``step`` of torch's
+    Adam state (``assert len(steps) == 1``), so a fresh optimizer, which has no state yet, cannot
+    even build the template to load a checkpoint into (``sharded_state_dict(is_loading=True)``).
+    The state is first allocated as megatron's own ``init_state_fn`` does, plus a zero ``step``
+    per param (what torch's Adam holds after its first step, minus one)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    def make(original):
+        def state_dict(self):
+            inner = self.optimizer
+            if isinstance(inner, torch.optim.Adam) and len(inner.state) == 0:
+                self.init_state_fn(inner, self.config)
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+            return original(self)
+
+        return state_dict
+
+    return _wrap_method(DistributedOptimizer, "state_dict", make)
+
+
 FIXES: list[Fix] = [
     Fix(
         name="moe_te_general_gemm_undefined",
@@ -123,6 +230,42 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=False,
         apply=_experts_reduce_over_expert_dp,
+    ),
+    Fix(
+        name="distopt_load_under_no_grad",
+        defect="DistributedOptimizer.load_state_dict (dp_reshardable, fp32 params): in-place copy "
+        "into a view of a leaf that requires grad (RuntimeError) unless under torch.no_grad()",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_distopt_load_under_no_grad,
+    ),
+    Fix(
+        name="distopt_reshardable_keeps_adam_step",
+        defect="torch Adam step on load: fully_reshardable KeyError 'step' in "
+        "_set_main_param_and_optimizer_states; dp_reshardable overwrites it with the template's",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_distopt_reshardable_keeps_adam_step,
+    ),
+    Fix(
+        name="distopt_unshare_loaded_adam_step",
+        defect="after DistributedOptimizer.load_state_dict with torch Adam all params share one "
+        "step tensor: each update adds n_params to it",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_distopt_unshare_loaded_adam_step,
+    ),
+    Fix(
+        name="distopt_state_dict_before_first_step",
+        defect="DistributedOptimizer.state_dict (and sharded_state_dict(is_loading=True)) of a "
+        "torch Adam that has not stepped: AssertionError (no step)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_distopt_state_dict_before_first_step,
     ),
 ]
 _undo: dict[str, Callable[[], None]] = {}
