@@ -198,7 +198,7 @@ def _distopt_state_dict_before_first_step() -> Callable[[], None]:
                 self.init_state_fn(inner, self.config)
                 for group in inner.param_groups:
                     for p in group["params"]:
-                        inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
+                        inner.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))  # host: torch Adam keeps step on the CPU
             return original(self)
 
         return state_dict
