@@ -86,6 +86,19 @@ def _save_sharded(ckpt_dir: str) -> None:
         "step": 3,  # common state: common.pt
     }
     dist_checkpointing.save(sd, ckpt_dir)
+    _stop_writer_manager()
+
+
+def _stop_writer_manager() -> None:
+    """Shuts down the manager process megatron's writer spawned: forked ranks end with os._exit,
+    which would leave it (and its resource tracker) running after the test."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+    filesystem_async._results_queue = None
 
 
 @pytest.fixture(scope="module")
