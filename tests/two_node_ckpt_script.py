@@ -112,11 +112,14 @@ def main() -> None:
     before = _check(ckpt_dir)
     sync_step_to_all_nodes(step, chunk_bytes=4096)  # small chunks: shards go in many pieces
     sync_step_to_all_nodes(step2, chunk_bytes=4096)
+    after = _check(ckpt_dir)
+    incomplete = torch.tensor([int(after != "ok")])
+    torch.distributed.all_reduce(incomplete)  # a load on an incomplete node would crash, not report
     result = {
         "rank": rank, "node": node_id(), "tmpfs_root": tmpfs_root, "mode": mode,
-        "check_before_sync": before, "check_after_sync": _check(ckpt_dir),
+        "check_before_sync": before, "check_after_sync": after,
         "step1": _digests(step), "step2": _digests(step2),
-        "load": _load_full_and_compare(sd, ckpt_dir),
+        "load": {} if incomplete.item() else _load_full_and_compare(sd, ckpt_dir),
     }
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
