@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.storage import (
-    TMP_SUFFIX, check_files, detect_storage, expected_files, read_json, sync_step_to_all_nodes,
+from mcore_rl.checkpoint.storage import (  # noqa: I001
+    _transfer_plan, TMP_SUFFIX, check_files, detect_storage, expected_files, read_json, sync_step_to_all_nodes,
     write_json_atomic,
 )
 from mcore_rl.errors import McoreRLError
@@ -156,10 +156,11 @@ def test_check_files_names_truncated_and_missing_shards(saved_ckpt, tmp_path):
 # ----------------------------------------------------------------------------- storage detection
 
 
-def _shared_root_two_nodes(root: str) -> dict:
-    """Rank r plays node r on one shared file system: detect + sync must see 'shared', move nothing."""
+def _shared_root_two_nodes(root: str, nodes: list[tuple[int, int]]) -> dict:
+    """Rank r plays (node, local rank) ``nodes[r]`` on one shared file system: detect + sync must
+    see 'shared' and move nothing."""
     rank = torch.distributed.get_rank()
-    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0")
+    os.environ.update(GROUP_RANK=str(nodes[rank][0]), LOCAL_RANK=str(nodes[rank][1]))
     mode = detect_storage(root)
     step = os.path.join(root, "global_step_1")
     write_json_atomic(os.path.join(step, f"from_node{rank}", "state.json"), {"node": rank})
@@ -170,14 +171,27 @@ def _shared_root_two_nodes(root: str) -> dict:
     return {"mode": mode, "before": before, "after": after, "left": sorted(os.listdir(root))}
 
 
-def test_detect_storage_shared_root(tmp_path):
+@pytest.mark.parametrize("nodes", [[(0, 0), (1, 0)], [(0, 0), (0, 1), (1, 0)]], ids=["1+1", "2+1"])
+def test_detect_storage_shared_root(tmp_path, nodes):
     root = str(tmp_path / "ckpts")  # does not exist yet: the node leaders make it
-    results = run_ranks(2, _shared_root_two_nodes, root)
+    results = run_ranks(len(nodes), _shared_root_two_nodes, root, nodes)
     for r in results:
         assert r["mode"] == "shared", r
         assert r["before"] == r["after"], r  # no file rewritten on a shared root
-        assert set(r["after"]) == {"from_node0/state.json", "from_node1/state.json"}, r
+        assert set(r["after"]) == {f"from_node{i}/state.json" for i in range(len(nodes))}, r
         assert r["left"] == ["global_step_1"], r  # probes removed
+
+
+def test_transfer_plan():
+    step = "/ckpt/global_step_3"
+    listings = {0: {"a.distcp": 10, "common.pt": 5}, 1: {"b.distcp": 7}, 2: {"a.distcp": 10}}
+    assert _transfer_plan(listings, step) == [
+        ("a.distcp", 10, 0, [1]), ("b.distcp", 7, 1, [0, 2]), ("common.pt", 5, 0, [1, 2])]
+    assert _transfer_plan({0: {"x": 1}, 1: {"x": 1}}, step) == []  # a shared root moves nothing
+    with pytest.raises(CheckpointError, match=r"global_step_3/x differs between nodes .*\{0: 1, 1: 2\}"):
+        _transfer_plan({0: {"x": 1}, 1: {"x": 2}}, step)
+    with pytest.raises(CheckpointError, match="refusing to sync '../evil'"):
+        _transfer_plan({0: {"../evil": 1}, 1: {}}, step)
 
 
 def _detect_expect_error(root: str, env: dict) -> str:

@@ -73,3 +73,36 @@ def test_two_nodes_node_local_root(tmp_path):
             "actor/dist_ckpt/metadata.json"} <= files, files
     assert sum(f.endswith(".distcp") and f.startswith("actor/dist_ckpt/__1_") for f in files) >= 1
     assert set(by_node[0]["step2"]) == {"node1_only/state.json"}, by_node[0]["step2"]
+
+
+def _run_sh_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    path = f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}"  # run.sh's torchrun
+    return {**env, "PATH": path, "PYTHONPATH": ROOT_DIR, **extra}
+
+
+def test_run_sh_partial_multinode_env_is_an_error():
+    r = subprocess.run(["bash", "launch/run.sh", "1", "configs/grpo_demo.yaml"], cwd=ROOT_DIR,
+                       env=_run_sh_env(NNODES="2", NODE_RANK="0"), capture_output=True, text=True)
+    assert r.returncode == 2, r
+    assert "missing: MASTER_ADDR MASTER_PORT" in r.stderr, r.stderr
+
+
+def test_run_sh_two_nodes(tmp_path):
+    """launch/run.sh's multi-node mode: two agents (one process each) form one world of 2."""
+    port, out = str(_free_port()), str(tmp_path / "out")
+    cmd = ["bash", "launch/run.sh", "1", "configs/grpo_demo.yaml", "steps=1", f"output_dir={out}"]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=_run_sh_env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1",
+                                         MASTER_PORT=port))
+        for n in range(2)
+    ]
+    logs = [p.communicate(timeout=400)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-6000:]
+    text = "\n".join(logs)
+    assert "node 0 of 2" in text and "node 1 of 2" in text, text[-3000:]
+    assert "world_size=2" in text, text[-3000:]  # one world across both agents
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert len(f.readlines()) == 1

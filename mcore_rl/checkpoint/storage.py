@@ -405,6 +405,9 @@ def sync_step_to_all_nodes(step_dir: str, chunk_bytes: int = CHUNK_BYTES) -> Non
         elif lead and me in receivers:
             _recv_file(path, size, leaders[src], chunk_bytes)
             received += size
+        # per file, so the other ranks wait one file's transfer, not the whole sync, within the
+        # process group's collective timeout
+        torch.distributed.barrier()
     if lead and any(me in r for *_, r in plan):
         fsync_tree(step_dir)
         logger.info("node %d: received %d byte(s) of %s from peer nodes",
