@@ -117,7 +117,7 @@ def write_json_atomic(path: str, obj: Any) -> None:
 
 
 def read_json(path: str) -> dict:
-    """The JSON object in ``path``; CheckpointError naming the file when missing or not a JSON object."""
+    """The JSON object in ``path``; CheckpointError naming the file if missing or not an object."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -279,7 +279,8 @@ def detect_storage(root: str) -> Literal["shared", "node_local"]:
         return "shared"
     leaders = _node_leaders()
     nodes = sorted(leaders)
-    token = _all_gather_bytes(uuid.uuid4().hex.encode() if torch.distributed.get_rank() == 0 else b"")[0]
+    first = torch.distributed.get_rank() == 0
+    token = _all_gather_bytes(uuid.uuid4().hex.encode() if first else b"")[0]
     probe = os.path.join(root, f"{PROBE_PREFIX}{token.decode()}_{node_id()}")
     failed, reason = [0] * len(nodes), ""
     if node_leader():
@@ -330,7 +331,10 @@ def _listing(step_dir: str) -> dict[str, int]:
     return out
 
 
-def _transfer_plan(listings: dict[int, dict[str, int]], step_dir: str) -> list[tuple[str, int, int, list[int]]]:
+Transfer = tuple[str, int, int, list[int]]  # relpath, size, source node, receiving nodes
+
+
+def _transfer_plan(listings: dict[int, dict[str, int]], step_dir: str) -> list[Transfer]:
     """(relpath, size, source node, receiving nodes) for every file some node lacks; the same on
     every rank (sorted). Raises when two nodes hold one file with different sizes."""
     plan = []
@@ -352,7 +356,7 @@ def _transfer_plan(listings: dict[int, dict[str, int]], step_dir: str) -> list[t
 
 
 def _send_file(path: str, size: int, dst_ranks: list[int], chunk_bytes: int) -> bool:
-    """Sends ``size`` bytes of ``path`` to each of ``dst_ranks`` in chunks; False if it was short."""
+    """Sends ``size`` bytes of ``path`` to each of ``dst_ranks`` in chunks; False if short."""
     dev, intact = _comm_device(), True
     with open(path, "rb") as f:
         for start in range(0, size, chunk_bytes):
@@ -401,7 +405,8 @@ def sync_step_to_all_nodes(step_dir: str, chunk_bytes: int = CHUNK_BYTES) -> Non
     for rel, size, src, receivers in plan:  # same order on every leader: no deadlock
         path = os.path.join(step_dir, rel)
         if lead and me == src:
-            changed |= 0 if _send_file(path, size, [leaders[n] for n in receivers], chunk_bytes) else 1
+            dsts = [leaders[n] for n in receivers]
+            changed |= 0 if _send_file(path, size, dsts, chunk_bytes) else 1
         elif lead and me in receivers:
             _recv_file(path, size, leaders[src], chunk_bytes)
             received += size
