@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.storage import (  # noqa: I001
-    _transfer_plan, TMP_SUFFIX, check_files, detect_storage, expected_files, read_json, sync_step_to_all_nodes,
-    write_json_atomic,
+from mcore_rl.checkpoint.storage import (
+    TMP_SUFFIX, _transfer_plan, check_files, detect_storage, expected_files, fsync_tree, read_json,
+    sync_step_to_all_nodes, write_json_atomic,
 )
 from mcore_rl.errors import McoreRLError
 from tests.dist import run_ranks
@@ -65,6 +65,18 @@ def test_read_json_errors_name_the_file(tmp_path):
         write_json_atomic(str(tmp_path / "bad.json"), {"t": torch.zeros(1)})
     assert not (tmp_path / "bad.json").exists()
     assert issubclass(CheckpointError, McoreRLError)
+
+
+def test_fsync_tree_walks_nested_dirs_and_skips_links(tmp_path, monkeypatch):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "x.distcp").write_bytes(b"123")
+    (tmp_path / "a" / "dangling").symlink_to(tmp_path / "gone")  # must not be opened
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    fsync_tree(str(tmp_path / "a"))
+    a = str(tmp_path / "a")
+    assert synced == [f"{a}/b/x.distcp", f"{a}/b", a], synced  # files, then dirs bottom-up
 
 
 # ----------------------------------------------------------------------------- torch_dist inventory
