@@ -252,7 +252,7 @@ def _all_gather_bytes(payload: bytes) -> list[bytes]:
     sizes = [torch.empty_like(size) for _ in range(world)]
     torch.distributed.all_gather(sizes, size)
     lengths = [int(s.item()) for s in sizes]
-    buf = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
+    buf = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)  # host: filled from bytes, then sent on dev
     if payload:
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     bufs = [torch.empty_like(buf, device=dev) for _ in range(world)]
