@@ -31,8 +31,8 @@ class ToyTaskConfig:
 def make_prompts(config: ToyTaskConfig, count: int, vocab_size: int, step: int, seed: int) -> Tensor:
     """[count, prompt_length] prompt ids on the platform's device, the same on every rank for
     a given step and seed (drawn on the host so every device type gives the same prompts)."""
-    g = torch.Generator(device="cpu").manual_seed(seed * 100_003 + step)  # host
-    prompts = torch.randint(0, vocab_size, (count, config.prompt_length), generator=g, device="cpu")  # host
+    g = torch.Generator(device="cpu").manual_seed(seed * 100_003 + step)  # host: the same prompts on every device
+    prompts = torch.randint(0, vocab_size, (count, config.prompt_length), generator=g, device="cpu")  # host: moved by the sampler
     return prompts.to(active_platform().device())
 
 

@@ -116,7 +116,7 @@ def _check_positions(positions: Tensor, mask: Tensor) -> None:
     # real tokens of a row give the same attention, anything else cannot be honoured
     if positions.shape != mask.shape:
         raise BatchError(f"position_ids {tuple(positions.shape)} must match attention_mask {tuple(mask.shape)}.")
-    offset = positions - torch.arange(mask.shape[1], device=positions.device)  # host
+    offset = positions - torch.arange(mask.shape[1], device=positions.device)
     real = mask.bool()
     for row in range(mask.shape[0]):
         values = offset[row][real[row]]

@@ -80,7 +80,7 @@ def _left_pad_to(batch: dict, width: int) -> dict:
     for key in SEQ_KEYS:
         if key in batch:
             v = batch[key]
-            out[key] = torch.cat([v.new_zeros(v.shape[0], extra), v], dim=1)  # host
+            out[key] = torch.cat([v.new_zeros(v.shape[0], extra), v], dim=1)
     return out
 
 
@@ -127,7 +127,7 @@ def _row_columns(batch: dict) -> tuple[list[int], list[int]]:
     """First and last real column of each row (an empty row: (S, -1))."""
     mask = batch["attention_mask"].bool()
     s = mask.shape[1]
-    cols = torch.arange(s, device=mask.device)  # host
+    cols = torch.arange(s, device=mask.device)
     first = torch.where(mask, cols, s).min(dim=1).values
     last = torch.where(mask, cols, -1).max(dim=1).values
     return first.tolist(), last.tolist()
@@ -191,7 +191,7 @@ def _collate(batch: dict, rows: list[int], lo: int, hi: int, rows_per: int | Non
     b, s = batch["input_ids"].shape
     r = batch["responses"].shape[1]
     keep_r = hi - (s - r) + 1  # response columns kept
-    index = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)  # host
+    index = torch.tensor(rows, dtype=torch.long, device=batch["input_ids"].device)
     fill = max((rows_per or 1) - len(rows), 0) if rows_per or not rows else 0
     piece = {}
     for key, v in batch.items():
@@ -201,7 +201,7 @@ def _collate(batch: dict, rows: list[int], lo: int, hi: int, rows_per: int | Non
         elif v.dim() >= 2:
             v = v[:, :keep_r]
         if fill:
-            v = torch.cat([v, v.new_zeros(fill, *v.shape[1:])])  # host
+            v = torch.cat([v, v.new_zeros(fill, *v.shape[1:])])
         piece[key] = v
     # padding ids never reach the embedding: -100 or ids past the vocab there are harmless
     piece["input_ids"] = piece["input_ids"].masked_fill(piece["attention_mask"] == 0, 0)

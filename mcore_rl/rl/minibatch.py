@@ -59,9 +59,9 @@ def _checksum(batch: dict) -> Tensor:
     total = 0.0
     for k in sorted(batch):
         v = torch.nan_to_num(batch[k].double().flatten())  # NaN at padding must not mismatch
-        weights = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder_(9973)  # host
+        weights = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device).remainder_(9973)
         total += float((v * (weights + 1)).sum()) * (1 + len(k))
-    return torch.tensor([*stats, total], dtype=torch.float64)  # host
+    return torch.tensor([*stats, total], dtype=torch.float64)  # host: moved to the device by the caller
 
 
 def check_same_rows(batch: dict, group, what: str) -> None:
