@@ -17,7 +17,7 @@ FACTORIES = {
 
 
 def host_allocations(source: str) -> list[tuple[int, str]]:
-    """(line, text) of torch factory calls without device= and without a ``# host`` mark."""
+    """(line, text) of torch factory calls without device= and without a ``# host: <why>`` mark."""
     lines = source.splitlines()
     found = []
     for node in ast.walk(ast.parse(source)):
@@ -30,14 +30,14 @@ def host_allocations(source: str) -> list[tuple[int, str]]:
             continue
         # the mark may sit on any line of a call that spans several
         span = lines[node.lineno - 1 : (node.end_lineno or node.lineno)]
-        if not any("# host" in line for line in span):
+        if not any("# host:" in line for line in span):
             found.append((node.lineno, lines[node.lineno - 1].strip()))
     return found
 
 
 def test_scan_finds_an_unmarked_host_allocation():
-    bad = "import torch\nx = torch.zeros(3)\ny = torch.zeros(3, device=d)\nz = torch.ones(2)  # host: why\n"
-    assert host_allocations(bad) == [(2, "x = torch.zeros(3)")]
+    bad = "import torch\nx = torch.zeros(3)\ny = torch.zeros(3, device=d)\nz = torch.ones(2)  # host: why\nw = torch.ones(2)  # host\n"
+    assert host_allocations(bad) == [(2, "x = torch.zeros(3)"), (5, "w = torch.ones(2)  # host")]
 
 
 def test_library_allocates_on_the_platform_device():
