@@ -1,0 +1,1 @@
+"""Checkpoint manager: megatron dist-checkpoints of actor/critic engines plus trainer state."""
