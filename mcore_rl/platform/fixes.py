@@ -99,6 +99,75 @@ def _experts_reduce_over_expert_dp() -> Callable[[], None]:
     return lambda: setattr(MoELayer, "__init__", original)
 
 
+def _distopt_load_before_first_step() -> Callable[[], None]:
+    """Without Transformer Engine/apex, ``DistributedOptimizer.state_dict()`` reads the per-param
+    ``step`` of torch Adam and asserts there is exactly one value; an optimizer that has not
+    stepped yet has no state at all, so ``sharded_state_dict(is_loading=True)`` -- what a resume
+    into a fresh optimizer calls -- fails with a bare AssertionError. Before a load, the empty
+    states are filled with what torch Adam would create (zeros, step 0); the load replaces them."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    original = dopt.DistributedOptimizer.sharded_state_dict
+
+    @functools.wraps(original)
+    def sharded_state_dict(self, model_sharded_state_dict={}, is_loading=False, *args, **kwargs):
+        inner = self.optimizer
+        if is_loading and not dopt.HAVE_APEX_OR_TE and isinstance(inner, torch.optim.Adam):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if not inner.state[p]:
+                        inner.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                              step=torch.tensor(0.0))
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    dopt.DistributedOptimizer.sharded_state_dict = sharded_state_dict
+    return lambda: setattr(dopt.DistributedOptimizer, "sharded_state_dict", original)
+
+
+def _distopt_keep_loaded_adam_step() -> Callable[[], None]:
+    """Without Transformer Engine/apex, torch Adam keeps a per-param ``step``.
+    ``DistributedOptimizer.load_state_dict`` sets it from the checkpoint's param groups, then
+    ``_set_main_param_and_optimizer_states`` copies every destination key from the loaded
+    param state: dp_reshardable carries ``step`` as a non-persistent object (the value from
+    before the load), which silently resets Adam's step (bias correction differs after a
+    resume); fully_reshardable carries none (``KeyError: 'step'``). Here the source's ``step`` is
+    the step just loaded from the param groups, so the copy keeps it. And load_state_dict gives
+    every param the SAME step tensor, which torch Adam then increments once per param per step:
+    each param gets its own copy."""
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    original = dopt.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not dopt.HAVE_APEX_OR_TE and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    original_load = dopt.DistributedOptimizer.load_state_dict
+
+    @functools.wraps(original_load)
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        if not dopt.HAVE_APEX_OR_TE:  # one step tensor per param, as torch Adam keeps them
+            for state in self.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+
+    dopt.DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    dopt.DistributedOptimizer.load_state_dict = load_state_dict
+
+    def undo() -> None:
+        dopt.DistributedOptimizer._set_main_param_and_optimizer_states = original
+        dopt.DistributedOptimizer.load_state_dict = original_load
+
+    return undo
+
+
 FIXES: list[Fix] = [
     Fix(
         name="moe_te_general_gemm_undefined",
@@ -123,6 +192,24 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=False,
         apply=_experts_reduce_over_expert_dp,
+    ),
+    Fix(
+        name="distopt_load_before_first_step",
+        defect="DistributedOptimizer.sharded_state_dict(is_loading=True) asserts on a torch Adam "
+        "that has not stepped (no per-param 'step')",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_distopt_load_before_first_step,
+    ),
+    Fix(
+        name="distopt_keep_loaded_adam_step",
+        defect="DistributedOptimizer load with torch Adam resets 'step' (dp_reshardable), raises "
+        "KeyError: 'step' (fully_reshardable) and shares one step tensor among all params",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_distopt_keep_loaded_adam_step,
     ),
 ]
 _undo: dict[str, Callable[[], None]] = {}
