@@ -93,3 +93,20 @@ def manager(root: str, **kw):
     from mcore_rl.checkpoint.manager import CheckpointManager
 
     return CheckpointManager(CheckpointConfig(root=root, **kw))
+
+
+def opt_state_hf(engine, key: str) -> dict[str, torch.Tensor]:
+    """The DistributedOptimizer's ``key`` state (e.g. exp_avg) as full tensors under HF names:
+    each DP rank's shard placed in its param's range, summed over DP, TP/EP-gathered."""
+    from mcore_rl.models.hf_weights import export_hf
+
+    full = {}
+    for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        for model_param in [p for buffer in opt.buffers for p in buffer.params]:  # same order on every DP rank
+            flat = torch.zeros(model_param.numel(), dtype=torch.float32)
+            if model_param in opt.model_param_group_index_map:  # this DP rank holds a piece of it
+                span = opt._get_model_param_range_map(model_param)["param"]
+                flat[span.start:span.end] = opt._get_main_param_and_optimizer_states(model_param)[key].float()
+            torch.distributed.all_reduce(flat, group=opt.data_parallel_group)
+            full[model_param] = flat.view(model_param.shape)
+    return export_hf(engine.model, engine.args, engine.role, tensor_of=lambda p: full[p])

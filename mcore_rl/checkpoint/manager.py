@@ -279,6 +279,8 @@ class CheckpointManager:
     def load(self, step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]) -> dict:
         """Loads ``contents`` of every engine from ``step_dir``; everything is validated first
         (files, metadata, layout), so a refusal touches no state. Returns the trainer state."""
+        if not os.path.isfile(os.path.join(step_dir, MARKER)):
+            raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {MARKER}); {self._choices()}")
         marker = storage.read_json(os.path.join(step_dir, MARKER))
         plans = {}
         for role, engine in engines.items():
@@ -293,7 +295,8 @@ class CheckpointManager:
             plans[role] = plan_load(meta, engine, role, tuple(contents), role_dir)
         for role, engine in engines.items():
             dist_dir = os.path.join(step_dir, role, "dist_ckpt")
-            state = sharded_state(engine, plans[role].contents, plans[role].sharding, is_loading=True)
+            plan = plans[role]
+            state = sharded_state(engine, plan.contents, plan.sharding, is_loading=True, rng=plan.restore_rng)
             with _safe_loading():
                 loaded = dist_checkpointing.load(state, dist_dir, sharded_strategy=("torch_dist", 1))
             apply_loaded(engine, loaded, plans[role], os.path.join(step_dir, role))

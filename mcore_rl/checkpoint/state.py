@@ -167,8 +167,10 @@ def model_state(engine) -> dict[str, Any]:
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(engine.model)}
 
 
-def sharded_state(engine, contents: tuple[str, ...], sharding: str | None, is_loading: bool) -> dict:
-    """The torch_dist state dict of ``contents`` (model, optimizer, extra) for one engine."""
+def sharded_state(engine, contents: tuple[str, ...], sharding: str | None, is_loading: bool,
+                  rng: bool = True) -> dict:
+    """The torch_dist state dict of ``contents`` (model, optimizer, extra) for one engine;
+    ``rng=False`` leaves the per-rank RNG out (a load into another layout)."""
     models = model_state(engine)
     state: dict[str, Any] = {}
     if "model" in contents:
@@ -181,7 +183,8 @@ def sharded_state(engine, contents: tuple[str, ...], sharding: str | None, is_lo
                 models, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding})
     if "extra" in contents:
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-        state["rng_state"] = ShardedObject("rng_state", rng_payload(), (world,), (rank,), replica_id=0)
+        if rng:
+            state["rng_state"] = ShardedObject("rng_state", rng_payload(), (world,), (rank,), replica_id=0)
         if engine.scheduler is not None:
             state["lr_scheduler"] = engine.scheduler.state_dict()
     return state

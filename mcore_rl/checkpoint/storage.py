@@ -85,6 +85,8 @@ def detect_storage(root: str) -> Literal["shared", "node_local"]:
     seen = len([n for n in os.listdir(probe_dir) if n.startswith("node_")])
     flag = torch.tensor([1 if seen >= int(nodes.item()) else 0], dtype=torch.int64)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    if node_leader():
+        os.remove(os.path.join(probe_dir, f"node_{node}"))
     return "shared" if flag.item() else "node_local"
 
 
