@@ -66,3 +66,35 @@ def test_resume_is_bit_exact(case, tmp_path):
         assert not bad, f"rank {r}: parameters differ after resume + 2 steps: {bad[:5]}"
         # control: without the RNG restore the dropout masks differ and so do the metrics
         assert b["metrics_no_rng"] != a["metrics"]
+
+
+def _load_with_fix_reverted(hf_dir, root, fix) -> dict:
+    from mcore_rl.platform.fixes import revert_fix
+
+    engine, _ = build_engine(hf_dir, {}, "actor", False, seed=77)
+    revert_fix(fix)
+    try:
+        manager(root).resume({"actor": engine})
+    except Exception as e:  # the defect's own error (megatron's bare assertion / KeyError)
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"opt_loaded": optimizer_fingerprint(engine)}
+
+
+def _save_one(hf_dir, root) -> dict:
+    engine, model = build_engine(hf_dir, {}, "actor", False, seed=1)
+    train(model, range(1))
+    manager(root).save(1, {"actor": engine}, {"step": 1})
+    return {"opt_at_save": optimizer_fingerprint(engine)}
+
+
+def test_fixes_for_optimizer_load_are_needed(tmp_path):
+    """Reverting each platform fix brings its megatron-core 0.16.1 defect back."""
+    hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
+    root = str(tmp_path / "ckpt")
+    saved = run_ranks(1, _save_one, hf_dir, root, daemon=False)[0]["opt_at_save"]
+    fresh = run_ranks(1, _load_with_fix_reverted, hf_dir, root, "distopt_load_before_first_step", daemon=False)[0]
+    assert fresh.get("error", "").startswith("AssertionError"), fresh
+    step = run_ranks(1, _load_with_fix_reverted, hf_dir, root, "distopt_keep_loaded_adam_step", daemon=False)[0]
+    steps = {k: float(v) for k, v in step["opt_loaded"].items() if k.endswith(".step")}
+    assert steps and all(v == 0.0 for v in steps.values()), steps  # the loaded step 2 is reset
+    assert all(float(v) == 2.0 for k, v in saved.items() if k.endswith(".step"))
