@@ -43,12 +43,19 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
                 pass
         out.close()
         out.join_thread()
+        import multiprocessing.util
+
+        multiprocessing.util._run_finalizers(0)  # shut down managers (megatron's dist-ckpt writer queue)
         os._exit(0)  # skip atexit handlers inherited from pytest
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0) -> list[Any]:
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
+              daemon: bool = True) -> list[Any]:
     """Runs ``fn(*args)`` on ranks 0..world_size-1; returns the per-rank return values
     (tensors, numbers, strings and containers of them).
+
+    ``daemon=False`` for bodies that start processes of their own (megatron's torch_dist save
+    forks its file writers; daemonic processes may not have children).
 
     ``fn`` sees torch.distributed initialized (gloo) and the CPU platform active; it sets up
     megatron's parallel state itself (usually via ``initialize_parallel_state``).
@@ -58,7 +65,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.
         store = os.path.join(tmp, "store")
         out = _CTX.Queue()
         procs = [
-            _CTX.Process(target=_worker, args=(r, world_size, store, fn, args, out), daemon=True)
+            _CTX.Process(target=_worker, args=(r, world_size, store, fn, args, out), daemon=daemon)
             for r in range(world_size)
         ]
         for p in procs:

@@ -244,7 +244,7 @@ def _node_leaders() -> dict[int, int]:
     return {n: ranks[0] for n, ranks in sorted(leaders.items())}
 
 
-def _all_gather_bytes(payload: bytes) -> list[bytes]:
+def all_gather_bytes(payload: bytes) -> list[bytes]:
     """Collective: every rank's ``payload``, indexed by global rank (no pickling)."""
     dev = _comm_device()
     world = torch.distributed.get_world_size()
@@ -260,7 +260,7 @@ def _all_gather_bytes(payload: bytes) -> list[bytes]:
     return [bytes(b[:n].cpu().numpy().tobytes()) for b, n in zip(bufs, lengths)]
 
 
-def _any_rank(flags: list[int]) -> list[int]:
+def any_rank(flags: list[int]) -> list[int]:
     """Collective: element-wise max of ``flags`` over all ranks."""
     t = torch.tensor(flags, dtype=torch.int64, device=_comm_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
@@ -279,7 +279,7 @@ def detect_storage(root: str) -> Literal["shared", "node_local"]:
     leaders = _node_leaders()
     nodes = sorted(leaders)
     first = torch.distributed.get_rank() == 0
-    token = _all_gather_bytes(uuid.uuid4().hex.encode() if first else b"")[0]
+    token = all_gather_bytes(uuid.uuid4().hex.encode() if first else b"")[0]
     probe = os.path.join(root, f"{PROBE_PREFIX}{token.decode()}_{node_id()}")
     failed, reason = [0] * len(nodes), ""
     if node_leader():
@@ -289,7 +289,7 @@ def detect_storage(root: str) -> Literal["shared", "node_local"]:
                 f.write(str(node_id()))
         except OSError as e:
             failed[nodes.index(node_id())], reason = 1, f" ({e})"
-    failed = _any_rank(failed)  # also the barrier between writing and looking
+    failed = any_rank(failed)  # also the barrier between writing and looking
     if any(failed):
         bad = [n for n, f in zip(nodes, failed) if f]
         raise CheckpointError(
@@ -299,7 +299,7 @@ def detect_storage(root: str) -> Literal["shared", "node_local"]:
     seen = all(
         os.path.exists(os.path.join(root, f"{PROBE_PREFIX}{token.decode()}_{n}")) for n in nodes
     )
-    unseen = _any_rank([0 if seen else 1])[0]
+    unseen = any_rank([0 if seen else 1])[0]
     if node_leader():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(probe)
@@ -397,7 +397,7 @@ def sync_step_to_all_nodes(step_dir: str, chunk_bytes: int = CHUNK_BYTES) -> Non
     step_dir = os.path.abspath(step_dir)
     leaders = _node_leaders()
     mine = json.dumps(_listing(step_dir)).encode() if node_leader() else b""
-    payloads = _all_gather_bytes(mine)
+    payloads = all_gather_bytes(mine)
     listings = {n: json.loads(payloads[r].decode()) for n, r in leaders.items()}
     plan = _transfer_plan(listings, step_dir)
     me, lead, changed, received = node_id(), node_leader(), 0, 0
@@ -416,7 +416,7 @@ def sync_step_to_all_nodes(step_dir: str, chunk_bytes: int = CHUNK_BYTES) -> Non
         fsync_tree(step_dir)
         logger.info("node %d: received %d byte(s) of %s from peer nodes",
                     me, received, step_dir)
-    if _any_rank([changed])[0]:
+    if any_rank([changed])[0]:
         raise CheckpointError(
             f"a file under {step_dir} changed while it was sent to other nodes; the step is not "
             "complete on every node: save it again."

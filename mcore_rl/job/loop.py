@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
+from mcore_rl.checkpoint.manager import CheckpointManager
 from mcore_rl.job import toy_task
 from mcore_rl.job.schema import JobConfig, TinyModelConfig, dump_job_config
 from mcore_rl.models.builder import BuildOptions
@@ -29,14 +30,21 @@ from mcore_rl.rl.sampler import generate
 Tensor = torch.Tensor
 
 
-def tiny_hf_model(cfg: TinyModelConfig):
-    """The embedded tiny model as a transformers CausalLM with random weights from ``cfg.seed``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def tiny_hf_config(cfg: TinyModelConfig):
+    """The embedded tiny model's transformers config."""
+    from transformers import AutoConfig
 
     kwargs = cfg.hf_kwargs()
     if cfg.model_type in ("mistral", "mixtral"):
         kwargs.setdefault("sliding_window", None)  # HF's default window is refused (shorter than the sequence)
-    hf_config = AutoConfig.for_model(cfg.model_type, tie_word_embeddings=False, **kwargs)
+    return AutoConfig.for_model(cfg.model_type, tie_word_embeddings=False, **kwargs)
+
+
+def tiny_hf_model(cfg: TinyModelConfig):
+    """The embedded tiny model as a transformers CausalLM with random weights from ``cfg.seed``."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config = tiny_hf_config(cfg)
     torch.manual_seed(cfg.seed)
     return AutoModelForCausalLM.from_config(hf_config)  # host: HF weights, loaded shard by shard
 
@@ -170,19 +178,51 @@ def run(cfg: JobConfig) -> list[dict]:
     return history
 
 
+def checkpoint_manager(cfg: JobConfig) -> CheckpointManager:
+    """The job's checkpoint manager; HF config of the model goes into every checkpoint."""
+    source = cfg.model.hf_dir or tiny_hf_config(cfg.model.tiny)
+    root = os.path.join(cfg.output_dir, "checkpoints")
+    return CheckpointManager(cfg.checkpoint, root, {"actor": source, "critic": source})
+
+
+def _engines(actor: Actor, critic: Critic | None) -> dict:
+    return {"actor": actor.engine, **({"critic": critic.engine} if critic is not None else {})}
+
+
+def _resume(cfg: JobConfig, ckpt: CheckpointManager, engines: dict, rank0: bool) -> list[dict]:
+    """Loads the newest complete checkpoint (per resume_mode); returns the metrics history up to
+    it and cuts metrics.jsonl after its last step (a fresh run starts the file anew)."""
+    state = ckpt.resume(engines)
+    history = list(state["history"]) if state else []
+    if rank0:
+        with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in history)
+        if state:
+            print(f"resumed from step {state['step']} ({ckpt.step_dir(state['step'])})", flush=True)
+    return history
+
+
+def _save_due(cfg: JobConfig, done: int) -> bool:
+    freq = cfg.checkpoint.save_freq
+    return freq > 0 and (done % freq == 0 or done == cfg.steps)
+
+
 def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, rank0: bool) -> list[dict]:
     from tqdm import tqdm
 
-    history: list[dict] = []
+    ckpt, engines = checkpoint_manager(cfg), _engines(actor, critic)
+    history = _resume(cfg, ckpt, engines, rank0)
     path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    bar = tqdm(range(cfg.steps), disable=not (rank0 and cfg.progress_bar), desc=cfg.algorithm.name)
+    bar = tqdm(range(len(history), cfg.steps), disable=not (rank0 and cfg.progress_bar), desc=cfg.algorithm.name)
     for step in bar:
         metrics = train_step(cfg, actor, critic, step)
         history.append(metrics)
         if rank0:
-            with open(path, "a" if step else "w") as f:
+            with open(path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", last5=f"{_last5(history):.3f}")
+        if _save_due(cfg, step + 1):
+            ckpt.save(step + 1, engines, {"step": step + 1, "history": history})
     return history
 
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 import yaml
 
+from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.config_loader import load_config, to_dict
 from mcore_rl.job.toy_task import ToyTaskConfig
 from mcore_rl.models.moe import MoEOptions
@@ -140,7 +141,9 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class JobConfig:
     """The whole job. ``layout``: every parallel size of actor, reference and critic (DP is
-    what is left of the world size)."""
+    what is left of the world size). ``checkpoint``: saves every ``save_freq`` steps and after
+    the last; the same command after a crash continues from the newest complete checkpoint
+    (root defaults to ``<output_dir>/checkpoints``)."""
 
     steps: int = 40
     seed: int = 1
@@ -155,6 +158,7 @@ class JobConfig:
     actor_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     critic: CriticConfig = field(default_factory=CriticConfig)
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
