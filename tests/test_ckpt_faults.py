@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 from mcore_rl.checkpoint.faults import ENV, RANK_ENV
 from tests.test_job import ROOT
 
 TRACKER = "latest_checkpointed_iteration.txt"
+TAG_ENV = "MCORE_RL_TEST_JOB_TAG"  # marks every process of one job run, to reap its orphans
 
 
 def job_command(out, steps: int, keep: int | None = 2, save_freq: int = 2) -> list[str]:
@@ -40,21 +42,36 @@ def job_env(fault: str | None = None, rank: int | None = None) -> dict:
     return env
 
 
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment holds ``TAG_ENV=tag``: a run's every descendant, also
+    re-parented orphans in sessions of their own (torchrun starts each rank in a new session)."""
+    found, needle = [], f"{TAG_ENV}={tag}".encode()
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
 def _job(out, steps: int, fault: str | None = None, rank: int | None = None) -> subprocess.CompletedProcess:
-    cmd = job_command(out, steps)
-    # files, not pipes, and a session of its own: a SIGKILLed rank leaves megatron's writer-queue
-    # manager process behind (it would hold pipes open); the group is killed after the run
+    cmd, tag = job_command(out, steps), uuid.uuid4().hex
+    # files, not pipes: a SIGKILLed rank leaves megatron's results-queue manager (a spawned
+    # process) behind, holding pipes open; every tagged process is killed after the run
     with open(f"{out}.{fault or 'run'}{steps}.log", "w+") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(fault, rank), stdout=log,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**job_env(fault, rank), TAG_ENV: tag}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=300)
         finally:
-            time.sleep(1)  # let late children join the group before it is killed
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            time.sleep(1)  # let late children start before they are looked for
+            for pid in tagged(tag):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         log.seek(0)
         return subprocess.CompletedProcess(cmd, code, log.read(), "")
 
@@ -79,7 +96,7 @@ def _killed(out, steps: int, fault: str, rank: int, before: list[int], straight:
     straight run) and that no complete step was lost; returns the state after the kill."""
     run = _job(out, steps, fault, rank)
     assert run.returncode != 0, f"{fault}: the run was not killed\n{run.stdout[-3000:]}"
-    assert f"exitcode  : -9" in run.stdout or "Signal 9" in run.stdout, run.stdout[-3000:]
+    assert "exitcode  : -9" in run.stdout or "Signal 9" in run.stdout, run.stdout[-3000:]
     tracker, dirs, marked = _state(out)
     assert tracker in marked, f"{fault}: tracker names {tracker}, complete steps {marked}"
     assert set(before) <= set(marked), f"{fault}: complete steps {before} -> {marked}"
