@@ -1,8 +1,10 @@
-"""The main job through torchrun (launch/run.sh): a run of 4 steps straight equals 2 steps then
-the same command with steps=4 (continues from the checkpoint; metrics.jsonl lines identical but
-for time_s) -- with a kill -9 of rank 0 at the 'marker' phase in between (the torn step is
-skipped, the tracker still names step 2) and, after, at the 'tracker' phase (the marker-complete
-step counts, the tracker still names the one before)."""
+"""The main job through torchrun (launch/run.sh) killed with SIGKILL at every save phase
+(MCORE_RL_CKPT_FAULT=shards|metadata|marker|tracker|retention, one rank via
+MCORE_RL_CKPT_FAULT_RANK), saving every 2 steps with max_ckpt_to_keep=2. After every kill the
+tracker names a complete step, no complete step is gone, and the next run of the same command
+resumes from the newest complete step; every run's metrics.jsonl equals the prefix of one
+uninterrupted 10-step run (lines identical but for time_s). One shared sequence of runs keeps the
+suite small: each kill run is itself the resume check of the kill before it."""
 from __future__ import annotations
 
 import json
@@ -11,35 +13,65 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 from mcore_rl.checkpoint.faults import ENV, RANK_ENV
 from tests.test_job import ROOT
 
 TRACKER = "latest_checkpointed_iteration.txt"
+TAG_ENV = "MCORE_RL_TEST_JOB_TAG"  # marks every process of one job run, to reap its orphans
 
 
-def _job(out, steps: int, fault: str | None = None) -> subprocess.CompletedProcess:
+def job_command(out, steps: int, keep: int | None = 2, save_freq: int = 2) -> list[str]:
+    """launch/run.sh of the tiny GRPO demo (TP=2 on 2 processes) writing to ``out``."""
+    return ["bash", "launch/run.sh", "2", "configs/grpo_demo.yaml", f"steps={steps}", f"output_dir={out}",
+            "progress_bar=false", f"checkpoint.save_freq={save_freq}", "actor_optim.total_steps=10",
+            f"checkpoint.max_ckpt_to_keep={'null' if keep is None else keep}",
+            "rollout.prompts_per_step=4", "actor.micro_batch_size=16", "actor.ppo_mini_batch_size=16"]
+
+
+def job_env(fault: str | None = None, rank: int | None = None) -> dict:
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
            "PYTHONPATH": ROOT}
     env.pop(ENV, None)
+    env.pop(RANK_ENV, None)
     if fault:
-        env.update({ENV: fault, RANK_ENV: "0"})
-    cmd = ["bash", "launch/run.sh", "2", "configs/grpo_demo.yaml", f"steps={steps}", f"output_dir={out}",
-           "progress_bar=false", "checkpoint.save_freq=2", "actor_optim.total_steps=8",
-           "rollout.prompts_per_step=4", "actor.micro_batch_size=16", "actor.ppo_mini_batch_size=16"]
-    # files, not pipes, and a session of its own: a SIGKILLed rank leaves megatron's writer-queue
-    # manager process behind (it would hold pipes open); the group is killed after the run
-    with open(out.parent / f"{out.name}.log", "w+") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        env[ENV] = fault
+        if rank is not None:
+            env[RANK_ENV] = str(rank)
+    return env
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment holds ``TAG_ENV=tag``: a run's every descendant, also
+    re-parented orphans in sessions of their own (torchrun starts each rank in a new session)."""
+    found, needle = [], f"{TAG_ENV}={tag}".encode()
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def _job(out, steps: int, fault: str | None = None, rank: int | None = None) -> subprocess.CompletedProcess:
+    cmd, tag = job_command(out, steps), uuid.uuid4().hex
+    # files, not pipes: a SIGKILLed rank leaves megatron's results-queue manager (a spawned
+    # process) behind, holding pipes open; every tagged process is killed after the run
+    with open(f"{out}.{fault or 'run'}{steps}.log", "w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env={**job_env(fault, rank), TAG_ENV: tag}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=300)
         finally:
-            time.sleep(1)  # let late children join the group before it is killed
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            time.sleep(1)  # let late children start before they are looked for
+            for pid in tagged(tag):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         log.seek(0)
         return subprocess.CompletedProcess(cmd, code, log.read(), "")
 
@@ -49,34 +81,63 @@ def _lines(out) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "time_s"} for m in lines]
 
 
-def _state(out) -> tuple[str, list[str]]:
+def _state(out) -> tuple[int | None, list[int], list[int]]:
+    """(tracker's step or None, step dirs, step dirs with a COMPLETE marker)."""
     root = os.path.join(out, "checkpoints")
-    tracker = open(os.path.join(root, TRACKER)).read().strip()
-    steps = sorted(d for d in os.listdir(root) if d.startswith("global_step_"))
-    marked = [d for d in steps if os.path.isfile(os.path.join(root, d, "COMPLETE"))]
+    path = os.path.join(root, TRACKER)
+    tracker = int(open(path).read().strip()) if os.path.exists(path) else None
+    steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
+    marked = [s for s in steps if os.path.isfile(os.path.join(root, f"global_step_{s}", "COMPLETE"))]
     return tracker, steps, marked
 
 
+def _killed(out, steps: int, fault: str, rank: int, before: list[int], straight: list[dict]):
+    """Runs with the fault, checks the run died at it (after resuming and training like the
+    straight run) and that no complete step was lost; returns the state after the kill."""
+    run = _job(out, steps, fault, rank)
+    assert run.returncode != 0, f"{fault}: the run was not killed\n{run.stdout[-3000:]}"
+    assert "exitcode  : -9" in run.stdout or "Signal 9" in run.stdout, run.stdout[-3000:]
+    tracker, dirs, marked = _state(out)
+    assert tracker in marked, f"{fault}: tracker names {tracker}, complete steps {marked}"
+    assert set(before) <= set(marked), f"{fault}: complete steps {before} -> {marked}"
+    assert _lines(out) == straight[:steps], f"{fault}: metrics differ from the straight run"
+    return tracker, dirs, marked
+
+
 def test_job_resumes_through_kills(tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    done = _job(straight, 4)
+    straight, out = tmp_path / "straight", tmp_path / "resumed"
+    done = _job(straight, 10)
     assert done.returncode == 0, done.stdout[-3000:]
-    done = _job(resumed, 2)
+    reference = _lines(straight)
+    assert len(reference) == 10
+    done = _job(out, 2)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert _state(resumed) == ("2", ["global_step_2"], ["global_step_2"])
+    assert _state(out) == (2, [2], [2])
 
-    killed = _job(resumed, 4, fault="marker")  # rank 0 dies after every rank's files, before the marker
-    assert killed.returncode != 0
-    assert _state(resumed) == ("2", ["global_step_2", "global_step_4"], ["global_step_2"])
-    assert len(_lines(resumed)) == 4  # steps 3 and 4 were logged before the kill
+    # step 4's save torn at each phase before the marker: the step stays incomplete, tracker 2
+    for fault, rank in (("shards", 1), ("metadata", 0), ("marker", 0)):
+        assert _killed(out, 4, fault, rank, [2], reference) == (2, [2, 4], [2]), fault
+        root4 = os.path.join(out, "checkpoints", "global_step_4", "actor", "dist_ckpt")
+        names = os.listdir(root4)
+        if fault in ("shards", "metadata"):  # torn inside megatron's save: no metadata written
+            assert ".metadata" not in names and "metadata.json" not in names, (fault, names)
+        if fault == "metadata":  # killed after every rank's shards (a barrier), before any metadata
+            assert sum(n.endswith(".distcp") for n in names) >= 2, names
 
-    done = _job(resumed, 4)  # the same command: continues from step 2, cuts metrics.jsonl there
+    done = _job(out, 4)  # the same command: continues from step 2, cuts metrics.jsonl there
     assert done.returncode == 0, done.stdout[-3000:]
     assert "resumed from step 2" in done.stdout
-    assert _lines(resumed) == _lines(straight)
-    assert _state(resumed) == ("4", ["global_step_2", "global_step_4"], ["global_step_2", "global_step_4"])
+    assert _lines(out) == reference[:4]
+    assert _state(out) == (4, [2, 4], [2, 4])
 
-    killed = _job(resumed, 6, fault="tracker")  # marker written, tracker not yet
-    assert killed.returncode != 0
-    tracker, _, marked = _state(resumed)
-    assert tracker == "4" and marked == ["global_step_2", "global_step_4", "global_step_6"]
+    # marker of step 6 written, tracker not yet: 6 counts (newest marker), the tracker names 4
+    assert _killed(out, 6, "tracker", 0, [2, 4], reference) == (4, [2, 4, 6], [2, 4, 6])
+    # step 8 complete and tracked, killed before retention deletes the two oldest: nothing gone
+    assert _killed(out, 8, "retention", 0, [2, 4, 6], reference) == (8, [2, 4, 6, 8], [2, 4, 6, 8])
+    assert "resumed from step 6" in open(f"{out}.retention8.log").read()
+
+    done = _job(out, 10)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "resumed from step 8" in done.stdout
+    assert _lines(out) == reference
+    assert _state(out) == (10, [8, 10], [8, 10])  # retention caught up: max_ckpt_to_keep=2

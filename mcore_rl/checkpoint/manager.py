@@ -134,9 +134,7 @@ class CheckpointManager:
             dist_dir = os.path.join(role_dir, "dist_ckpt")
             os.makedirs(dist_dir, exist_ok=True)  # every writer makes its own dirs
             torch.distributed.barrier()
-            fault_point("shards")
-            dist_checkpointing.save(state, dist_dir, sharded_strategy=("torch_dist", 1))
-            fault_point("metadata")
+            _save_dist(state, dist_dir)
             engine = engines[role]
             if "hf_model" in contents:
                 self._write_hf_weights(engine, role, os.path.join(role_dir, "huggingface"), rank0)
@@ -147,6 +145,9 @@ class CheckpointManager:
             dirs.append(role)
         if rank0:
             storage.write_json_atomic(os.path.join(step_dir, TRAINER_STATE), trainer_state)
+        # rank 0's writes done first: a walk beside them lists its temp files, renamed away before
+        # the open (FileNotFoundError on rank 1, seen in the fault test)
+        torch.distributed.barrier()
         storage.fsync_tree(step_dir)
         torch.distributed.barrier()
         if self._mode == "node_local":
@@ -299,6 +300,18 @@ class CheckpointManager:
             for rel, size in storage.expected_files(dist_dir).items():
                 required[os.path.join(role, "dist_ckpt", rel)] = size
         return required
+
+
+def _save_dist(state: dict, dist_dir: str) -> None:
+    """megatron's sync torch_dist save (plan -> every rank writes its shards -> barrier -> rank 0
+    writes ``.metadata`` and ``metadata.json``), run as its request so the fault hook fires at the
+    real moments: ``shards`` once planned, before this rank writes its shard files (the others
+    write theirs: a torn set), ``metadata`` after every rank's shards, before any metadata."""
+    request = dist_checkpointing.save(state, dist_dir, sharded_strategy=("torch_dist", 1),
+                                      async_sharded_save=True)
+    request.finalize_fns.insert(0, lambda: fault_point("metadata"))  # runs after the shards' barrier
+    fault_point("shards")
+    request.execute_sync()  # what megatron's sync save does with the same request
 
 
 def _missing_or_short(step_dir: str, required: dict[str, int]) -> str | None:
