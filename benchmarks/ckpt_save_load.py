@@ -173,24 +173,6 @@ def sum_over_ranks(value: float) -> float:
     return float(t)
 
 
-def fsync_tree_tolerant(directory: str) -> None:
-    """storage.fsync_tree, skipping files that vanish during the walk.
-
-    Works around a race in CheckpointManager._write (reported, not fixed here: library code is
-    not this script's): every rank walks the step dir while rank 0 still renames its
-    ``*.mcore_rl_tmp`` metadata temp file, so rank 1 hit FileNotFoundError on it.
-    """
-    for dirpath, _, files in os.walk(directory, topdown=False):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            try:
-                if not os.path.islink(path):
-                    fsync_dir(path)  # fsyncs any path opened read-only
-            except FileNotFoundError:  # a temp file renamed by another rank meanwhile
-                pass
-        fsync_dir(dirpath)
-
-
 def build_engine():
     """A fp32 llama (hidden 1024, 2 layers, vocab 32k), TP=1 DP=2, after one Adam step."""
     from mcore_rl.rl.actor import Actor, ActorConfig
@@ -288,9 +270,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="profile one extra manager save")
     opts = parser.parse_args()
-    from mcore_rl.checkpoint import storage
-
-    storage.fsync_tree = fsync_tree_tolerant  # see its docstring
     engine = build_engine()
     root = os.path.abspath(opts.root)
     if torch.distributed.get_rank() == 0 and os.path.isdir(root):
