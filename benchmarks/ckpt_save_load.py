@@ -30,6 +30,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import rank0_print, start, tiny_llama  # noqa: E402
+from mcore_rl.checkpoint.storage import fsync_path  # noqa: E402
 from mcore_rl.parallel import ParallelLayout  # noqa: E402
 
 FDATASYNC_CEILING_MB_S = 430.0  # this machine's measured fdatasync write ceiling (brief)
@@ -110,21 +111,13 @@ def state_bytes(engine) -> int:
     return model + nbytes(optimizer_tensors(engine).values())
 
 
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def plain_save(state: dict[str, torch.Tensor], path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    fsync_dir(os.path.dirname(path))
+    fsync_path(os.path.dirname(path))
 
 
 @torch.no_grad()

@@ -66,7 +66,8 @@ def node_id() -> int:
 # ----------------------------------------------------------------------------- durable files
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (opened read-only)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -96,7 +97,7 @@ def _write_bytes_atomic(path: str, chunks: Iterator[bytes]) -> int:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_path(parent)
+    fsync_path(parent)
     return written
 
 
@@ -144,8 +145,8 @@ def fsync_tree(directory: str) -> None:
         for name in files:
             path = os.path.join(dirpath, name)
             if not os.path.islink(path):
-                _fsync_path(path)
-        _fsync_path(dirpath)
+                fsync_path(path)
+        fsync_path(dirpath)
 
 
 # ----------------------------------------------------------------------------- inventory
