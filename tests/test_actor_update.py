@@ -98,22 +98,23 @@ def _update(hf_dir: str, layout: dict, batch: dict, moe: bool, actor: dict = ACT
     return {"params": export_hf(engine.model, args, "actor"), "metrics": metrics}
 
 
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    d = tmp_path_factory.mktemp("update")
-    hf = tiny_hf_model(tiny_config("llama", num_hidden_layers=4))
+def _prepared(tmp_path_factory, model_type: str, layers: int, moe: bool) -> tuple:
+    """(HF dir, batch, HF+formula reference, single-rank update) for one tiny model."""
+    d = tmp_path_factory.mktemp(f"update_{model_type}")
+    hf = tiny_hf_model(tiny_config(model_type, num_hidden_layers=layers))
     hf.save_pretrained(d)
     batch = make_batch(hf)
-    return str(d), batch, reference_update(hf, batch), run_ranks(1, _update, str(d), {}, batch, False)[0]
+    return str(d), batch, reference_update(hf, batch), run_ranks(1, _update, str(d), {}, batch, moe)[0]
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return _prepared(tmp_path_factory, "llama", 4, False)
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    d = tmp_path_factory.mktemp("update_moe")
-    hf = tiny_hf_model(tiny_config("qwen3_moe", num_hidden_layers=2))
-    hf.save_pretrained(d)
-    batch = make_batch(hf)
-    return str(d), batch, reference_update(hf, batch), run_ranks(1, _update, str(d), {}, batch, True)[0]
+    return _prepared(tmp_path_factory, "qwen3_moe", 2, True)
 
 
 def _assert_metrics(got: dict, want: dict, tol: float, what: str) -> None:

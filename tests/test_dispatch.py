@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.tiny import rl_batch, tiny_config, tiny_hf_model
+from tests.tiny import rl_batch, saved_tiny_llama
 
 ROWS, R = 8, 6
 
@@ -50,9 +50,7 @@ def _run(hf_dir: str, layout: dict, dispatch: str) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dispatch")
-    tiny_hf_model(tiny_config("llama", num_hidden_layers=4)).save_pretrained(d)
-    return str(d)
+    return saved_tiny_llama(tmp_path_factory.mktemp("dispatch"))
 
 
 @pytest.fixture(scope="module")

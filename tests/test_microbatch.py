@@ -8,7 +8,7 @@ import torch
 
 from mcore_rl.rl.microbatcher import MicroBatchSpec, plan_micro_batches
 from tests.dist import run_ranks
-from tests.tiny import rl_batch, tiny_config, tiny_hf_model
+from tests.tiny import rl_batch, saved_tiny_llama
 
 ROWS, PROMPT, R = 8, 12, 10
 
@@ -63,9 +63,7 @@ def _run(hf_dir: str, layout: dict, actor: dict, batch: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("microbatch")
-    tiny_hf_model(tiny_config("llama", num_hidden_layers=4)).save_pretrained(d)
-    return str(d)
+    return saved_tiny_llama(tmp_path_factory.mktemp("microbatch"))
 
 
 @pytest.fixture(scope="module")

@@ -88,3 +88,9 @@ def hf_log_probs(model, batch: dict, temperature: float = 1.0) -> tuple[torch.Te
     lp = logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * mask
     ent = -(logp.exp() * logp).sum(-1) * mask
     return lp.float(), ent.float()
+
+
+def saved_tiny_llama(directory, num_hidden_layers: int = 4) -> str:
+    """A tiny random llama written with save_pretrained into ``directory``; returns its path."""
+    tiny_hf_model(tiny_config("llama", num_hidden_layers=num_hidden_layers)).save_pretrained(directory)
+    return str(directory)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -216,7 +216,3 @@ def load_scheduler(scheduler, saved: dict, where: str) -> None:
                           f"{saved[key]!r}; using the checkpoint's value.", stacklevel=2)
     scheduler.use_checkpoint_opt_param_scheduler, scheduler.override_opt_param_scheduler = True, False
     scheduler.load_state_dict(saved)
-
-
-def describe_plan(plan: LoadPlan) -> dict:
-    return asdict(plan)

@@ -154,8 +154,3 @@ def split_rows(batch: dict, size: int) -> list[dict]:
             f"a batch of {b} rows does not split into pieces of {size}; choose a size dividing {b}."
         )
     return [select_rows(batch, slice(i, i + size)) for i in range(0, b, size)]
-
-
-def concat_rows(pieces: list[dict], rows: int | None = None) -> dict:
-    """Inverse of split_rows: the first ``rows`` rows of the pieces joined."""
-    return {k: torch.cat([p[k] for p in pieces])[:rows] for k in pieces[0]}
