@@ -49,6 +49,20 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
         os._exit(0)  # skip atexit handlers inherited from pytest
 
 
+def _dead_without_answer(procs, results: dict, errors: dict, out) -> list[int]:
+    """Ranks whose process ended without a queued answer (checked again after a short drain:
+    an answer put just before exit may still be in the pipe)."""
+    dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results and r not in errors]
+    while dead:
+        try:
+            rank, status, payload = out.get(timeout=0.5)
+        except queue.Empty:
+            break
+        (results if status == "ok" else errors)[rank] = payload
+        dead = [r for r in dead if r not in results and r not in errors]
+    return dead
+
+
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0,
               daemon: bool = True) -> list[Any]:
     """Runs ``fn(*args)`` on ranks 0..world_size-1; returns the per-rank return values
@@ -73,14 +87,20 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         deadline = time.monotonic() + timeout_s
+        grace = None  # after a failure, the others get 20 s before they are declared hung
         while len(results) + len(errors) < world_size:
-            # after a failure, give the others a short grace period before declaring them hung
-            wait = deadline - time.monotonic() if not errors else 20.0
-            try:
-                rank, status, payload = out.get(timeout=max(wait, 0.1))
-            except queue.Empty:
+            limit = deadline if grace is None else grace
+            if time.monotonic() > limit:
                 break
-            (results if status == "ok" else errors)[rank] = payload
+            try:  # short waits: a rank killed by a signal never answers, its exit code tells
+                rank, status, payload = out.get(timeout=1.0)
+            except queue.Empty:
+                for r in _dead_without_answer(procs, results, errors, out):
+                    errors[r] = f"rank {r} died with exit code {procs[r].exitcode} and no answer"
+            else:
+                (results if status == "ok" else errors)[rank] = payload
+            if errors and grace is None:
+                grace = time.monotonic() + 20.0
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():

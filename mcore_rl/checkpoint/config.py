@@ -47,8 +47,6 @@ class CheckpointConfig:
         if self.optimizer_sharding not in SHARDING_TYPES:
             raise CheckpointError(
                 f"checkpoint.optimizer_sharding={self.optimizer_sharding!r}; use one of {SHARDING_TYPES}.")
-        if self.async_save:
-            raise CheckpointError("checkpoint.async_save=true is not available yet; set async_save=false.")
         for key in ("save_contents", "load_contents"):
             bad = [c for c in getattr(self, key) if c not in CONTENTS]
             if bad or not getattr(self, key):

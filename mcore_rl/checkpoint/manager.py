@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.faults import fault_point
 from mcore_rl.checkpoint.state import (_safe_loading, apply_loaded, build_metadata, plan_load,
                                        sharded_state)
+from mcore_rl.checkpoint.writer import ItemSaveStrategy
 
 log = logging.getLogger("mcore_rl.checkpoint")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -52,6 +54,7 @@ class CheckpointManager:
         if not chosen:
             raise CheckpointError("checkpoint.root is not set; set checkpoint.root=/path/to/checkpoints.")
         self.cfg, self.root, self.hf_sources = cfg, os.path.abspath(chosen), dict(hf_sources or {})
+        self._queue, self._in_flight = None, None  # megatron's async calls queue, step being written
         roots = _gather_strings(self.root)
         if len(set(roots)) > 1:
             bad = next(r for r, x in enumerate(roots) if x != roots[0])
@@ -82,13 +85,70 @@ class CheckpointManager:
 
     # ---- save: snapshot -> write -> finalize ---------------------------------------------
     def save(self, step: int, engines: dict[str, Any], trainer_state: dict) -> str:
-        """Saves every engine and ``trainer_state`` (JSON-able) as ``global_step_<step>``;
-        returns the step dir once it is complete (marker and tracker written)."""
+        """Saves every engine and ``trainer_state`` (JSON-able) as ``global_step_<step>``.
+
+        Sync: returns once the step is complete (marker and tracker written). Async
+        (``cfg.async_save``): returns once the shard writers are started (each holds the state as
+        of this call); the step is finalized by ``poll()`` once every rank's writer is done, or by
+        ``wait()``, which the next save, a load, an engine's offload/onload and ``close()`` call."""
+        self.wait()
         step_dir = self._prepare(step)
-        snapshot = self._snapshot(engines)
-        written = self._write(step_dir, snapshot, engines, trainer_state)
-        self._finalize(step, step_dir, written)
+        requests, roles = self._write(step_dir, self._snapshot(engines), engines, trainer_state)
+        finish = partial(self._finish, step, step_dir, roles)
+        if not self.cfg.async_save:
+            for request in requests:
+                fault_point("shards")
+                request.execute_sync()  # what megatron's sync save does with the same request
+            finish()
+            return step_dir
+        for engine in engines.values():  # offload/onload wait for the write in flight
+            if self.wait not in engine.before_state_moves:
+                engine.before_state_moves.append(self.wait)
+        fault_point("shards")
+        requests[-1].add_finalize_fn(finish)  # the queue finalizes requests in order
+        for request in requests:
+            self._async_queue().schedule_async_request(request)
+        self._in_flight = step
         return step_dir
+
+    def _async_queue(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        if self._queue is None:
+            self._queue = AsyncCallsQueue(persistent=False)  # forks a writer per save
+        return self._queue
+
+    def poll(self) -> int | None:
+        """Collective, non-blocking: finalizes an async save whose writers all finished;
+        returns its step (else None). The job calls it after every training step."""
+        return self._settle(blocking=False)
+
+    def wait(self) -> int | None:
+        """Collective: blocks until the async save in flight (if any) is complete; returns its step."""
+        return self._settle(blocking=True)
+
+    def close(self) -> None:
+        """Finishes the save in flight; call before the process group is destroyed."""
+        self.wait()
+        self._queue = None
+
+    def _settle(self, blocking: bool) -> int | None:
+        if self._in_flight is None:
+            return None
+        step = self._in_flight
+        try:
+            self._queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointError:
+            self._in_flight = None
+            raise
+        except Exception as e:  # megatron's CheckpointException names the failed ranks
+            self._in_flight = None
+            raise CheckpointError(f"async save of {self.step_dir(step)} failed: {e}; the step is not "
+                                  "marked complete and resume skips it.") from e
+        if self._queue.get_num_unfinalized_calls():
+            return None
+        self._in_flight = None
+        return step
 
     def _prepare(self, step: int) -> str:
         ok = True
@@ -124,17 +184,19 @@ class CheckpointManager:
             out[role] = (contents, sharded_state(engine, dist, self.cfg.optimizer_sharding, is_loading=False))
         return out
 
-    def _write(self, step_dir: str, snapshot: dict, engines: dict[str, Any], trainer_state: dict) -> list[str]:
-        """Writes shards, metadata, HF files and trainer state; returns the role dirs."""
+    def _write(self, step_dir: str, snapshot: dict, engines: dict[str, Any],
+               trainer_state: dict) -> tuple[list, list[str]]:
+        """Plans every role's shards (megatron requests, not run yet) and writes the small files
+        (metadata, HF files, trainer state); returns the requests and the roles."""
         self._mode = storage.detect_storage(self.root)
         rank0 = torch.distributed.get_rank() == 0
-        dirs = []
+        requests, roles = [], []
         for role, (contents, state) in snapshot.items():
             role_dir = os.path.join(step_dir, role)
             dist_dir = os.path.join(role_dir, "dist_ckpt")
             os.makedirs(dist_dir, exist_ok=True)  # every writer makes its own dirs
             torch.distributed.barrier()
-            _save_dist(state, dist_dir)
+            requests.append(_plan_dist(state, dist_dir, stage=self.cfg.async_save))
             engine = engines[role]
             if "hf_model" in contents:
                 self._write_hf_weights(engine, role, os.path.join(role_dir, "huggingface"), rank0)
@@ -142,9 +204,13 @@ class CheckpointManager:
                 storage.write_json_atomic(os.path.join(role_dir, META),
                                           build_metadata(engine, role, contents, self.cfg.optimizer_sharding))
                 self._write_hf_files(role, os.path.join(role_dir, "huggingface"))
-            dirs.append(role)
+            roles.append(role)
         if rank0:
             storage.write_json_atomic(os.path.join(step_dir, TRAINER_STATE), trainer_state)
+        return requests, roles
+
+    def _finish(self, step: int, step_dir: str, roles: list[str]) -> None:
+        """Once every rank's shards are written: fsync, node-local copy, verify, marker, tracker."""
         # rank 0's writes done first: a walk beside them lists its temp files, renamed away before
         # the open (FileNotFoundError on rank 1, seen in the fault test)
         torch.distributed.barrier()
@@ -153,7 +219,7 @@ class CheckpointManager:
         if self._mode == "node_local":
             log.info("checkpoint root %s is node-local: copying missing files between nodes", self.root)
             storage.sync_step_to_all_nodes(step_dir)
-        return dirs
+        self._finalize(step, step_dir, roles)
 
     def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
         from safetensors.torch import save_file
@@ -269,6 +335,7 @@ class CheckpointManager:
     def load(self, step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]) -> dict:
         """Loads ``contents`` of every engine from ``step_dir``; everything is validated first
         (files, metadata, layout), so a refusal touches no state. Returns the trainer state."""
+        self.wait()
         if not os.path.isfile(os.path.join(step_dir, MARKER)):
             raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {MARKER}); {self._choices()}")
         marker = storage.read_json(os.path.join(step_dir, MARKER))
@@ -302,16 +369,15 @@ class CheckpointManager:
         return required
 
 
-def _save_dist(state: dict, dist_dir: str) -> None:
-    """megatron's sync torch_dist save (plan -> every rank writes its shards -> barrier -> rank 0
-    writes ``.metadata`` and ``metadata.json``), run as its request so the fault hook fires at the
-    real moments: ``shards`` once planned, before this rank writes its shard files (the others
-    write theirs: a torn set), ``metadata`` after every rank's shards, before any metadata."""
-    request = dist_checkpointing.save(state, dist_dir, sharded_strategy=("torch_dist", 1),
+def _plan_dist(state: dict, dist_dir: str, stage: bool):
+    """megatron's torch_dist save of ``state`` as an unscheduled request (plan done, common.pt
+    written; the request writes this rank's shard file, its finalize writes ``.metadata`` and
+    ``metadata.json`` on rank 0). The fault hook ``metadata`` fires after every rank's shards,
+    before any metadata. ``stage``: copy device tensors to host now (async save)."""
+    request = dist_checkpointing.save(state, dist_dir, sharded_strategy=ItemSaveStrategy(stage),
                                       async_sharded_save=True)
-    request.finalize_fns.insert(0, lambda: fault_point("metadata"))  # runs after the shards' barrier
-    fault_point("shards")
-    request.execute_sync()  # what megatron's sync save does with the same request
+    request.finalize_fns.insert(0, lambda: fault_point("metadata"))
+    return request
 
 
 def _missing_or_short(step_dir: str, required: dict[str, int]) -> str | None:

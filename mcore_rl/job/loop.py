@@ -223,6 +223,9 @@ def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, rank0: bool) -> l
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", last5=f"{_last5(history):.3f}")
         if _save_due(cfg, step + 1):
             ckpt.save(step + 1, engines, {"step": step + 1, "history": history})
+        else:
+            ckpt.poll()  # an async save finished on every rank gets its marker and tracker
+    ckpt.close()  # the last (async) save is complete before the job ends
     return history
 
 

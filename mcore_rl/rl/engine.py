@@ -5,7 +5,7 @@ broadcasts (a small integer header describes names, dtypes and shapes: no pickli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Callable, Literal, Mapping
 
 import torch
 from megatron.core import parallel_state
@@ -68,6 +68,8 @@ class ModelEngine:
         copies the parameters. ``init_value_head=True`` (critic only) starts a critic from a
         causal LM: the trunk is loaded, ``lm_head`` ignored, the value head keeps its init."""
         self.args, self.layout, self.role, self.platform = args, layout, role, platform
+        # run before an offload/onload moves the state (a checkpoint manager waits for its write)
+        self.before_state_moves: list[Callable[[], None]] = []
         chunks = build_model(args, layout, role, platform, options)
         if hf_weights is not None:
             load_hf(chunks, args, role, hf_weights, init_value_head=init_value_head)

@@ -119,6 +119,8 @@ class Offloader:
     @torch.no_grad()
     def offload(self) -> int:
         """Copies every storage to host memory and shrinks it to 0 bytes; returns bytes freed."""
+        for hook in self.engine.before_state_moves:  # e.g. an async checkpoint write in flight
+            hook()
         if self._host:
             raise OffloadError("offload() called twice: the engine's state is already on the host "
                                "(its device storages are empty); call onload() first.")
@@ -138,6 +140,8 @@ class Offloader:
     @torch.no_grad()
     def onload(self) -> None:
         """Gives every storage its bytes back (same storages: all views stay valid)."""
+        for hook in self.engine.before_state_moves:
+            hook()
         for storage, host in self._host:
             storage.resize_(host.numel())
             torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host)

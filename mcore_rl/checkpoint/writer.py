@@ -1,0 +1,184 @@
+"""The torch_dist save strategy of mcore_rl: megatron's own plan, metadata and finalize, with a
+file writer that writes item by item.
+
+megatron's ``FileSystemWriterAsync`` clones every CPU tensor that views a larger storage before
+it starts (DDP parameters, optimizer shards: nearly the whole state) and forks two writer
+processes per rank; on CPU its async path also shares the live tensors with the writer. Here
+each rank writes one file, one item at a time: a view is copied only while it is written (the
+extra memory is the largest item), a device tensor is copied to the host only while it is
+written (sync) or staged to host memory at the save call (async). An async save runs the same
+writer in the process megatron's ``TemporalAsyncCaller`` forks: the fork is a copy-on-write
+snapshot of the host state at the save call, so training may change the weights in place while
+the file is written. The writer dies with its parent (``PR_SET_PDEATHSIG``), so a killed rank
+leaves no writer racing the rerun. Results come back through shared memory, not pickles.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import os
+import signal
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict)
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo, _write_item
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.api import _wrap_exception
+
+from mcore_rl.checkpoint.faults import hold_point
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_ERROR_BYTES = 4096
+_PENDING, _DONE, _FAILED = 0, 1, 2
+
+
+class _SharedResults:
+    """Per-item (offset, length) of the written bytes plus a status word and an error text, in an
+    anonymous shared mapping: a forked writer fills it, the rank reads it (nothing unpickled)."""
+
+    def __init__(self, n_items: int) -> None:
+        self.n_items = n_items
+        self._buf = mmap.mmap(-1, 8 * (1 + 2 * n_items) + _ERROR_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
+        self.words = np.frombuffer(self._buf, dtype=np.int64, count=1 + 2 * n_items)
+
+    def record(self, i: int, offset: int, length: int) -> None:
+        self.words[1 + 2 * i: 3 + 2 * i] = (offset, length)
+
+    def finish(self, error: str | None) -> None:
+        if error is not None:
+            raw = error.encode()[: _ERROR_BYTES - 1]
+            start = 8 * (1 + 2 * self.n_items)
+            self._buf[start: start + len(raw)] = raw
+        self.words[0] = _DONE if error is None else _FAILED
+
+    def status(self) -> tuple[int, str]:
+        start = 8 * (1 + 2 * self.n_items)
+        text = bytes(self._buf[start: start + _ERROR_BYTES]).split(b"\0", 1)[0].decode(errors="replace")
+        return int(self.words[0]), text
+
+    def span(self, i: int) -> tuple[int, int]:
+        return int(self.words[1 + 2 * i]), int(self.words[2 + 2 * i])
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In a forked writer: SIGKILL when the rank dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a compact host tensor: torch.save writes a view's whole storage."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        return tensor.to("cpu")
+    compact = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return tensor if compact else tensor.clone()
+
+
+def write_rank_file(parent_pid: int, rank: int, buckets: list, results: _SharedResults) -> None:
+    """Writes this rank's items into one file (fsynced) and records each item's byte span.
+    Runs in the rank (sync save) or in the process megatron forks (async save)."""
+    forked = os.getpid() != parent_pid
+    if forked:
+        _die_with_parent(parent_pid)
+        gc.disable()  # a collection here could free the parent's device tensors (CUDA after fork)
+        torch.set_num_threads(1)  # the parent's OpenMP pool does not exist in a forked child
+    error = None
+    try:
+        hold_point("writer")
+        (path, storage_key, items), = buckets
+        with open(path, "wb") as stream:
+            for i, (item, data) in enumerate(items):
+                if item.type != WriteItemType.BYTE_IO:
+                    data = _host_copy(data)
+                result = _write_item(*_TRANSFORMS, stream, data, item, storage_key,
+                                     serialization_format=SerializationFormat.TORCH_SAVE)
+                results.record(i, result.storage_data.offset, result.storage_data.length)
+                del data
+            stream.flush()
+            os.fsync(stream.fileno())
+    except BaseException as e:  # reported to the rank at finalize, which raises it
+        error = f"rank {rank} writer: {type(e).__name__}: {e}"
+    results.finish(error)
+    if forked:
+        os._exit(0 if error is None else 1)
+
+
+_TRANSFORMS: list = []  # torch's default writer transforms (no extensions), set once below
+
+
+class ItemWriter(FileSystemWriterAsync):
+    """A ``FileSystemWriterAsync`` that writes one file per rank item by item (see module doc).
+    ``stage_device_tensors``: copy device tensors to host memory at the save call (async save)."""
+
+    def __init__(self, path: str | Path, stage_device_tensors: bool) -> None:
+        super().__init__(path, thread_count=1)
+        self.stage = stage_device_tensors
+        self.results: _SharedResults | None = None
+        if not _TRANSFORMS:
+            _TRANSFORMS.append(self.transforms)
+
+    def prepare_write_data(self, plan, planner) -> None:
+        """Keeps references to the items (no clone); a device tensor is staged when async."""
+        items = []
+        for item in sorted(plan.items, key=lambda it: it.type != WriteItemType.BYTE_IO):
+            data = planner.resolve_data(item)
+            if item.type != WriteItemType.BYTE_IO:
+                data = data.detach()
+                if self.stage and data.device.type != "cpu":
+                    data = data.to("cpu")
+            items.append((item, data))
+        name = f"{plan.storage_data.prefix}0.distcp"
+        self.write_buckets = [(os.path.join(self.checkpoint_dir, name), name, items)] if items else []
+        self.results = _SharedResults(len(items)) if items else None
+
+    def get_save_function_and_args(self):
+        if not self.write_buckets:
+            return None, None, []
+        fn = partial(write_rank_file, os.getpid())
+        return fn, None, [torch.distributed.get_rank(), self.write_buckets, self.results]
+
+    def retrieve_write_results(self):
+        if not self.write_buckets:
+            return []
+        status, error = self.results.status()
+        if status != _DONE:  # wrapped, as megatron does: every rank still joins the results gather
+            problem = RuntimeError(error or f"the checkpoint writer of rank {torch.distributed.get_rank()} "
+                                   "ended without writing its file (killed?)")
+            return _wrap_exception(problem)
+        _, storage_key, items = self.write_buckets[0]
+        out = []
+        for i, (item, _) in enumerate(items):
+            offset, length = self.results.span(i)
+            out.append(WriteResult(index=item.index, size_in_bytes=length,
+                                   storage_data=_StorageInfo(storage_key, offset, length)))
+        return out
+
+
+class ItemSaveStrategy(TorchDistSaveShardedStrategy):
+    """torch_dist format (readable by megatron's own loader) written by ``ItemWriter``."""
+
+    def __init__(self, stage_device_tensors: bool = False) -> None:
+        super().__init__("torch_dist", 1, thread_count=1)
+        self.stage = stage_device_tensors
+
+    def async_save(self, sharded_state_dict, checkpoint_dir: Path) -> AsyncRequest:
+        state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+        writer = ItemWriter(checkpoint_dir, self.stage)
+        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                   flatten_state_dict=False)
+        planned = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,
+                                             planner=planner)
+        return self._get_save_and_finalize_callbacks(writer, planned[0])

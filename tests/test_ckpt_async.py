@@ -1,0 +1,118 @@
+"""Async save: training steps complete while the write is provably in flight (the writer is held
+by the test-only hook MCORE_RL_CKPT_HOLD, not by timing), each checkpoint equals the state at its
+save call although training changed the weights in place since, a new save waits for the one in
+flight, and a killed rank leaves no writer behind."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from mcore_rl.checkpoint.faults import HOLD_ENV
+from tests.ckpt_bodies import build_engine, hf_dir_for, hf_params, manager, optimizer_fingerprint, train
+from tests.dist import run_ranks
+
+
+def _state(engine) -> dict[str, torch.Tensor]:
+    return {**{f"hf.{k}": v for k, v in hf_params(engine).items()},
+            **{f"opt.{k}": v for k, v in optimizer_fingerprint(engine).items()}}
+
+
+def _held(hold: str) -> list[int]:
+    return sorted(int(n.split(".")[1]) for n in os.listdir(hold) if n.startswith("writer."))
+
+
+def _save_while_training(hf_dir: str, root: str, hold: str) -> dict:
+    """DP=2 (different batches per rank): async save at steps 2 and 3 with training between."""
+    os.environ[HOLD_ENV] = hold
+    engine, model = build_engine(hf_dir, {}, "actor", False, seed=1)
+    train(model, range(2))
+    mgr = manager(root, async_save=True)
+    snaps = {2: _state(engine)}
+    mgr.save(2, {"actor": engine}, {"step": 2})
+    while len(_held(hold)) < 2:  # both ranks' writers started and wait at the hold point
+        time.sleep(0.01)
+    assert mgr.poll() is None  # in flight: nothing finalized
+    metrics = train(model, range(2, 3))  # a training step completes while the write is held
+    in_flight = {"marker": os.path.exists(os.path.join(mgr.step_dir(2), "COMPLETE")),
+                 "metadata": os.path.exists(os.path.join(mgr.step_dir(2), "actor", "dist_ckpt", ".metadata")),
+                 "changed": any(not torch.equal(v, _state(engine)[k]) for k, v in snaps[2].items())}
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        open(os.path.join(hold, "release"), "w").close()
+    snaps[3] = _state(engine)
+    mgr.save(3, {"actor": engine}, {"step": 3})  # waits for step 2, then starts step 3
+    step2_done = mgr.complete_steps()
+    train(model, range(3, 4))
+    assert mgr.wait() == 3
+    return {"snaps": snaps, "in_flight": in_flight, "step2_done": step2_done,
+            "complete": mgr.complete_steps(), "metrics": metrics}
+
+
+def _load_each(hf_dir: str, root: str) -> dict:
+    engine, _ = build_engine(hf_dir, {}, "actor", False, seed=77)
+    mgr = manager(root)
+    out = {}
+    for step in (2, 3):
+        mgr.load(mgr.step_dir(step), {"actor": engine}, ("model", "optimizer", "extra"))
+        out[step] = _state(engine)
+    return out
+
+
+def test_async_save_holds_the_state_of_its_call(tmp_path):
+    hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
+    root, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
+    os.makedirs(hold)
+    saved = run_ranks(2, _save_while_training, hf_dir, root, hold, daemon=False)
+    loaded = run_ranks(2, _load_each, hf_dir, root, daemon=False)
+    for r in range(2):
+        s = saved[r]
+        assert s["in_flight"] == {"marker": False, "metadata": False, "changed": True}, s["in_flight"]
+        assert s["step2_done"] == [2] and s["complete"] == [2, 3]
+        for step in (2, 3):
+            want, got = s["snaps"][step], loaded[r][step]
+            assert want.keys() == got.keys() and len(want) > 10
+            bad = [k for k in want if not torch.equal(want[k], got[k])]
+            assert not bad, f"rank {r} step {step}: checkpoint differs from the state at its save call: {bad[:5]}"
+    # control: the two snapshots differ, so equality above tells the steps apart
+    assert any(not torch.equal(v, saved[0]["snaps"][3][k]) for k, v in saved[0]["snaps"][2].items())
+
+
+def _killed_while_writing(hf_dir: str, root: str, hold: str) -> None:
+    os.environ[HOLD_ENV] = hold
+    engine, model = build_engine(hf_dir, {}, "actor", False, seed=1)
+    train(model, range(1))
+    manager(root, async_save=True).save(1, {"actor": engine}, {"step": 1})
+    while not _held(hold):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has died
+    except FileNotFoundError:
+        return False
+
+
+def test_writer_dies_with_its_rank(tmp_path):
+    hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
+    root, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
+    os.makedirs(hold)
+    with pytest.raises(AssertionError):
+        run_ranks(1, _killed_while_writing, hf_dir, root, hold, daemon=False, timeout_s=120)
+    writers = _held(hold)
+    assert len(writers) == 1
+    deadline = time.time() + 10  # the kernel delivers the death signal promptly; 10 s is a bound
+    while _alive(writers[0]) and time.time() < deadline:
+        time.sleep(0.05)
+    alive = _alive(writers[0])
+    if alive:  # do not leave it waiting forever
+        os.kill(writers[0], signal.SIGKILL)
+    assert not alive, f"writer {writers[0]} outlived its killed rank"
+    assert not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
+    assert not os.path.exists(os.path.join(root, "global_step_1", "COMPLETE"))
