@@ -1,5 +1,6 @@
-"""Bit-exact resume: an engine with dropout trained 4 steps == 2 steps + save + a fresh world
-(other init seed) that resumes + 2 steps (parameters, optimizer state, metrics identical bitwise)
+"""Bit-exact resume: an engine with dropout trained 4 steps == 2 steps + save (sync, and async
+with the next 2 steps running while it is written) + a fresh world (other init seed) that
+resumes + 2 steps (parameters, optimizer state, metrics identical bitwise)
 at TP=2+SP, PP=2xVPP=2 (bf16), DP=2 (critic) and EP=2 (MoE); negative controls show that RNG
 restore and optimizer restore are what make it exact. DP=2 -> DP=1 reshard (dp_reshardable)."""
 from __future__ import annotations
@@ -20,26 +21,33 @@ CASES = {  # name -> (world, layout, model_type, role, bf16)
 
 
 def _save_run(hf_dir, layout, role, bf16, root) -> dict:
-    """2 steps, save, 2 more steps in one world (the reference)."""
+    """2 steps, a sync save and an async save, 2 more steps (the async write in flight while
+    they run) in one world: the reference for both kinds of save."""
     engine, model = build_engine(hf_dir, layout, role, bf16, seed=1)
     train(model, range(2))
     at_save = optimizer_fingerprint(engine)
     rng = torch.get_rng_state()
-    manager(root).save(2, {role: engine}, {"step": 2})
+    manager(f"{root}/sync").save(2, {role: engine}, {"step": 2})
+    pending = manager(f"{root}/async", async_save=True)
+    pending.save(2, {role: engine}, {"step": 2})
     assert torch.equal(rng, torch.get_rng_state())  # saving consumes no randomness: run stays straight
-    return {"metrics": train(model, range(2, 4)), "params": hf_params(engine), "opt_at_save": at_save}
+    metrics = train(model, range(2, 4))
+    assert pending.wait() == 2
+    return {"metrics": metrics, "params": hf_params(engine), "opt_at_save": at_save}
 
 
 def _resume_run(hf_dir, layout, role, bf16, root) -> dict:
-    """A fresh world with another init seed: resume, 2 steps; then again without the RNG."""
+    """A fresh world with another init seed: resume from each save, 2 steps; then again without
+    the RNG."""
     from megatron.core import tensor_parallel
 
     engine, model = build_engine(hf_dir, layout, role, bf16, seed=77)
-    fresh = optimizer_fingerprint(engine)
-    state = manager(root).resume({role: engine})
-    out = {"state": state, "opt_fresh": fresh, "opt_loaded": optimizer_fingerprint(engine),
-           "metrics": train(model, range(2, 4)), "params": hf_params(engine)}
-    manager(root).resume({role: engine})
+    out = {"opt_fresh": optimizer_fingerprint(engine)}
+    for kind in ("sync", "async"):  # the second resume loads into a trained engine
+        state = manager(f"{root}/{kind}").resume({role: engine})
+        out[kind] = {"state": state, "opt_loaded": optimizer_fingerprint(engine),
+                     "metrics": train(model, range(2, 4)), "params": hf_params(engine)}
+    manager(f"{root}/sync").resume({role: engine})
     torch.manual_seed(4321)  # negative control: what a resume without RNG restore sees
     tensor_parallel.model_parallel_cuda_manual_seed(4321)
     out["metrics_no_rng"] = train(model, range(2, 4))
@@ -54,18 +62,20 @@ def test_resume_is_bit_exact(case, tmp_path):
     ref = run_ranks(world, _save_run, hf_dir, layout, role, bf16, root, daemon=False)
     res = run_ranks(world, _resume_run, hf_dir, layout, role, bf16, root, daemon=False)
     for r in range(world):
-        a, b = ref[r], res[r]
-        assert b["state"] == {"step": 2}
-        assert a["opt_at_save"].keys() == b["opt_loaded"].keys() and len(a["opt_at_save"]) > 0
-        bad = [k for k in a["opt_at_save"] if not torch.equal(a["opt_at_save"][k], b["opt_loaded"][k])]
-        assert not bad, f"rank {r}: optimizer state differs after load: {[(k, a['opt_at_save'][k].flatten()[:3], b['opt_loaded'][k].flatten()[:3]) for k in bad[:3]]}"
+        a = ref[r]
+        for kind in ("sync", "async"):
+            b = res[r][kind]
+            assert b["state"] == {"step": 2}
+            assert a["opt_at_save"].keys() == b["opt_loaded"].keys() and len(a["opt_at_save"]) > 0
+            bad = [k for k in a["opt_at_save"] if not torch.equal(a["opt_at_save"][k], b["opt_loaded"][k])]
+            assert not bad, f"rank {r} {kind}: optimizer state differs after load: {[(k, a['opt_at_save'][k].flatten()[:3], b['opt_loaded'][k].flatten()[:3]) for k in bad[:3]]}"
+            assert a["metrics"] == b["metrics"], (kind, a["metrics"], b["metrics"])
+            bad = [k for k in a["params"] if not torch.equal(a["params"][k], b["params"][k])]
+            assert not bad, f"rank {r} {kind}: parameters differ after resume + 2 steps: {bad[:5]}"
         # control: the fresh optimizer differs from the saved one (so the check above can fail)
-        assert any(not torch.equal(a["opt_at_save"][k], v) for k, v in b["opt_fresh"].items() if k in a["opt_at_save"])
-        assert a["metrics"] == b["metrics"], (a["metrics"], b["metrics"])
-        bad = [k for k in a["params"] if not torch.equal(a["params"][k], b["params"][k])]
-        assert not bad, f"rank {r}: parameters differ after resume + 2 steps: {bad[:5]}"
+        assert any(not torch.equal(a["opt_at_save"][k], v) for k, v in res[r]["opt_fresh"].items() if k in a["opt_at_save"])
         # control: without the RNG restore the dropout masks differ and so do the metrics
-        assert b["metrics_no_rng"] != a["metrics"]
+        assert res[r]["metrics_no_rng"] != a["metrics"]
 
 
 def _load_with_fix_reverted(hf_dir, root, fix) -> dict:
@@ -78,6 +88,20 @@ def _load_with_fix_reverted(hf_dir, root, fix) -> dict:
     except Exception as e:  # the defect's own error (megatron's bare assertion / KeyError)
         return {"error": f"{type(e).__name__}: {e}"}
     return {"opt_loaded": optimizer_fingerprint(engine)}
+
+
+def _load_twice(hf_dir, root, revert: bool) -> list[int]:
+    """The scheduler's step count after each of two loads into one engine."""
+    from mcore_rl.platform.fixes import revert_fix
+
+    engine, _ = build_engine(hf_dir, {}, "actor", False, seed=77)
+    if revert:
+        revert_fix("scheduler_load_sets_step_count")
+    counts = []
+    for _ in range(2):
+        manager(root).resume({"actor": engine})
+        counts.append(engine.scheduler.num_steps)
+    return counts
 
 
 def _save_one(hf_dir, root) -> dict:
@@ -98,3 +122,7 @@ def test_fixes_for_optimizer_load_are_needed(tmp_path):
     steps = {k: float(v) for k, v in step["opt_loaded"].items() if k.endswith(".step")}
     assert steps and all(v == 0.0 for v in steps.values()), steps  # the loaded step 2 is reset
     assert all(float(v) == 2.0 for k, v in saved.items() if k.endswith(".step"))
+    saved_steps = run_ranks(1, _load_twice, hf_dir, root, False, daemon=False)[0]
+    assert saved_steps[0] == saved_steps[1] > 0, saved_steps
+    doubled = run_ranks(1, _load_twice, hf_dir, root, True, daemon=False)[0]
+    assert doubled == [saved_steps[0], 2 * saved_steps[0]], doubled  # the defect: counts add up

@@ -206,6 +206,23 @@ def _distopt_state_dict_before_first_step() -> Callable[[], None]:
     return _wrap_method(DistributedOptimizer, "state_dict", make)
 
 
+def _scheduler_load_sets_step_count() -> Callable[[], None]:
+    """``OptimizerParamScheduler.load_state_dict`` calls ``self.step(increment=saved_steps)``,
+    which adds the saved count to the scheduler's own: loading into a scheduler that has stepped
+    (a second resume in one process, a rollback) leaves it at own + saved steps, i.e. a wrong LR.
+    The count is zeroed first, so the loaded count is the count."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    def make(original):
+        def load_state_dict(self, state_dict):
+            self.num_steps = 0
+            return original(self, state_dict)
+
+        return load_state_dict
+
+    return _wrap_method(OptimizerParamScheduler, "load_state_dict", make)
+
+
 FIXES: list[Fix] = [
     Fix(
         name="moe_te_general_gemm_undefined",
@@ -266,6 +283,15 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=False,
         apply=_distopt_state_dict_before_first_step,
+    ),
+    Fix(
+        name="scheduler_load_sets_step_count",
+        defect="OptimizerParamScheduler.load_state_dict adds the saved num_steps to the current "
+        "count instead of setting it (a stepped scheduler ends at own + saved steps)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_scheduler_load_sets_step_count,
     ),
 ]
 _undo: dict[str, Callable[[], None]] = {}
