@@ -22,12 +22,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 TAG_ENV = "MCORE_RL_TEST_JOB_TAG"  # marks every process of one job run, to reap its orphans
 
 
-def job_command(out, steps: int, keep: int | None = 2, save_freq: int = 2) -> list[str]:
+def job_command(out, steps: int, keep: int | None = 2, save_freq: int = 2, *extra: str) -> list[str]:
     """launch/run.sh of the tiny GRPO demo (TP=2 on 2 processes) writing to ``out``."""
     return ["bash", "launch/run.sh", "2", "configs/grpo_demo.yaml", f"steps={steps}", f"output_dir={out}",
             "progress_bar=false", f"checkpoint.save_freq={save_freq}", "actor_optim.total_steps=10",
             f"checkpoint.max_ckpt_to_keep={'null' if keep is None else keep}",
-            "rollout.prompts_per_step=4", "actor.micro_batch_size=16", "actor.ppo_mini_batch_size=16"]
+            "rollout.prompts_per_step=4", "actor.micro_batch_size=16", "actor.ppo_mini_batch_size=16", *extra]
 
 
 def job_env(fault: str | None = None, rank: int | None = None) -> dict:
@@ -56,8 +56,9 @@ def tagged(tag: str) -> list[int]:
     return found
 
 
-def _job(out, steps: int, fault: str | None = None, rank: int | None = None) -> subprocess.CompletedProcess:
-    cmd, tag = job_command(out, steps), uuid.uuid4().hex
+def _job(out, steps: int, fault: str | None = None, rank: int | None = None,
+         *extra: str) -> subprocess.CompletedProcess:
+    cmd, tag = job_command(out, steps, 2, 2, *extra), uuid.uuid4().hex
     # files, not pipes: a SIGKILLed rank leaves megatron's results-queue manager (a spawned
     # process) behind, holding pipes open; every tagged process is killed after the run
     with open(f"{out}.{fault or 'run'}{steps}.log", "w+") as log:
@@ -141,3 +142,13 @@ def test_job_resumes_through_kills(tmp_path):
     assert "resumed from step 8" in done.stdout
     assert _lines(out) == reference
     assert _state(out) == (10, [8, 10], [8, 10])  # retention caught up: max_ckpt_to_keep=2
+
+    # async save through two fresh torchruns: 4 steps (saves at 2 and 4), then the same command
+    # with steps=6 resumes from 4; metrics equal the uninterrupted run's
+    out = tmp_path / "async"
+    for steps in (4, 6):
+        done = _job(out, steps, None, None, "checkpoint.async_save=true")
+        assert done.returncode == 0, done.stdout[-3000:]
+    assert "resumed from step 4" in done.stdout
+    assert _lines(out) == reference[:6]
+    assert _state(out) == (6, [4, 6], [4, 6])
