@@ -1,5 +1,6 @@
 """CheckpointManager save/load vs plain torch.save/torch.load + fsync of the same bytes per rank,
-disk throughput and peak extra memory of a save, for dp_reshardable and fully_reshardable.
+disk throughput, time an async save blocks the caller and peak extra memory of a save, for
+dp_reshardable and fully_reshardable; megatron's own dist_checkpointing.save beside them.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/ckpt_save_load.py [--root DIR] [--reps 3]
 
@@ -185,26 +186,71 @@ def build_engine():
     return engine
 
 
+@torch.no_grad()
+def touch_state(engine) -> None:
+    """Stands in for training during an async write: changes every state tensor in place (every
+    page is written, so the forked writer's copy-on-write snapshot costs its worst case)."""
+    for t in {id(t): t for t in (*[p for c in engine.model for p in c.parameters()],
+                                 *optimizer_tensors(engine).values())}.values():
+        t.add_(0.0 if t.dtype == torch.int64 else 1e-7)
+
+
+def async_save(manager, engine, step: int) -> tuple[float, float]:
+    """(seconds the caller is blocked: the save call plus the poll that finalizes, seconds until
+    the step is complete). Training is stood in for by ``touch_state`` between polls."""
+    t0 = time.perf_counter()
+    manager.save(step, {"actor": engine}, {"step": step})
+    blocked = time.perf_counter() - t0
+    touch_state(engine)
+    while True:
+        t = time.perf_counter()
+        done = manager.poll()
+        blocked += time.perf_counter() - t
+        if done is not None:
+            return blocked, time.perf_counter() - t0
+        time.sleep(0.05)  # the training loop's next step
+
+
+def megatron_save(engine, path: str, sharding: str) -> None:
+    """megatron's own dist_checkpointing.save (default torch_dist writer) of the same state."""
+    from megatron.core import dist_checkpointing
+
+    from mcore_rl.checkpoint.state import sharded_state
+
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(sharded_state(engine, ("model", "optimizer", "extra"), sharding, is_loading=False),
+                            path, sharded_strategy=("torch_dist", 1))
+
+
 def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> None:
-    """Alternating manager / plain saves and loads; prints the medians and ratios."""
+    """Alternating manager (sync, async), megatron and plain saves and loads; prints medians and ratios."""
     from mcore_rl.checkpoint.config import CheckpointConfig
     from mcore_rl.checkpoint.manager import CheckpointManager
 
     rank = torch.distributed.get_rank()
-    manager = CheckpointManager(CheckpointConfig(root=os.path.join(root, sharding), optimizer_sharding=sharding,
-                                                 save_contents=CONTENTS, load_contents=CONTENTS))
+
+    def make(kind: str, **kw) -> CheckpointManager:
+        return CheckpointManager(CheckpointConfig(root=os.path.join(root, f"{sharding}_{kind}"), optimizer_sharding=sharding,
+                                                  save_contents=CONTENTS, load_contents=CONTENTS, **kw))
+
+    manager, pending = make("sync"), make("async", async_save=True)
     plain_dir = os.path.join(root, f"plain_{sharding}")
     plain_path = os.path.join(plain_dir, f"rank{rank}.pt")
     state, mine = rank_state(engine), state_bytes(engine)
-    r = {k: [] for k in ("ms", "ps", "ml", "pl", "mm", "pm")}
+    r = {k: [] for k in ("ms", "ps", "ml", "pl", "mm", "pm", "ab", "at", "am", "gs", "gm")}
     written = {}
     for i in range(reps):
         step = step0 + i
-        sm, sp = PssSampler(), PssSampler()
+        sm, sp, sa, sg = PssSampler(), PssSampler(), PssSampler(), PssSampler()
         r["ms"].append(timed(lambda: manager.save(step, {"actor": engine}, {"step": step}), sm))
         r["ps"].append(timed(lambda: plain_save(state, plain_path), sp))
-        r["mm"].append(max_over_ranks(sm.extra / mine))
-        r["pm"].append(max_over_ranks(sp.extra / mine))
+        r["gs"].append(timed(lambda: megatron_save(engine, os.path.join(root, f"megatron_{sharding}_{i}"), sharding), sg))
+        with sa:
+            blocked, total = async_save(pending, engine, step)
+        r["ab"].append(max_over_ranks(blocked))
+        r["at"].append(max_over_ranks(total))
+        for key, sampler in (("mm", sm), ("pm", sp), ("am", sa), ("gm", sg)):
+            r[key].append(max_over_ranks(sampler.extra / mine))
         step_dir = manager.step_dir(step)
         written = {"m": dir_bytes(step_dir) if rank == 0 else 0, "p": sum_over_ranks(os.path.getsize(plain_path))}
         drop_cache(step_dir)
@@ -212,24 +258,34 @@ def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> N
         drop_cache(plain_dir)
         r["pl"].append(timed(lambda: plain_load(state, plain_path)))
         torch.distributed.barrier()
-        if rank == 0 and i < reps - 1:
-            shutil.rmtree(step_dir)  # keep the disk small; outside the timings
+        if rank == 0:  # keep the disk small; outside the timings
+            shutil.rmtree(os.path.join(root, f"megatron_{sharding}_{i}"))
+            shutil.rmtree(pending.step_dir(step))
+            if i < reps - 1:
+                shutil.rmtree(step_dir)
         torch.distributed.barrier()
+    report(sharding, reps, mine, written, r)
+
+
+def report(sharding: str, reps: int, mine: int, written: dict, r: dict) -> None:
     med = {k: statistics.median(v) for k, v in r.items()}
     m_bytes, p_bytes = written["m"], written["p"]
     rank0_print(f"\n[{sharding}] state per rank (model + Adam shard): {mine / 2**20:.0f} MiB; "
                 f"written per save: manager {m_bytes / 2**20:.0f} MiB, plain {p_bytes / 2**20:.0f} MiB "
                 f"(all ranks); medians of {reps} alternating runs")
     rank0_print(f"  save: manager {med['ms']:.2f} s, plain {med['ps']:.2f} s, ratio {med['ms'] / med['ps']:.2f}x "
-                f"(goal <= 1.2x)   all runs manager {fmt(r['ms'])} plain {fmt(r['ps'])}")
+                f"(goal <= 1.2x); megatron's own save {med['gs']:.2f} s = {med['gs'] / med['ps']:.2f}x   "
+                f"all runs manager {fmt(r['ms'])} plain {fmt(r['ps'])} megatron {fmt(r['gs'])}")
     rank0_print(f"  load: manager {med['ml']:.2f} s, plain {med['pl']:.2f} s, ratio {med['ml'] / med['pl']:.2f}x "
                 f"(goal <= 1.2x)   all runs manager {fmt(r['ml'])} plain {fmt(r['pl'])}")
     rank0_print(f"  disk write throughput: manager {m_bytes / 2**20 / med['ms']:.0f} MB/s, plain "
                 f"{p_bytes / 2**20 / med['ps']:.0f} MB/s, ceiling ~{FDATASYNC_CEILING_MB_S:.0f} MB/s (fdatasync); "
                 f"manager at {m_bytes / 2**20 / med['ms'] / FDATASYNC_CEILING_MB_S:.0%} of it")
+    rank0_print(f"  async save: training blocked {med['ab']:.3f} s = {med['ab'] / med['ms']:.1%} of the sync save "
+                f"(goal <= 10%); complete after {med['at']:.2f} s   all runs blocked {fmt(r['ab'])}")
     rank0_print(f"  peak extra memory during save (max over ranks, PSS incl. children / state bytes): "
-                f"manager {med['mm']:.2f}x, plain {med['pm']:.2f}x (goal sync <= 0.25x)")
-    rank0_print("  async save: not implemented")
+                f"manager sync {med['mm']:.2f}x (goal <= 0.25x), async {med['am']:.2f}x with every state "
+                f"page rewritten during the write (goal <= 1.1x); plain {med['pm']:.2f}x, megatron {med['gm']:.2f}x")
 
 
 def fmt(values: list[float]) -> str:
