@@ -217,20 +217,19 @@ def test_main_job_two_nodes_node_local_disks_resume(tmp_path):
     steps 2 and 4 complete on BOTH nodes (the node without rank 0 receives rank 0's files,
     trainer_state.json included, and writes its own marker and tracker); the same command with
     steps=6 resumes from step 4 on both nodes and its metrics equal a straight 6-step run's."""
-    straight = str(tmp_path / "straight")
-    env = _run_sh_env()
-    done = subprocess.run(["bash", "launch/run.sh", "2", *_job_args(6, straight)], cwd=ROOT_DIR, env=env,
-                          capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "shared by all 1 node(s)" in done.stderr, done.stderr[-3000:]  # the mode is logged
-    reference = _metrics(os.path.join(straight, "out", "metrics.jsonl"))
-    assert [m["step"] for m in reference] == list(range(6))
-
+    straight = str(tmp_path / "straight")  # one node, shared root; runs beside the first 2-node run
+    reference_run = subprocess.Popen(["bash", "launch/run.sh", "2", *_job_args(6, straight)], cwd=ROOT_DIR,
+                                     env=_run_sh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     shared = str(tmp_path / "node_path")  # the one path both nodes are given
     disks = [str(tmp_path / f"disk{n}") for n in range(2)]
     for d in (shared, *disks):
         os.makedirs(d)
     codes, logs = _two_node_job(tmp_path, 4, shared, disks)
+    straight_log = reference_run.communicate(timeout=150)[0]
+    assert reference_run.returncode == 0, straight_log[-3000:]
+    assert "shared by all 1 node(s)" in straight_log, straight_log[-3000:]  # the mode is logged
+    reference = _metrics(os.path.join(straight, "out", "metrics.jsonl"))
+    assert [m["step"] for m in reference] == list(range(6))
     text = "\n".join(f"--- node {n} ---\n{log[-5000:]}" for n, log in enumerate(logs))
     assert codes == [0, 0], f"exit codes {codes}\n{text}"
     assert os.listdir(shared) == [], "the host's path got files: the nodes did not have own disks"
