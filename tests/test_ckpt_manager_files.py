@@ -129,10 +129,10 @@ def test_load_contents_may_not_hold_hf_model():
                                        ("common", "common.pt")])
 def test_manager_resume_refuses_planted_pickles(saved, name, file):
     for rank, r in enumerate(saved):
+        assert r[name]["ran"] == [], (rank, r[name])  # the planted command never ran
         error = r[name]["error"]
         assert error is not None and error.startswith("UnsafeCheckpointError"), (rank, error)
         assert file in error and "'posix.system'" in error and "not run" in error, (rank, error)
-        assert r[name]["ran"] == [], (rank, r[name])  # the planted command never ran
     if name == "payload":  # each rank reads its own RNG payload: the error names that rank's shard
         assert "rng_state/shard_0_2" in saved[0][name]["error"], saved[0][name]["error"]
         assert "rng_state/shard_1_2" in saved[1][name]["error"], saved[1][name]["error"]
