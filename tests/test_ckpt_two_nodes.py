@@ -3,8 +3,11 @@
 Two torchrun agents on this machine (``--nnodes 2``, one process each, c10d rendezvous on
 127.0.0.1), each started in its own mount namespace with a private tmpfs at the same checkpoint
 root path, so each node sees only the files its own processes wrote. The agents run
-tests/two_node_ckpt_script.py. This test fails (never skips) when unshare or mount do not work:
-the issue requires the node-local path to be exercised.
+tests/two_node_ckpt_script.py (storage level). ``test_main_job_two_nodes_node_local_disks_resume``
+runs the main job itself (launch/run.sh, 2 nodes x 1 process) with each node's own directory
+bind-mounted at one path, so the node-local disks outlive a run: a 4-step run saves, the same
+command with steps=6 resumes on both nodes. These tests fail (never skip) when unshare or mount
+do not work: the issue requires the node-local path to be exercised.
 """
 from __future__ import annotations
 
