@@ -3,7 +3,7 @@
 - ``hf_model`` in save_contents: ``actor/huggingface/model.safetensors`` holds exactly the HF
   model's names and full (TP-gathered) shapes, the engine's exported values, and loads with
   ``AutoModelForCausalLM.from_pretrained`` (config.json beside it) without missing or unexpected
-  keys; ``hf_model`` in load_contents is refused.
+  keys into a model whose log-probs equal the engine's; ``hf_model`` in load_contents is refused.
 - planted pickles (``os.system`` through ``__reduce__``) in the saved ``.metadata``, in the RNG
   ShardedObject payloads and in ``common.pt`` of a manager checkpoint make ``manager.resume``
   raise UnsafeCheckpointError naming the file and the refused global; the planted command never
@@ -22,6 +22,7 @@ import torch
 from tests.ckpt_util import engine, train_step, writer_processes_allowed
 from tests.dist import run_ranks
 from tests.test_ckpt_safe_load import PLANTS
+from tests.tiny import hf_log_probs, rl_batch
 
 SAVE = ("model", "optimizer", "extra", "hf_model")
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -63,6 +64,7 @@ def _resume_planted(eng, base: str, step_dir: str, name: str) -> dict:
 
 def _save_then_attack(base: str) -> dict:
     from mcore_rl.models.hf_weights import export_hf
+    from mcore_rl.rl.actor import Actor, ActorConfig
 
     eng = engine(dict(tp=2))
     train_step(eng, 0)  # values away from the init: an export of stale weights would differ
@@ -72,6 +74,7 @@ def _save_then_attack(base: str) -> dict:
         exported = export_hf(eng.model, eng.args, "actor")
         if torch.distributed.get_rank() == 0:
             out["exported"] = {k: v.detach().clone() for k, v in exported.items()}
+        out["log_probs"] = Actor(eng, ActorConfig(micro_batch_size=2)).compute_log_prob(rl_batch(200))["log_probs"]
         for name in PLANTS:
             out[name] = _resume_planted(eng, base, step_dir, name)
     return out
@@ -105,6 +108,12 @@ def test_hf_model_safetensors_are_the_full_hf_state(saved):
     assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], written[k]) for k in written)
+    # independent of export_hf: the HF model from the file computes the engine's log-probs
+    ours = saved[0]["log_probs"]
+    theirs, _ = hf_log_probs(model.eval(), rl_batch(200))
+    assert ours.abs().max() > 1.0  # real log-probs, not an all-masked batch
+    diff = float((ours - theirs).abs().max())
+    assert diff <= 1e-4, f"log-probs of the HF model from model.safetensors differ by {diff}"
 
 
 def _full_rows(name: str, written: dict) -> int:
