@@ -3,16 +3,22 @@
 Two torchrun agents on this machine (``--nnodes 2``, one process each, c10d rendezvous on
 127.0.0.1), each started in its own mount namespace with a private tmpfs at the same checkpoint
 root path, so each node sees only the files its own processes wrote. The agents run
-tests/two_node_ckpt_script.py. This test fails (never skips) when unshare or mount do not work:
-the issue requires the node-local path to be exercised.
+tests/two_node_ckpt_script.py (storage level). ``test_main_job_two_nodes_node_local_disks_resume``
+runs the main job itself (launch/run.sh, 2 nodes x 1 process) with each node's own directory
+bind-mounted at one path, so the node-local disks outlive a run: a 4-step run saves, the same
+command with steps=6 resumes on both nodes. These tests fail (never skip) when unshare or mount
+do not work: the issue requires the node-local path to be exercised.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import uuid
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -106,3 +112,147 @@ def test_run_sh_two_nodes(tmp_path):
     assert "world_size=2" in text, text[-3000:]  # one world across both agents
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert len(f.readlines()) == 1
+
+
+# ---- the main job on two simulated nodes with node-local disks ---------------------------------
+
+JOB_ARGS = ["progress_bar=false", "checkpoint.save_freq=2", "actor_optim.total_steps=6",
+            "rollout.prompts_per_step=4", "actor.micro_batch_size=16", "actor.ppo_mini_batch_size=16"]
+
+
+def _job_args(steps: int, base: str) -> list[str]:
+    """The tiny GRPO demo (TP=2 over the two processes), outputs and checkpoints under ``base``."""
+    return ["configs/grpo_demo.yaml", f"steps={steps}", f"output_dir={base}/out",
+            f"checkpoint.root={base}/ckpt", *JOB_ARGS]
+
+
+def _wait_all(procs: list[subprocess.Popen], tag: str, timeout: float) -> list:
+    """Exit codes (or "timeout"); every process of the run (tagged env) is killed afterwards:
+    a rank that died leaves its peer blocked in a collective."""
+    from tests.test_ckpt_faults import tagged
+
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            codes.append("timeout")
+            for pid in tagged(tag):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    for pid in tagged(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return codes
+
+
+def _two_node_job(tmp_path, steps: int, shared: str, disks: list[str]) -> tuple[list, list[str]]:
+    """launch/run.sh on 2 nodes x 1 process. Node n runs in its own mount namespace where its own
+    disk ``disks[n]`` is bind-mounted at the same path ``shared``: each node sees only the files
+    its process wrote there, and the disks outlive the run (the second run resumes from them)."""
+    from tests.test_ckpt_faults import TAG_ENV
+
+    port, tag = str(_free_port()), uuid.uuid4().hex
+    job = " ".join(["exec bash launch/run.sh 1", *_job_args(steps, shared)])
+    procs, logs = [], []
+    for n, disk in enumerate(disks):
+        logs.append(str(tmp_path / f"run{steps}_node{n}.log"))
+        env = _run_sh_env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                          **{TAG_ENV: tag})
+        with open(logs[-1], "w") as f:
+            procs.append(subprocess.Popen(
+                ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                 f"mount --bind {disk} {shared} && {job}"],
+                cwd=ROOT_DIR, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+    codes = _wait_all(procs, tag, timeout=150)
+    return codes, [open(p).read() for p in logs]
+
+
+def _metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in f]
+
+
+def _digests(step_dir: str) -> dict[str, str]:
+    import hashlib
+
+    out = {}
+    for d, _, names in os.walk(step_dir):
+        for name in names:
+            with open(os.path.join(d, name), "rb") as f:
+                out[os.path.relpath(os.path.join(d, name), step_dir)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _disk_state(disk: str) -> dict:
+    """What one node holds: tracker, complete steps, per-step trainer state and file digests."""
+    root = os.path.join(disk, "ckpt")
+    tracker_path = os.path.join(root, "latest_checkpointed_iteration.txt")
+    steps = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
+    step_dirs = {s: os.path.join(root, f"global_step_{s}") for s in steps}
+    return {
+        "tracker": open(tracker_path).read().strip() if os.path.exists(tracker_path) else None,
+        "complete": [s for s in steps if os.path.isfile(os.path.join(step_dirs[s], "COMPLETE"))],
+        "trainer_step": {s: json.load(open(os.path.join(d, "trainer_state.json")))["step"]
+                         for s, d in step_dirs.items() if os.path.isfile(os.path.join(d, "trainer_state.json"))},
+        "files": {s: _digests(d) for s, d in step_dirs.items()},
+        "metrics": os.path.isfile(os.path.join(disk, "out", "metrics.jsonl")),
+    }
+
+
+def _check_full_on_both(disks: list[str], steps: list[int], text: str) -> list[dict]:
+    """Both nodes hold every step complete (marker, tracker, trainer state) with the same files."""
+    states = [_disk_state(d) for d in disks]
+    for n, s in enumerate(states):
+        assert s["tracker"] == str(steps[-1]) and s["complete"] == steps, (n, s["tracker"], s["complete"], text)
+        assert s["trainer_step"] == {k: k for k in steps}, (n, s["trainer_step"])
+    for k in steps:
+        files = states[0]["files"][k]
+        assert {"COMPLETE", "trainer_state.json", "actor/mcore_rl.json", "actor/huggingface/config.json",
+                "actor/dist_ckpt/.metadata", "actor/dist_ckpt/common.pt"} <= set(files), sorted(files)
+        assert sum(f.endswith(".distcp") for f in files) >= 2, sorted(files)  # both ranks' shards
+        assert states[1]["files"][k] == files, f"step {k}: the nodes hold different files"
+    return states
+
+
+def test_main_job_two_nodes_node_local_disks_resume(tmp_path):
+    """The main job on 2 nodes x 1 process with node-local checkpoint disks: a 4-step run saves
+    steps 2 and 4 complete on BOTH nodes (the node without rank 0 receives rank 0's files,
+    trainer_state.json included, and writes its own marker and tracker); the same command with
+    steps=6 resumes from step 4 on both nodes and its metrics equal a straight 6-step run's."""
+    straight = str(tmp_path / "straight")  # one node, shared root; runs beside the first 2-node run
+    reference_run = subprocess.Popen(["bash", "launch/run.sh", "2", *_job_args(6, straight)], cwd=ROOT_DIR,
+                                     env=_run_sh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    shared = str(tmp_path / "node_path")  # the one path both nodes are given
+    disks = [str(tmp_path / f"disk{n}") for n in range(2)]
+    for d in (shared, *disks):
+        os.makedirs(d)
+    codes, logs = _two_node_job(tmp_path, 4, shared, disks)
+    straight_log = reference_run.communicate(timeout=150)[0]
+    assert reference_run.returncode == 0, straight_log[-3000:]
+    assert "shared by all 1 node(s)" in straight_log, straight_log[-3000:]  # the mode is logged
+    reference = _metrics(os.path.join(straight, "out", "metrics.jsonl"))
+    assert [m["step"] for m in reference] == list(range(6))
+    text = "\n".join(f"--- node {n} ---\n{log[-5000:]}" for n, log in enumerate(logs))
+    assert codes == [0, 0], f"exit codes {codes}\n{text}"
+    assert os.listdir(shared) == [], "the host's path got files: the nodes did not have own disks"
+    states = _check_full_on_both(disks, [2, 4], text)
+    # rank 0's node holds metrics.jsonl (written by rank 0 only); the other node holds the step
+    # dirs and trainer_state.json all the same, received from rank 0's node after each save
+    first = [s["metrics"] for s in states].index(True)
+    assert [s["metrics"] for s in states] == [n == first for n in range(2)], states
+    assert "checkpoint root" in logs[first] and "node-local on 2 nodes" in logs[first], text
+    assert "received" in logs[1 - first], text  # the node without rank 0 got files from its peer
+    assert _metrics(os.path.join(disks[first], "out", "metrics.jsonl")) == reference[:4]
+    with open(os.path.join(disks[first], "out", "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 4, "reward": -1.0}) + "\n")  # logged, then crashed before the save
+
+    codes, logs = _two_node_job(tmp_path, 6, shared, disks)
+    text = "\n".join(f"--- node {n} ---\n{log[-5000:]}" for n, log in enumerate(logs))
+    assert codes == [0, 0], f"exit codes {codes}\n{text}"
+    lead = [n for n, log in enumerate(logs) if "grpo (fp32):" in log]  # rank 0 may change nodes
+    assert len(lead) == 1 and "resumed from step 4" in logs[lead[0]], text
+    assert "node-local on 2 nodes" in logs[lead[0]], text
+    _check_full_on_both(disks, [2, 4, 6], text)
+    # the resumed run's metrics.jsonl (cut after step 4) equals the straight run's, steps 5-6 too
+    assert _metrics(os.path.join(disks[lead[0]], "out", "metrics.jsonl")) == reference

@@ -6,6 +6,7 @@ every rank runs the same loop."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import replace
@@ -161,6 +162,7 @@ def run(cfg: JobConfig) -> list[dict]:
     platform = setup_platform()
     init_distributed(platform)
     rank0 = torch.distributed.get_rank() == 0
+    log_package_events(torch.distributed.get_rank())
     actor, critic = build(cfg, platform)
     if rank0:
         layout = actor.engine.layout.describe(torch.distributed.get_world_size())
@@ -176,6 +178,18 @@ def run(cfg: JobConfig) -> list[dict]:
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return history
+
+
+def log_package_events(rank: int) -> None:
+    """mcore_rl's INFO log lines (checkpoint storage mode, node-local sync, retention) go to
+    stderr, prefixed by the rank; without a handler Python would drop everything below WARNING."""
+    logger = logging.getLogger("mcore_rl")
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def checkpoint_manager(cfg: JobConfig) -> CheckpointManager:

@@ -1,0 +1,147 @@
+"""What CheckpointManager.save writes and what manager.resume refuses, on one TP=2 save (world 2):
+
+- ``hf_model`` in save_contents: ``actor/huggingface/model.safetensors`` holds exactly the HF
+  model's names and full (TP-gathered) shapes, the engine's exported values, and loads with
+  ``AutoModelForCausalLM.from_pretrained`` (config.json beside it) without missing or unexpected
+  keys into a model whose log-probs equal the engine's; ``hf_model`` in load_contents is refused.
+- planted pickles (``os.system`` through ``__reduce__``) in the saved ``.metadata``, in the RNG
+  ShardedObject payloads and in ``common.pt`` of a manager checkpoint make ``manager.resume``
+  raise UnsafeCheckpointError naming the file and the refused global; the planted command never
+  runs (its marker files do not exist). The plants keep every file at least its expected size,
+  so the manager's own file checks pass and the unpickler is what refuses.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.ckpt_util import engine, train_step, writer_processes_allowed
+from tests.dist import run_ranks
+from tests.test_ckpt_safe_load import PLANTS
+from tests.tiny import hf_log_probs, rl_batch
+
+SAVE = ("model", "optimizer", "extra", "hf_model")
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _config():
+    from tests.tiny import tiny_config
+
+    return tiny_config("llama", num_hidden_layers=2)  # what tests.ckpt_util.engine builds
+
+
+def _manager(root: str, **kw):
+    from mcore_rl.checkpoint.config import CheckpointConfig
+    from mcore_rl.checkpoint.manager import CheckpointManager
+
+    return CheckpointManager(CheckpointConfig(root=root, **kw), hf_sources={"actor": _config()})
+
+
+def _resume_planted(eng, base: str, step_dir: str, name: str) -> dict:
+    """A copy of the saved step under its own root with ``name`` planted; manager.resume of it."""
+    root, marker = os.path.join(base, f"planted_{name}"), os.path.join(base, f"ran_{name}")
+    if torch.distributed.get_rank() == 0:
+        shutil.copytree(step_dir, os.path.join(root, "global_step_1"))
+        shutil.copy(os.path.join(os.path.dirname(step_dir), TRACKER), root)
+        PLANTS[name](os.path.join(root, "global_step_1", "actor", "dist_ckpt"), marker)
+    torch.distributed.barrier()
+    if name == "common":  # torch's own weights_only default is off: only the guard may refuse
+        os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        _manager(root).resume({"actor": eng})
+        error = None
+    except BaseException as e:  # torch wraps rank failures in CheckpointException (BaseException)
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+    torch.distributed.barrier()
+    return {"error": error, "ran": sorted(os.path.basename(p) for p in glob.glob(marker + ".*"))}
+
+
+def _save_then_attack(base: str) -> dict:
+    from mcore_rl.models.hf_weights import export_hf
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    eng = engine(dict(tp=2))
+    train_step(eng, 0)  # values away from the init: an export of stale weights would differ
+    with writer_processes_allowed():
+        step_dir = _manager(os.path.join(base, "ckpt"), save_contents=SAVE).save(1, {"actor": eng}, {"step": 1})
+        out = {"step_dir": step_dir, "tp_local": {n: tuple(p.shape) for n, p in eng.model[0].named_parameters()}}
+        exported = export_hf(eng.model, eng.args, "actor")
+        if torch.distributed.get_rank() == 0:
+            out["exported"] = {k: v.detach().clone() for k, v in exported.items()}
+        out["log_probs"] = Actor(eng, ActorConfig(micro_batch_size=2)).compute_log_prob(rl_batch(200))["log_probs"]
+        for name in PLANTS:
+            out[name] = _resume_planted(eng, base, step_dir, name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("manager_files"))
+    return run_ranks(2, _save_then_attack, base, daemon=False)
+
+
+def test_hf_model_safetensors_are_the_full_hf_state(saved):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = os.path.join(saved[0]["step_dir"], "actor", "huggingface")
+    assert sorted(os.listdir(hf_dir)) == ["config.json", "model.safetensors"], os.listdir(hf_dir)
+    written = load_file(os.path.join(hf_dir, "model.safetensors"))
+    torch.manual_seed(0)
+    original = AutoModelForCausalLM.from_config(_config()).state_dict()
+    assert sorted(written) == sorted(original)
+    assert {k: tuple(v.shape) for k, v in written.items()} == {k: tuple(v.shape) for k, v in original.items()}
+    # TP=2 really sharded the engine: a rank-local export would have half of these shapes
+    local = saved[0]["tp_local"]
+    fused = [n for n in local if n.endswith(("linear_fc1.weight", "linear_qkv.weight"))]
+    assert fused and all(local[n][0] * 2 == _full_rows(n, written) for n in fused), local
+    exported = saved[0]["exported"]
+    mismatch = [k for k in written if not torch.equal(written[k], exported[k])]
+    assert mismatch == [], mismatch
+    model, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    assert info["missing_keys"] in ([], set()) and info["unexpected_keys"] in ([], set()), info
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], written[k]) for k in written)
+    # independent of export_hf: the HF model from the file computes the engine's log-probs
+    ours = saved[0]["log_probs"]
+    theirs, _ = hf_log_probs(model.eval(), rl_batch(200))
+    assert ours.abs().max() > 1.0  # real log-probs, not an all-masked batch
+    diff = float((ours - theirs).abs().max())
+    assert diff <= 1e-4, f"log-probs of the HF model from model.safetensors differ by {diff}"
+
+
+def _full_rows(name: str, written: dict) -> int:
+    """Rows of the full (all TP ranks) megatron tensor ``name`` from the HF tensors it maps to."""
+    layer = name.split("layers.")[1].split(".")[0]
+    prefix = f"model.layers.{layer}"
+    if "linear_fc1" in name:  # gate and up, fused
+        return sum(written[f"{prefix}.mlp.{p}_proj.weight"].shape[0] for p in ("gate", "up"))
+    return sum(written[f"{prefix}.self_attn.{p}_proj.weight"].shape[0] for p in ("q", "k", "v"))
+
+
+def test_load_contents_may_not_hold_hf_model():
+    from mcore_rl.checkpoint.config import CheckpointConfig
+    from mcore_rl.checkpoint.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"load_contents may not hold 'hf_model'.*load 'model' instead"):
+        CheckpointConfig(load_contents=("model", "hf_model"))
+    assert "hf_model" in CheckpointConfig(save_contents=SAVE).save_contents  # fine for saving
+
+
+@pytest.mark.parametrize("name,file", [("metadata", ".metadata"), ("payload", ".distcp"),
+                                       ("common", "common.pt")])
+def test_manager_resume_refuses_planted_pickles(saved, name, file):
+    for rank, r in enumerate(saved):
+        assert r[name]["ran"] == [], (rank, r[name])  # the planted command never ran
+        error = r[name]["error"]
+        assert error is not None and error.startswith("UnsafeCheckpointError"), (rank, error)
+        assert file in error and "'posix.system'" in error and "not run" in error, (rank, error)
+    if name == "payload":  # each rank reads its own RNG payload: the error names that rank's shard
+        assert "rng_state/shard_0_2" in saved[0][name]["error"], saved[0][name]["error"]
+        assert "rng_state/shard_1_2" in saved[1][name]["error"], saved[1][name]["error"]
