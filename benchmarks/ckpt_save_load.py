@@ -240,15 +240,22 @@ def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> N
     r = {k: [] for k in ("ms", "ps", "ml", "pl", "mm", "pm", "ab", "at", "am", "gs", "gm")}
     written = {}
     for i in range(reps):
-        step = step0 + i
-        sm, sp, sa, sg = PssSampler(), PssSampler(), PssSampler(), PssSampler()
-        r["ms"].append(timed(lambda: manager.save(step, {"actor": engine}, {"step": step}), sm))
-        r["ps"].append(timed(lambda: plain_save(state, plain_path), sp))
-        r["gs"].append(timed(lambda: megatron_save(engine, os.path.join(root, f"megatron_{sharding}_{i}"), sharding), sg))
-        with sa:
-            blocked, total = async_save(pending, engine, step)
+        step = 2 * (step0 + i)  # even: timed saves; odd: the same saves with the memory sampler
+        megatron_dir = os.path.join(root, f"megatron_{sharding}_{i}")
+        r["ms"].append(timed(lambda: manager.save(step, {"actor": engine}, {"step": step})))
+        r["ps"].append(timed(lambda: plain_save(state, plain_path)))
+        r["gs"].append(timed(lambda: megatron_save(engine, megatron_dir, sharding)))
+        blocked, total = async_save(pending, engine, step)
         r["ab"].append(max_over_ranks(blocked))
         r["at"].append(max_over_ranks(total))
+        # PSS sampling reads /proc/<pid>/smaps, which contends with fork and page faults for the
+        # process's memory map lock: memory is measured in separate runs of the same saves
+        sm, sp, sa, sg = PssSampler(), PssSampler(), PssSampler(), PssSampler()
+        timed(lambda: manager.save(step + 1, {"actor": engine}, {"step": step + 1}), sm)
+        timed(lambda: plain_save(state, plain_path), sp)
+        timed(lambda: megatron_save(engine, megatron_dir + "_mem", sharding), sg)
+        with sa:
+            async_save(pending, engine, step + 1)
         for key, sampler in (("mm", sm), ("pm", sp), ("am", sa), ("gm", sg)):
             r[key].append(max_over_ranks(sampler.extra / mine))
         step_dir = manager.step_dir(step)
@@ -259,8 +266,9 @@ def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> N
         r["pl"].append(timed(lambda: plain_load(state, plain_path)))
         torch.distributed.barrier()
         if rank == 0:  # keep the disk small; outside the timings
-            shutil.rmtree(os.path.join(root, f"megatron_{sharding}_{i}"))
-            shutil.rmtree(pending.step_dir(step))
+            for path in (megatron_dir, megatron_dir + "_mem", pending.step_dir(step), pending.step_dir(step + 1),
+                         manager.step_dir(step + 1)):
+                shutil.rmtree(path)
             if i < reps - 1:
                 shutil.rmtree(step_dir)
         torch.distributed.barrier()

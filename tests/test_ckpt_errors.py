@@ -61,6 +61,8 @@ def _bad_inputs(hf_dir: str, other_hf: str, tmp: str) -> dict:
     out["architecture"] = _error_of(lambda: manager(pristine).resume({"actor": other}))
     step1 = os.path.join(pristine, "global_step_1")
     out["contents"] = _error_of(lambda: manager(pristine, resume_mode="path", resume_path=step1).resume({"actor": engine}))
+    step2 = os.path.join(pristine, "global_step_2")
+    out["hf_model"] = _error_of(lambda: manager(pristine).load(step2, {"actor": engine}, ("model", "hf_model")))
     blocker = os.path.join(tmp, "a_file")
     open(blocker, "w").close()
     out["not_writable"] = _error_of(lambda: manager(os.path.join(blocker, "ckpt")).save(3, {"actor": engine}, {}))
@@ -84,6 +86,7 @@ def test_bad_inputs_are_clear_errors(tmp_path):
     assert ".distcp truncated (100 bytes, expected >= " in out["truncated_shard"]
     assert "another architecture (num_layers: checkpoint 4 vs model 2)" in out["architecture"]
     assert "asks for ['optimizer', 'extra'] but the checkpoint holds only ['model']" in out["contents"]
+    assert "hold 'hf_model', an export that is never loaded; load 'model' instead" in out["hf_model"]
     assert "is not writable on every rank" in out["not_writable"]
     assert "rank 0 " in out["roots"] and "root_of_rank0" in out["roots"] and "root_of_rank1" in out["roots"]
     for name in ("garbage_tracker", "tracker_missing_step", "missing_shard", "truncated_shard"):

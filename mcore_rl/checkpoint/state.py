@@ -96,6 +96,9 @@ def plan_load(meta: dict, engine, role: str, contents: tuple[str, ...], where: s
     if diffs:
         raise CheckpointError(f"{where}: another architecture ({'; '.join(diffs)}); load a checkpoint "
                               "of this model or build the model from the checkpoint's huggingface/config.json.")
+    if "hf_model" in contents:
+        raise CheckpointError(f"{where}: contents {list(contents)} hold 'hf_model', an export that is never "
+                              "loaded; load 'model' instead, or build a model from the huggingface/ dir.")
     missing = [c for c in contents if c not in meta["contents"]]
     if missing:
         raise CheckpointError(f"{where}: load_contents asks for {missing} but the checkpoint holds only "
