@@ -55,6 +55,7 @@ class CheckpointManager:
             raise CheckpointError("checkpoint.root is not set; set checkpoint.root=/path/to/checkpoints.")
         self.cfg, self.root, self.hf_sources = cfg, os.path.abspath(chosen), dict(hf_sources or {})
         self._queue, self._in_flight = None, None  # megatron's async calls queue, step being written
+        self._mode: str | None = None  # storage mode found by the last save (shared / node_local)
         roots = _gather_strings(self.root)
         if len(set(roots)) > 1:
             bad = next(r for r, x in enumerate(roots) if x != roots[0])
@@ -172,7 +173,7 @@ class CheckpointManager:
         return step_dir
 
     def _is_writer(self) -> bool:
-        return torch.distributed.get_rank() == 0 or getattr(self, "_mode", "shared") == "node_local"
+        return torch.distributed.get_rank() == 0 or self._mode == "node_local"
 
     def _snapshot(self, engines: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], dict]]:
         """Per role: (contents, sharded state dict). The async path copies tensors here."""
@@ -188,7 +189,10 @@ class CheckpointManager:
                trainer_state: dict) -> tuple[list, list[str]]:
         """Plans every role's shards (megatron requests, not run yet) and writes the small files
         (metadata, HF files, trainer state); returns the requests and the roles."""
-        self._mode = storage.detect_storage(self.root)
+        mode = storage.detect_storage(self.root, announce=self._mode is None)
+        if self._mode not in (None, mode):
+            log.warning("checkpoint root %s is now %s storage (was %s)", self.root, mode, self._mode)
+        self._mode = mode
         rank0 = torch.distributed.get_rank() == 0
         requests, roles = [], []
         for role, (contents, state) in snapshot.items():

@@ -268,8 +268,9 @@ def any_rank(flags: list[int]) -> list[int]:
     return [int(v) for v in t.cpu()]
 
 
-def detect_storage(root: str) -> Literal["shared", "node_local"]:
-    """Collective over the world: ``"shared"`` when every rank sees one file system at ``root``.
+def detect_storage(root: str, announce: bool = True) -> Literal["shared", "node_local"]:
+    """Collective over the world: ``"shared"`` when every rank sees one file system at ``root``;
+    ``announce``: rank 0 logs the mode.
 
     Each node's leader writes ``<root>/.probe_<uuid>_<node>``; after a barrier every rank checks
     that it sees every node's probe; the probes are removed. One process: ``"shared"``.
@@ -305,7 +306,7 @@ def detect_storage(root: str) -> Literal["shared", "node_local"]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(probe)
     mode: Literal["shared", "node_local"] = "node_local" if unseen else "shared"
-    if torch.distributed.get_rank() == 0:
+    if announce and torch.distributed.get_rank() == 0:
         if mode == "shared":
             logger.info("checkpoint root %s: shared by all %d node(s)", root, len(nodes))
         else:
