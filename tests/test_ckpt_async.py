@@ -1,7 +1,7 @@
 """Async save: training steps complete while the write is provably in flight (the writer is held
 by the test-only hook MCORE_RL_CKPT_HOLD, not by timing), each checkpoint equals the state at its
-save call although training changed the weights in place since, a new save waits for the one in
-flight, and a killed rank leaves no writer behind."""
+save call although training changed the weights in place since, a new save, an offload and a
+load each wait for the one in flight, and a killed rank leaves no writer behind."""
 from __future__ import annotations
 
 import os
@@ -116,3 +116,39 @@ def test_writer_dies_with_its_rank(tmp_path):
     assert not alive, f"writer {writers[0]} outlived its killed rank"
     assert not os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
     assert not os.path.exists(os.path.join(root, "global_step_1", "COMPLETE"))
+
+
+def _moves_and_loads_wait(hf_dir: str, root: str, hold: str) -> dict:
+    """An offload and a load, each started while a held async write is in flight (a timer
+    releases the writer): each returns only after the step is complete."""
+    import threading
+
+    from mcore_rl.rl.offload import Offloader
+
+    engine, model = build_engine(hf_dir, {}, "actor", False, seed=1)
+    train(model, range(1))
+    mgr, out = manager(root, async_save=True), {}
+    for step, action in ((1, "offload"), (2, "load")):
+        gate = os.path.join(hold, str(step))
+        os.makedirs(gate)
+        os.environ[HOLD_ENV] = gate
+        mgr.save(step, {"actor": engine}, {"step": step})
+        while not _held(gate):
+            time.sleep(0.01)
+        threading.Timer(0.3, lambda g=gate: open(os.path.join(g, "release"), "w").close()).start()
+        if action == "offload":
+            offloader = Offloader(engine)
+            offloader.offload()
+            out[action] = mgr.complete_steps()
+            offloader.onload()
+        else:
+            mgr.load(mgr.step_dir(1), {"actor": engine}, ("model", "optimizer", "extra"))
+            out[action] = mgr.complete_steps()
+    return out
+
+
+def test_offload_and_load_wait_for_the_write(tmp_path):
+    hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
+    root, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
+    out = run_ranks(1, _moves_and_loads_wait, hf_dir, root, hold, daemon=False)[0]
+    assert out == {"offload": [1], "load": [1, 2]}, out
