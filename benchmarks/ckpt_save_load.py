@@ -198,11 +198,15 @@ def touch_state(engine) -> None:
 def async_save(manager, engine, step: int) -> tuple[float, float]:
     """(seconds the caller is blocked: the save call plus the poll that finalizes, seconds until
     the step is complete). Training is stood in for by ``touch_state`` between polls."""
+    torch.distributed.barrier()
     t0 = time.perf_counter()
     manager.save(step, {"actor": engine}, {"step": step})
     blocked = time.perf_counter() - t0
     touch_state(engine)
     while True:
+        # a training step ends with collectives: ranks reach the poll together (a rank waiting
+        # in the poll's all-reduce for a slower one is not time the save costs)
+        torch.distributed.barrier()
         t = time.perf_counter()
         done = manager.poll()
         blocked += time.perf_counter() - t
