@@ -21,11 +21,12 @@ SAVED_STEPS = 2  # updates before the save: Adam's exp_avg/exp_avg_sq are non-tr
 OPT_KEYS = ("param", "exp_avg", "exp_avg_sq")  # fp32 main params and Adam moments
 
 
-def hf_dir(tmp: str, model_type: str) -> str:
+def hf_dir(tmp: str, model_type: str, **config) -> str:
     """A tiny 2-layer HF model without dropout under ``tmp`` (made once, in the test process)."""
-    path = os.path.join(tmp, f"hf_{model_type}")
+    path = os.path.join(tmp, f"hf_{model_type}" + "".join(f"_{k}" for k in sorted(config)))
     if not os.path.isdir(path):
-        tiny_hf_model(tiny_config(model_type, num_hidden_layers=2, attention_dropout=0.0)).save_pretrained(path)
+        cfg = tiny_config(model_type, num_hidden_layers=2, attention_dropout=0.0, **config)
+        tiny_hf_model(cfg).save_pretrained(path)
     return path
 
 
@@ -58,11 +59,30 @@ def snapshot(engine) -> dict:
     out = {"model": hf_params(engine)}
     for key in OPT_KEYS:
         out[f"opt/{key}"] = opt_state_hf(engine, key)
-    steps = {float(s["step"]) for o in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
-             for s in o.optimizer.state.values()}
-    out["adam_steps"] = sorted(steps)
+    states = [s for o in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+              for s in o.optimizer.state.values()]
+    out["adam_steps"] = sorted({float(s["step"]) for s in states})
+    out["adam_params"] = len(states)
     out["scheduler_steps"] = engine.scheduler.num_steps
     return out
+
+
+def tied_copy_gap(engine) -> float | None:
+    """Tied embeddings with PP > 1: max |first stage's embedding - last stage's output copy|
+    (the copy has its own optimizer state, skipped by the HF export); None otherwise."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_rl.mapping.weights import unwrap
+
+    if not engine.args.tie_embeddings or ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    gap = None
+    if ps.is_pipeline_first_stage():
+        gap = unwrap(engine.model[0]).embedding.word_embeddings.weight.detach().clone()
+    if ps.is_pipeline_last_stage():  # the embedding group: first and last stage
+        gap = -unwrap(engine.model[-1]).output_layer.weight.detach().clone()
+    torch.distributed.all_reduce(gap, group=ps.get_embedding_group())
+    return float(gap.abs().max())
 
 
 def _destroy() -> None:
@@ -80,7 +100,8 @@ def save_both(hf: str, layout_kwargs: dict, roots: dict[str, str]) -> dict:
         manager(root, optimizer_sharding=sharding).save(SAVED_STEPS, {"actor": engine}, {"step": SAVED_STEPS})
     out = {"at_save": snapshot(engine)}
     out["next_metrics"] = train(actor, range(SAVED_STEPS, SAVED_STEPS + 1))[0]
-    out["next_model"] = snapshot(engine)["model"]
+    after = snapshot(engine)
+    out.update(next_model=after["model"], next_adam_steps=after["adam_steps"])
     _destroy()
     return out
 
@@ -100,9 +121,11 @@ def load_and_step(hf: str, layout_kwargs: dict, root: str) -> dict:
         state = manager(root).resume({"actor": engine})
     out = {"trainer_state": state, "warnings": [str(w.message) for w in caught],
            "rng_restored": not torch.equal(rng_before, torch.get_rng_state()),
-           "loaded": snapshot(engine)}
+           "loaded": snapshot(engine), "tied_gap_loaded": tied_copy_gap(engine)}
     out["next_metrics"] = train(actor, range(SAVED_STEPS, SAVED_STEPS + 1))[0]
-    out["next_model"] = snapshot(engine)["model"]
+    after = snapshot(engine)
+    out.update(next_model=after["model"], next_adam_steps=after["adam_steps"], adam_params=after["adam_params"],
+               tied_gap_next=tied_copy_gap(engine))
     return out
 
 
@@ -126,11 +149,27 @@ def refused(hf: str, layout_kwargs: dict, root: str) -> dict:
     return {"message": message, "untouched": untouched and same_steps}
 
 
+def load_with_fix_reverted(hf: str, layout_kwargs: dict, root: str, fix: str) -> dict:
+    """``load_and_step`` with the platform fix ``fix`` reverted (for the rest of this process):
+    its result, or the error megatron raises."""
+    from mcore_rl.platform.fixes import revert_fix
+
+    revert_fix(fix)
+    try:
+        return load_and_step(hf, layout_kwargs, root)
+    except Exception as e:  # the defect's own error
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def load_worlds(jobs: list[tuple[str, str, dict, str]]) -> dict:
-    """Per job (kind, hf_dir, layout, root) with kind ``load`` or ``refuse``, in one world; each
-    job builds its own parallel state."""
+    """Per job (kind, hf_dir, layout, root) in one world; kind ``load``, ``refuse`` or
+    ``revert:<fix name>`` (load with that platform fix reverted; put those last). Each job builds
+    its own parallel state."""
     out = {}
     for i, (kind, hf, layout, root) in enumerate(jobs):
-        out[i] = (load_and_step if kind == "load" else refused)(hf, layout, root)
+        if kind.startswith("revert:"):
+            out[i] = load_with_fix_reverted(hf, layout, root, kind.removeprefix("revert:"))
+        else:
+            out[i] = (load_and_step if kind == "load" else refused)(hf, layout, root)
         _destroy()
     return out

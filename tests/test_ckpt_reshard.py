@@ -54,6 +54,8 @@ LOSS_RTOL = 1e-5
 
 def _check_next_step(saved: dict, loaded: dict) -> None:
     ref, got = saved["next_metrics"], loaded["next_metrics"]
+    # each param's own Adam step advanced once (a shared step tensor would add n_params)
+    assert loaded["next_adam_steps"] == saved["next_adam_steps"] == [float(SAVED_STEPS + 1)]
     assert got["actor/update_ok"] == 1.0 and all(math.isfinite(v) for v in got.values()), got
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/lr"):
         assert math.isclose(got[key], ref[key], rel_tol=LOSS_RTOL), (key, got[key], ref[key])
@@ -65,12 +67,14 @@ def _check_next_step(saved: dict, loaded: dict) -> None:
 
 
 def test_fully_reshardable_tp2_to_pp2_and_ep2_to_ep1(tmp_path):
-    """Save llama at TP=2 and qwen3_moe at EP=2 (world 2), resume llama at PP=2 and the MoE at
+    """Save qwen2 (QKV bias, tied embeddings) at TP=2 and qwen3_moe at EP=2 (world 2), resume
+    qwen2 at PP=2 (the last stage's tied output copy gets the embedding's state) and the MoE at
     EP=1 (expert DP 1 -> 2) in a new world 2; the dp_reshardable twins are refused there."""
-    llama, moe = hf_dir(str(tmp_path), "llama"), hf_dir(str(tmp_path), "qwen3_moe")
+    dense = hf_dir(str(tmp_path), "qwen2", tie_word_embeddings=True)
+    moe = hf_dir(str(tmp_path), "qwen3_moe")
     tp2, ep2 = _roots(tmp_path, "tp2"), _roots(tmp_path, "ep2")
-    saved = run_ranks(2, save_worlds, [(llama, TP2, tp2), (moe, EP2, ep2)], daemon=False)[0]
-    jobs = [("refuse", llama, PP2, tp2[DP]), ("load", llama, PP2, tp2[FULLY]),
+    saved = run_ranks(2, save_worlds, [(dense, TP2, tp2), (moe, EP2, ep2)], daemon=False)[0]
+    jobs = [("refuse", dense, PP2, tp2[DP]), ("load", dense, PP2, tp2[FULLY]),
             ("refuse", moe, EP1, ep2[DP]), ("load", moe, EP1, ep2[FULLY])]
     out = run_ranks(2, load_worlds, jobs, daemon=False)[0]
     assert "dp_reshardable, which reshards over DP only, but tp 2 -> 1, pp 1 -> 2" in out[0]["message"]
@@ -78,17 +82,26 @@ def test_fully_reshardable_tp2_to_pp2_and_ep2_to_ep1(tmp_path):
     assert out[0]["untouched"] and out[2]["untouched"]
     _check_loaded(saved[0], out[1], "tp=2,pp=1,vpp=None,cp=1,ep=1,etp=2,dp=1",
                   "tp=1,pp=2,vpp=None,cp=1,ep=1,etp=1,dp=1")
+    assert out[1]["tied_gap_loaded"] == 0.0 and out[1]["tied_gap_next"] == 0.0
     _check_loaded(saved[1], out[3], "tp=1,pp=1,vpp=None,cp=1,ep=2,etp=1,dp=2",
                   "tp=1,pp=1,vpp=None,cp=1,ep=1,etp=1,dp=2")
 
 
 def test_dp2_to_dp1_either_sharding(tmp_path):
-    """Save llama at DP=2 with each sharding type, resume both at DP=1 (world 1)."""
-    llama = hf_dir(str(tmp_path), "llama")
+    """Save llama at DP=2 with each sharding type, resume both at DP=1 (world 1). Then the
+    platform fixes on this path are shown to be needed: reverted, the shared Adam step comes
+    back (each param's step jumps by the param count) and so does fully_reshardable's
+    ``KeyError: 'step'``."""
+    dense = hf_dir(str(tmp_path), "llama")
     dp2 = _roots(tmp_path, "dp2")
-    saved = run_ranks(2, save_worlds, [(llama, {}, dp2)], daemon=False)[0]
-    out = run_ranks(1, load_worlds, [("load", llama, {}, dp2[FULLY]), ("load", llama, {}, dp2[DP])],
-                    daemon=False)[0]
+    saved = run_ranks(2, save_worlds, [(dense, {}, dp2)], daemon=False)[0]
+    jobs = [("load", dense, {}, dp2[FULLY]), ("load", dense, {}, dp2[DP]),
+            ("revert:distopt_unshare_loaded_adam_step", dense, {}, dp2[FULLY]),
+            ("revert:distopt_reshardable_keeps_adam_step", dense, {}, dp2[FULLY])]
+    out = run_ranks(1, load_worlds, jobs, daemon=False)[0]
     for i in (0, 1):
         _check_loaded(saved[0], out[i], "tp=1,pp=1,vpp=None,cp=1,ep=1,etp=1,dp=2",
                       "tp=1,pp=1,vpp=None,cp=1,ep=1,etp=1,dp=1")
+    shared = out[2]["next_adam_steps"]
+    assert shared == [float(SAVED_STEPS + out[2]["adam_params"])], shared  # one tensor, += once per param
+    assert out[3].get("error") == "KeyError: 'step'", out[3]
