@@ -324,7 +324,8 @@ class CheckpointManager:
         """The newest complete step; the tracker, when present, must name a complete step."""
         tracker = os.path.join(self.root, TRACKER)
         if os.path.exists(tracker):
-            text = open(tracker).read().strip()
+            with open(tracker) as f:
+                text = f.read().strip()
             if not text.isdigit():
                 raise CheckpointError(f"{tracker} holds {text[:60]!r}, not a step number; {self._choices()}")
             if int(text) not in self.complete_steps():
