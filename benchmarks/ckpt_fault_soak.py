@@ -1,17 +1,27 @@
 """Checkpoint crash soak: the main job (launch/run.sh, tiny GRPO demo, TP=2 on 2 processes,
-save_freq=1, max_ckpt_to_keep=2) is SIGKILLed >= N times at random moments -- the whole job
-(torchrun and every descendant at once) or one rank -- and rerun with the same command.
+save_freq=1, max_ckpt_to_keep=2; ``--async``: checkpoint.async_save=true) is SIGKILLed >= N
+times -- the whole job (torchrun and every descendant at once) or one rank -- and rerun with the
+same command.
+
+Kill moments: most are scaled to the run (once it has written two metrics lines after its
+start-up, their spacing is the step period, training plus save; the kill falls uniformly within
+the next ``--window`` periods, so kills land in the save phases as well as in training); a
+``--random-fraction`` of them fall at a random moment from the process start, start-up included.
+Each kill's phase is read from disk afterwards (start-up, before-shards, shards-writing,
+shards-written-no-metadata -- with async, the step in flight whose finalize waits for the next
+save --, metadata-no-marker, marker-no-tracker, retention-or-debris, between-saves).
 
 After every kill: the tracker is absent or names a complete step; every complete step is whole
 (files as the marker lists them, every torch_dist tensor and object readable in one process,
 metadata through the restricted unpickler); no complete step vanished unless retention was due
-(``keep`` newer complete steps exist); no process of the killed run is left (checked by a tag in
-the environment every descendant inherits, so re-parented orphans are found too). The next run
-must say it resumed from the newest complete step. A final uninterrupted rerun must finish with
-metrics.jsonl equal to a straight run's (but for time_s). Prints the figures; exit code 1 on any
-failure.
+(``keep`` newer complete steps exist); no torchrun, rank or forked async shard writer of the
+killed run is left (found by a tag in the environment every descendant inherits, so re-parented
+orphans are found too; a writer is a process forked by a rank: it keeps the rank's command line
+and environment). The next run must say it resumed from the newest complete step. A final
+uninterrupted rerun must finish with metrics.jsonl equal to a straight run's (but for time_s).
+Prints the figures; exit code 1 on any failure.
 
-    PYTHONPATH=$PWD python benchmarks/ckpt_fault_soak.py --kills 20 --out /tmp/soak
+    PYTHONPATH=$PWD python benchmarks/ckpt_fault_soak.py --kills 20 --out /tmp/soak [--async]
 """
 from __future__ import annotations
 
