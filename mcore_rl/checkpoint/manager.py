@@ -294,6 +294,9 @@ class CheckpointManager:
             for step in complete[:-keep]:
                 if step != complete[-1]:  # never the newest complete one
                     log.info("retention: removing %s (max_ckpt_to_keep=%d)", self.step_dir(step), keep)
+                    # marker first: a crash inside rmtree leaves debris, never a "complete" step missing files
+                    os.remove(os.path.join(self.step_dir(step), MARKER))
+                    storage.fsync_path(self.step_dir(step))
                     shutil.rmtree(self.step_dir(step), ignore_errors=True)
 
     # ---- resume / load ---------------------------------------------------------------------
