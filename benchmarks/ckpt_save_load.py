@@ -6,10 +6,11 @@ dp_reshardable and fully_reshardable; megatron's own dist_checkpointing.save bes
 
 World of 2, TP=1 DP=2, a fp32 llama (hidden 1024, 2 layers, vocab 32k) after one Adam step.
 The plain baseline writes what a hand-written per-rank checkpoint would: the model state dict on
-DP rank 0 only (it is replicated over DP, megatron writes one replica too) and every rank's
-DistributedOptimizer shard (fp32 param, exp_avg, exp_avg_sq), one file per rank, fsynced.
-Before every load the files' pages are dropped from the page cache (POSIX_FADV_DONTNEED), so both
-loads read the disk. Peak extra memory: summed PSS of the rank and its child processes, sampled
+DP rank 0 only (``model.pt``: it is replicated over DP, megatron writes one replica too) and every
+rank's DistributedOptimizer shard (fp32 param, exp_avg, exp_avg_sq) in ``rank<r>.pt``, fsynced.
+Its load reads what a resume needs: every rank its model replica (``model.pt``) and its own
+shard, as the manager's load does. Before every load the files' pages are dropped from the page
+cache (POSIX_FADV_DONTNEED), so both loads read the disk. Peak extra memory: summed PSS of the rank and its child processes, sampled
 every ~10 ms by a thread, above the pre-save sample, divided by the rank's state bytes.
 """
 from __future__ import annotations
@@ -89,17 +90,11 @@ def optimizer_tensors(engine) -> dict[str, torch.Tensor]:
     return out
 
 
-def rank_state(engine) -> dict[str, torch.Tensor]:
-    """What the plain baseline saves on this rank (model only on DP rank 0, see module doc)."""
-    from megatron.core import parallel_state
-
-    state = {f"opt.{k}": v for k, v in optimizer_tensors(engine).items()}
-    if parallel_state.get_data_parallel_rank() == 0:
-        for c, chunk in enumerate(engine.model):
-            for k, v in chunk.state_dict().items():
-                if torch.is_tensor(v):
-                    state[f"model{c}.{k}"] = v
-    return state
+def rank_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the model's tensors, this rank's optimizer shard): the plain baseline's two parts."""
+    model = {f"model{c}.{k}": v for c, chunk in enumerate(engine.model)
+             for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
+    return model, {f"opt.{k}": v for k, v in optimizer_tensors(engine).items()}
 
 
 def nbytes(tensors) -> int:
@@ -112,20 +107,32 @@ def state_bytes(engine) -> int:
     return model + nbytes(optimizer_tensors(engine).values())
 
 
-def plain_save(state: dict[str, torch.Tensor], path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_path(os.path.dirname(path))
+def plain_files(directory: str) -> tuple[str, str]:
+    return os.path.join(directory, "model.pt"), os.path.join(directory, f"rank{torch.distributed.get_rank()}.pt")
+
+
+def plain_save(parts: tuple[dict, dict], directory: str) -> None:
+    """model.pt on DP rank 0, rank<r>.pt everywhere, each fsynced."""
+    from megatron.core import parallel_state
+
+    os.makedirs(directory, exist_ok=True)
+    model_path, rank_path = plain_files(directory)
+    for state, path in ((parts[0], model_path), (parts[1], rank_path)):
+        if path == model_path and parallel_state.get_data_parallel_rank() != 0:
+            continue
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    fsync_path(directory)
 
 
 @torch.no_grad()
-def plain_load(state: dict[str, torch.Tensor], path: str) -> None:
-    loaded = torch.load(path, weights_only=True)
-    for k, v in loaded.items():
-        state[k].copy_(v)
+def plain_load(parts: tuple[dict, dict], directory: str) -> None:
+    """Every rank: the model replica and its own optimizer shard."""
+    for state, path in zip(parts, plain_files(directory)):
+        for k, v in torch.load(path, weights_only=True).items():
+            state[k].copy_(v)
 
 
 def drop_cache(directory: str) -> None:
@@ -239,7 +246,6 @@ def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> N
 
     manager, pending = make("sync"), make("async", async_save=True)
     plain_dir = os.path.join(root, f"plain_{sharding}")
-    plain_path = os.path.join(plain_dir, f"rank{rank}.pt")
     state, mine = rank_state(engine), state_bytes(engine)
     r = {k: [] for k in ("ms", "ps", "ml", "pl", "mm", "pm", "ab", "at", "am", "gs", "gm")}
     written = {}
@@ -247,7 +253,7 @@ def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> N
         step = 2 * (step0 + i)  # even: timed saves; odd: the same saves with the memory sampler
         megatron_dir = os.path.join(root, f"megatron_{sharding}_{i}")
         r["ms"].append(timed(lambda: manager.save(step, {"actor": engine}, {"step": step})))
-        r["ps"].append(timed(lambda: plain_save(state, plain_path)))
+        r["ps"].append(timed(lambda: plain_save(state, plain_dir)))
         r["gs"].append(timed(lambda: megatron_save(engine, megatron_dir, sharding)))
         blocked, total = async_save(pending, engine, step)
         r["ab"].append(max_over_ranks(blocked))
@@ -256,18 +262,18 @@ def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> N
         # process's memory map lock: memory is measured in separate runs of the same saves
         sm, sp, sa, sg = PssSampler(), PssSampler(), PssSampler(), PssSampler()
         timed(lambda: manager.save(step + 1, {"actor": engine}, {"step": step + 1}), sm)
-        timed(lambda: plain_save(state, plain_path), sp)
+        timed(lambda: plain_save(state, plain_dir), sp)
         timed(lambda: megatron_save(engine, megatron_dir + "_mem", sharding), sg)
         with sa:
             async_save(pending, engine, step + 1)
         for key, sampler in (("mm", sm), ("pm", sp), ("am", sa), ("gm", sg)):
             r[key].append(max_over_ranks(sampler.extra / mine))
         step_dir = manager.step_dir(step)
-        written = {"m": dir_bytes(step_dir) if rank == 0 else 0, "p": sum_over_ranks(os.path.getsize(plain_path))}
+        written = {"m": dir_bytes(step_dir) if rank == 0 else 0, "p": dir_bytes(plain_dir) if rank == 0 else 0}
         drop_cache(step_dir)
         r["ml"].append(timed(lambda: manager.load(step_dir, {"actor": engine}, CONTENTS)))
         drop_cache(plain_dir)
-        r["pl"].append(timed(lambda: plain_load(state, plain_path)))
+        r["pl"].append(timed(lambda: plain_load(state, plain_dir)))
         torch.distributed.barrier()
         if rank == 0:  # keep the disk small; outside the timings
             for path in (megatron_dir, megatron_dir + "_mem", pending.step_dir(step), pending.step_dir(step + 1),
