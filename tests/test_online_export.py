@@ -48,6 +48,7 @@ def _runs(keys: list) -> list:
 
 def _assert_stream_ok(buckets: list, source) -> None:
     names = [n for b in buckets for n, _ in b]
+    assert all(buckets), "an empty bucket"
     assert len(names) == len(set(names)), "a tensor was exported twice"
     assert set(names) == set(source.keys()), (set(names) ^ set(source.keys()))
     for bucket in buckets:
