@@ -1,14 +1,15 @@
-"""Moves HF-format tensors into a (TP/PP/VPP-sharded) megatron model and back out.
+"""Moves HF-format tensors into a (TP/PP/VPP/EP-sharded) megatron model and back out.
 
-Each rank touches only its own parameters: its pipeline stages' layers and its TP shard. Export
-gathers TP shards, converts to HF names and shares every stage's tensors with all PP ranks, so
-each rank ends with the full HF state dict.
+Loading: each rank touches only its own parameters (its pipeline stages' layers, its experts,
+its TP shard). Export (``iter_hf_buckets``) streams full HF tensors to every rank in buckets of
+bounded size: one megatron parameter at a time is TP/ETP-gathered, broadcast from its expert
+owner over EP and from its stage over PP, so no rank ever holds the whole model.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from megatron.core import parallel_state
@@ -191,6 +192,78 @@ def _tp_rank_size(expert: bool) -> tuple[int, int]:
     )
 
 
+class ExportError(McoreRLError, ValueError):
+    """A bad export setting (e.g. a bucket size that is not a positive number of bytes)."""
+
+
+class _Item(NamedTuple):
+    """One megatron parameter to export: who holds it and the HF tensors it becomes."""
+
+    canonical: str
+    stage: int  # pipeline rank that holds it
+    ep_owner: int | None  # expert-parallel rank that holds it (routed experts only)
+    hf: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]  # (HF name, full shape, dtype)
+    order: tuple[int, ...]  # (stage, chunk, layer, expert, position): the export order
+
+
+_BEFORE_LAYERS, _AFTER_LAYERS = -1, 1 << 30
+
+
+def _order_key(stage: int, chunk: int, position: int, canonical: str) -> tuple[int, ...]:
+    """Stage by stage, chunk by chunk, layer by layer, expert by expert (position breaks ties)."""
+    m = _LAYER.match(canonical)
+    if m is None:
+        layer = _BEFORE_LAYERS if canonical.startswith("embedding.") else _AFTER_LAYERS
+        return (stage, chunk, layer, -1, position)
+    e = _EXPERT.match(m[2])
+    return (stage, chunk, int(m[1]), int(e[1]) if e else -1, position)
+
+
+def _hf_shapes(transform: Transform, local_shape: torch.Size, dims: Dims) -> list[tuple[int, ...]]:
+    """Full HF shapes of a parameter from its local shard's shape (meta tensors: no data moves)."""
+    size = _tp_rank_size(transform.expert)[1] if transform.split_dim is not None else 1
+    full = transform.unshard([torch.empty(local_shape, device="meta") for _ in range(size)])
+    return [tuple(t.shape) for t in transform.to_hf(full, dims)]
+
+
+def _local_items(
+    chunks: list[torch.nn.Module], wmap: WeightMap, tensor_of: Callable
+) -> tuple[list[_Item], dict[str, torch.nn.Parameter]]:
+    """This rank's parameters as export items, and canonical name -> parameter."""
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    items, params = [], {}
+    for chunk_index, chunk in enumerate(chunks):
+        for position, (name, param) in enumerate(canonical_params(chunk)):
+            if wmap.tied_embeddings and name == _TIED_OUTPUT:
+                continue  # the embedding on the first stage is the exported copy
+            hf_names, transform = wmap.rule(name)
+            tensor = tensor_of(param)
+            shapes = _hf_shapes(transform, tensor.shape, wmap.dims)
+            hf = tuple((n, s, tensor.dtype) for n, s in zip(hf_names, shapes))
+            owner = ep_rank if transform.expert else None
+            items.append(_Item(name, stage, owner, hf, _order_key(stage, chunk_index, position, name)))
+            params[name] = param
+    return items, params
+
+
+def _export_plan(local: list[_Item]) -> list[_Item]:
+    """Every rank's items, one per parameter, in export order: the same list on every rank."""
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, local)  # metadata only, once
+    plan: dict[str, _Item] = {}
+    for rank, items in enumerate(gathered):
+        for item in items:
+            first = plan.setdefault(item.canonical, item)
+            if first[:4] != item[:4]:
+                raise MappingError(
+                    f"{item.canonical}: rank {rank} would export {item.hf} from stage {item.stage}, "
+                    f"another rank {first.hf} from stage {first.stage}; the ranks' models differ "
+                    "(build every rank from the same config and layout)."
+                )
+    return sorted(plan.values(), key=lambda i: i.order)
+
+
 def _gather_tp(tensor: Tensor, split: bool, expert: bool) -> list[Tensor]:
     size = _tp_rank_size(expert)[1]
     if not split or size == 1:
@@ -205,46 +278,84 @@ def _gather_tp(tensor: Tensor, split: bool, expert: bool) -> list[Tensor]:
     return parts
 
 
-def _share_across(local: dict[str, Tensor], group) -> dict[str, Tensor]:
-    """Every member of ``group`` ends with the union of the members' tensors."""
-    size = torch.distributed.get_world_size(group)
-    if size == 1:
-        return local
-    metas: list = [None] * size
-    torch.distributed.all_gather_object(
-        metas, [(k, tuple(v.shape), v.dtype) for k, v in local.items()], group=group
-    )
-    me = torch.distributed.get_rank(group)
+def _broadcast(tensors: list[Tensor] | None, item: _Item, owner: int, group) -> list[Tensor] | None:
+    """``item``'s HF tensors from group rank ``owner`` (which passes them) to every member."""
+    if torch.distributed.get_world_size(group) == 1:
+        return tensors
     device = active_platform().device()  # NCCL receives only into device buffers
-    out: dict[str, Tensor] = {}
-    for stage, meta in enumerate(metas):
-        src = torch.distributed.get_global_rank(group, stage)
-        for key, shape, dtype in meta:
-            t = local[key].contiguous() if stage == me else torch.empty(shape, dtype=dtype, device=device)
-            torch.distributed.broadcast(t, src=src, group=group)
-            out[key] = t
+    out = []
+    for i, (_, shape, dtype) in enumerate(item.hf):
+        t = tensors[i].contiguous() if tensors is not None else torch.empty(shape, dtype=dtype, device=device)
+        torch.distributed.broadcast(t, src=torch.distributed.get_global_rank(group, owner), group=group)
+        out.append(t)
     return out
 
 
+def _fetch(item: _Item, param, wmap: WeightMap, tensor_of: Callable) -> list[Tensor]:
+    """The full HF tensors of one parameter on every rank: TP/ETP gather on its holders, then
+    broadcast from its expert owner over EP and from its stage over PP."""
+    tensors = None
+    if parallel_state.get_pipeline_model_parallel_rank() == item.stage:
+        ep_group = parallel_state.get_expert_model_parallel_group()
+        if item.ep_owner is None or parallel_state.get_expert_model_parallel_rank() == item.ep_owner:
+            _, transform = wmap.rule(item.canonical)
+            parts = _gather_tp(tensor_of(param), transform.split_dim is not None, transform.expert)
+            tensors = transform.to_hf(transform.unshard(parts), wmap.dims)
+            del parts
+        if item.ep_owner is not None:
+            tensors = _broadcast(tensors, item, item.ep_owner, ep_group)
+    return _broadcast(tensors, item, item.stage, parallel_state.get_pipeline_model_parallel_group())
+
+
+def iter_hf_buckets(
+    chunks: list[torch.nn.Module],
+    wmap: WeightMap,
+    bucket_bytes: int,
+    tensor_of: Callable[[torch.nn.Parameter], Tensor] = lambda p: p.data,
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Full HF-named tensors of a live sharded model, on every rank, in buckets.
+
+    Collective: every rank must iterate to the end; all ranks get the same buckets (names,
+    shapes, dtypes, values) in the same order. Order: pipeline stage by stage, layer by layer,
+    routed experts one at a time (each expert's tensors as separate HF tensors, never an
+    [E, ...] stack). Each bucket holds at most ``bucket_bytes`` bytes, except a tensor larger
+    than that, which is a bucket of its own. The union of the buckets is the HF state dict
+    (vocab padding stripped; a tied LM head appears once, as the embedding).
+
+    Peak extra memory per rank: the bucket being filled plus one parameter in transit (its TP
+    shards and its full HF tensors); the buckets already yielded are the caller's to keep or drop.
+    Tensors are views of the parameters where no gather was needed: copy before changing them.
+    ``tensor_of`` picks what to export per parameter (``lambda p: p.main_grad`` for gradients).
+    """
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ExportError(
+            f"bucket_bytes={bucket_bytes!r} must be a positive int (bytes per bucket, e.g. 512 << 20)."
+        )
+    return _buckets(chunks, wmap, bucket_bytes, tensor_of)
+
+
 @torch.no_grad()
+def _buckets(chunks, wmap: WeightMap, bucket_bytes: int, tensor_of: Callable) -> Iterator[list]:
+    local, params = _local_items(chunks, wmap, tensor_of)
+    bucket: list[tuple[str, Tensor]] = []
+    filled = 0
+    for item in _export_plan(local):
+        for (name, _, _), tensor in zip(item.hf, _fetch(item, params.get(item.canonical), wmap, tensor_of)):
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and filled + nbytes > bucket_bytes:
+                yield bucket
+                bucket, filled = [], 0
+            bucket.append((name, tensor))
+            filled += nbytes
+    if bucket:
+        yield bucket
+
+
 def export_hf_weights(
     chunks: list[torch.nn.Module],
     wmap: WeightMap,
     tensor_of: Callable[[torch.nn.Parameter], Tensor] = lambda p: p.data,
+    bucket_bytes: int = 512 << 20,
 ) -> dict[str, Tensor]:
-    """Full HF-named tensors on every rank. ``tensor_of`` picks what to export per parameter
-    (the weights by default; ``lambda p: p.main_grad`` exports gradients the same way)."""
-    local: dict[str, Tensor] = {}
-    experts: dict[str, Tensor] = {}
-    for chunk in chunks:
-        for name, param in canonical_params(chunk):
-            if wmap.tied_embeddings and name == _TIED_OUTPUT:
-                continue  # the embedding on the first stage is the exported copy
-            hf_names, transform = wmap.rule(name)
-            parts = _gather_tp(tensor_of(param), transform.split_dim is not None, transform.expert)
-            full = transform.unshard(parts)
-            target = experts if transform.expert else local
-            target.update(zip(hf_names, transform.to_hf(full, wmap.dims)))
-    if experts:  # each EP rank holds its own experts
-        local.update(_share_across(experts, parallel_state.get_expert_model_parallel_group()))
-    return _share_across(local, parallel_state.get_pipeline_model_parallel_group())
+    """Full HF-named tensors on every rank (the whole model: a dict over ``iter_hf_buckets``)."""
+    return {name: t for bucket in iter_hf_buckets(chunks, wmap, bucket_bytes, tensor_of) for name, t in bucket}

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.transforms import Dims
-from mcore_rl.mapping.weights import WeightMap, export_hf_weights, load_hf_weights
+from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
 from mcore_rl.models.builder import Role, padded_vocab_size
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 
@@ -66,6 +66,25 @@ def load_hf(
     load_hf_weights(chunks, wmap, source, ignore=ignore)
 
 
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+def export_hf_buckets(
+    chunks: list[torch.nn.Module],
+    args: ModelArgs,
+    role: Role,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.data,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Full HF tensors of a live sharded model in buckets of at most ``bucket_bytes`` (a larger
+    tensor alone), the same on every rank, e.g. to feed co-located rollout engines.
+    Collective: every rank iterates to the end. See ``mapping.weights.iter_hf_buckets``."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of)
+
+
 def export_hf(
     chunks: list[torch.nn.Module],
     args: ModelArgs,
@@ -73,8 +92,6 @@ def export_hf(
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.data,
 ) -> dict[str, torch.Tensor]:
     """The full HF state dict (or, with ``tensor_of=lambda p: p.main_grad``, the gradients under
-    HF names) on every rank."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return export_hf_weights(chunks, weight_map(args, role, tp), tensor_of)
+    HF names) on every rank: ``export_hf_buckets`` collected into one dict."""
+    buckets = export_hf_buckets(chunks, args, role, tensor_of=tensor_of)
+    return {name: tensor for bucket in buckets for name, tensor in bucket}
