@@ -103,3 +103,31 @@ def test_tp_above_kv_heads_matches_hf(name, tmp_path):
         assert out["roundtrip_mismatch"] == [], f"rank {rank}: HF round trip differs"
         diff = (out["logits"][..., :200] - ref)[real].abs().max().item()
         assert diff <= TOL, f"{name} rank {rank}: logits differ from HF by {diff:.3g}"
+
+
+def test_critic_from_sequence_classification_reward_model(tmp_path):
+    """A *ForSequenceClassification reward model (num_labels=1, score head without bias) starts a
+    critic: per-token values equal the HF head on the HF trunk's hidden states (bias 0); two
+    labels are refused."""
+    from transformers import AutoModelForSequenceClassification
+
+    batch = padded_batch(200)
+    config = tiny_config("qwen2", num_labels=1)
+    config.pad_token_id = 0
+    torch.manual_seed(3)
+    hf = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager").eval()
+    assert hf.score.bias is None  # the reward head this case is about
+    with torch.no_grad():
+        hidden = hf.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        ref = hf.score(hidden)  # [b, s, 1]
+    hf.save_pretrained(tmp_path / "rm")
+    out = run_ranks(1, outputs_of_models, {"qwen2": str(tmp_path / "rm")}, {}, "critic", batch)[0]["qwen2"]
+    real = batch["attention_mask"].bool()
+    diff = (out - ref)[real].abs().max().item()
+    assert diff <= TOL, f"values differ from the reward model's head by {diff:.3g}"
+    assert ref[real].abs().max() > 0.05
+
+    config2 = tiny_config("qwen2", num_labels=2)
+    AutoModelForSequenceClassification.from_config(config2).save_pretrained(tmp_path / "rm2")
+    with pytest.raises(AssertionError, match=r"score.weight has 2 outputs \(num_labels=2\); a critic's value head has one"):
+        run_ranks(1, outputs_of_models, {"qwen2": str(tmp_path / "rm2")}, {}, "critic", batch)

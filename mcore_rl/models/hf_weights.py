@@ -52,7 +52,9 @@ def load_hf(
     """Loads HF weights (a directory of safetensors, or name -> tensor) into this rank's chunks.
 
     ``init_value_head=True`` (critic only) starts a critic from a causal-LM checkpoint: the
-    trunk is loaded, the LM head ignored and the value head keeps its initialisation.
+    trunk is loaded, the LM head ignored and the value head keeps its initialisation. Otherwise
+    a critic loads a ``*ForTokenClassification`` or ``*ForSequenceClassification`` directory with
+    one label; a score head without bias (the sequence-classification reward head) gets bias 0.
     """
     from megatron.core import parallel_state
 
@@ -60,10 +62,46 @@ def load_hf(
         raise ConfigError("init_value_head=True is for role='critic' only; an actor keeps its LM head.")
     if isinstance(source, (str, os.PathLike)):
         source = SafetensorsReader(source)
+    if role == "critic" and not init_value_head:
+        source = _critic_head_source(source, args)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     wmap = weight_map(args, role, tp, with_head=not init_value_head)
     ignore = {"lm_head.weight"} if init_value_head else set()
     load_hf_weights(chunks, wmap, source, ignore=ignore)
+
+
+class _WithZeroBias(Mapping[str, torch.Tensor]):
+    """A HF source plus ``score.bias`` = 0: a *ForSequenceClassification reward head has no bias."""
+
+    def __init__(self, source: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.source, self.dtype = source, dtype
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key == "score.bias":
+            return torch.zeros(1, dtype=self.dtype)  # host: a one-element source tensor
+        return self.source[key]
+
+    def __iter__(self):
+        yield from self.source
+        yield "score.bias"
+
+    def __len__(self) -> int:
+        return len(self.source) + 1
+
+
+def _critic_head_source(source: Mapping[str, torch.Tensor], args: ModelArgs) -> Mapping[str, torch.Tensor]:
+    """Checks a critic's score head (one output) and gives a bias-free reward head a zero bias."""
+    if "score.weight" not in source:
+        return source  # the weight check names what is missing
+    score = source["score.weight"]
+    if score.shape[0] != 1:
+        raise ConfigError(
+            f"score.weight has {score.shape[0]} outputs (num_labels={score.shape[0]}); a critic's value "
+            "head has one. Use a reward / value model saved with num_labels=1, or start the critic from "
+            "a causal LM (init_value_head=True).")
+    if args.value_head_bias and "score.bias" not in source:
+        return _WithZeroBias(source, score.dtype)
+    return source
 
 
 DEFAULT_BUCKET_BYTES = 512 << 20
