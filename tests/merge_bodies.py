@@ -17,10 +17,12 @@ def hf_dir_for(tmp: str, model_type: str, role: str, **overrides) -> str:
     return path
 
 
-def save_trained(hf_dir: str, layout_kwargs: dict, role: str, root: str, batch: dict) -> dict:
+def save_trained(hf_dir: str, layout_kwargs: dict, role: str, root: str, batch: dict,
+                 hf_source: str | None = None) -> dict:
     """Builds ``role`` from ``hf_dir`` in ``layout_kwargs``, trains one step (weights leave the HF
-    init), saves global_step_1 with CheckpointManager; returns on rank 0 the engine's HF export
-    and its log-probs (actor) or values (critic) on ``batch``."""
+    init), saves global_step_1 with CheckpointManager (huggingface/ files from ``hf_source``,
+    default ``hf_dir``); returns the engine's HF export and its log-probs (actor) or values
+    (critic) on ``batch``."""
     from mcore_rl.checkpoint.config import CheckpointConfig
     from mcore_rl.checkpoint.manager import CheckpointManager
     from mcore_rl.models.builder import BuildOptions
@@ -44,7 +46,7 @@ def save_trained(hf_dir: str, layout_kwargs: dict, role: str, root: str, batch: 
     model = Actor(engine, ActorConfig(**sizes)) if role == "actor" else Critic(engine, CriticConfig(**sizes))
     (model.update_policy if role == "actor" else model.update_critic)(batch)
     manager = CheckpointManager(CheckpointConfig(root=root, save_contents=("model", "optimizer", "extra")),
-                                hf_sources={role: hf_dir})
+                                hf_sources={role: hf_source or hf_dir})
     with writer_processes_allowed():
         manager.save(1, {role: engine}, {"step": 1})
     manager.close()
