@@ -239,7 +239,7 @@ def test_config_of_another_architecture_names_missing_and_unconsumed(saved, tmp_
 
 
 def test_reader_parts_and_objects(saved):
-    from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
+    from mcore_rl.checkpoint.torch_dist_read import TorchDistReader, TorchDistReadError
 
     local, export, _, _ = saved["mixtral_ep2"]
     reader = TorchDistReader(os.path.join(local, "dist_ckpt"))
@@ -249,8 +249,10 @@ def test_reader_parts_and_objects(saved):
     assert torch.equal(part, export["model.layers.2.block_sparse_moe.experts.3.w2.weight"])
     layer = reader.read(key, (1,))
     assert torch.equal(layer[0], export["model.layers.1.block_sparse_moe.experts.0.w2.weight"])
-    rng = reader.read_object("rng_state/shard_1_2")  # a ShardedObject, through weights_only unpickling
+    (rng,) = reader.read_object("rng_state/shard_1_2")  # a ShardedObject, via weights_only unpickling
     assert rng["coords"]["rank"] == 1 and torch.is_tensor(rng["torch"])
+    with pytest.raises(TorchDistReadError, match=r"index \(4,\) is outside"):
+        reader.read(key, (4,))
 
 
 def test_writer_plans_like_hf(tmp_path):
