@@ -265,13 +265,13 @@ def test_writer_plans_like_hf(tmp_path):
         5 * 10**9, 2 * 2**20, 1500, 10)
     with pytest.raises(SafetensorsWriteError, match=r"max_shard_size='5 gigs' is not a size"):
         parse_size("5 gigs")
-    tensors = {"a": torch.arange(10.0), "big": torch.ones(40, dtype=torch.bfloat16), "c": torch.arange(3),
+    tensors = {"big": torch.ones(40, dtype=torch.bfloat16), "a": torch.arange(10.0), "c": torch.arange(3),
                "d": torch.tensor([True, False])}
     specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
-    writer = ShardedSafetensorsWriter(str(tmp_path), specs, 60)  # a: 40 B, big: 80 B (> limit), c+d: 26 B
-    assert [[s.name for s in shard] for shard in writer.shards] == [["a"], ["big"], ["c", "d"]]
-    with pytest.raises(SafetensorsWriteError, match=r"got big \(40,\) torch.bfloat16, the plan's next tensor is a"):
-        writer.write("big", tensors["big"])
+    writer = ShardedSafetensorsWriter(str(tmp_path), specs, 60)  # big: 80 B (> limit), a: 40 B, c+d: 26 B
+    assert [[s.name for s in shard] for shard in writer.shards] == [["big"], ["a"], ["c", "d"]]
+    with pytest.raises(SafetensorsWriteError, match=r"got a \(10,\) torch.float32, the plan's next tensor is big"):
+        writer.write("a", tensors["a"])
     for k, v in tensors.items():
         writer.write(k, v)
     writer.close()
