@@ -1,0 +1,278 @@
+"""Merge a model directory (``dist_ckpt/`` + ``huggingface/`` + ``mcore_rl.json``) into a HF model
+directory, tensor by tensor, without megatron or torch.distributed.
+
+On disk every model key is the TP=1 layout of the parameter with the global layer (and expert)
+index turned into leading dims, e.g. ``decoder.layers.self_attention.linear_qkv.weight`` [L, rows,
+H] and ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` [L, E, 2F, H]; VPP chunks write
+their layers' rows of the same keys. So one HF tensor group = read one (layer[, expert]) part,
+apply the mapping table's ``transform.to_hf``. Rows come from the one table per architecture
+(``args.arch.table``), enumerated as ``WeightMap.rule``/``hf_keys`` do for TP=1 (the test checks
+they agree: ``mapping/weights.py`` imports megatron, which this path must not).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import torch
+
+from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.safetensors_write import INDEX_FILE, ShardedSafetensorsWriter, TensorSpec
+from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
+from mcore_rl.mapping.transforms import Dims, Transform
+from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
+
+META_FILE = "mcore_rl.json"
+ModelClass = Literal["auto", "causal_lm", "token_classification"]
+_EXPERT_DIST = ("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # canonical -> on-disk
+_NOT_WEIGHTS = re.compile(r"^(optimizer\.|chained_\d+\.|rng_state)|\._extra_state(/|$)")
+_WEIGHT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin)$")
+
+
+class MergeError(CheckpointError):
+    """A model directory that cannot be merged as asked."""
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One read: dist ``key`` at leading ``index`` -> HF tensors ``specs`` via ``transform``."""
+
+    canonical: str
+    key: str
+    index: tuple[int, ...]
+    transform: Transform
+    specs: tuple[TensorSpec, ...]
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A validated model directory: role, ModelArgs, its dist reader and huggingface dir."""
+
+    path: str
+    role: str
+    args: ModelArgs
+    reader: TorchDistReader
+    hf_dir: str
+    meta: dict
+
+
+@dataclass(frozen=True)
+class MergeSummary:
+    tensors: int
+    bytes: int
+    shards: int
+    seconds: float
+    peak_rss_mb: float
+
+    def line(self) -> str:
+        return (f"merged {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB in {self.shards} shard(s), "
+                f"{self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
+
+
+def open_model_dir(local_dir: str) -> ModelDir:
+    """Validates ``local_dir`` (``global_step_N/<role>`` or a converter output) and opens it."""
+    local_dir = os.path.abspath(local_dir)
+    meta_path = os.path.join(local_dir, META_FILE)
+    if not os.path.isfile(meta_path):
+        roles = sorted(d for d in os.listdir(local_dir) if os.path.isfile(os.path.join(local_dir, d, META_FILE))) \
+            if os.path.isdir(local_dir) else []
+        hint = (f"it holds model dirs {roles}: pass one of them, e.g. {os.path.join(local_dir, roles[0])}"
+                if roles else "pass a model dir (global_step_<N>/actor or a converter output)")
+        raise MergeError(f"{local_dir} is not a model directory: no {META_FILE}; {hint}.")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if "model" not in meta.get("contents", []):
+        raise MergeError(f"{local_dir}: {META_FILE} contents {meta.get('contents')} hold no 'model' weights "
+                         "(saved without 'model' in checkpoint.save_contents); nothing to merge.")
+    role = meta.get("role")
+    if role not in ("actor", "critic"):
+        raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
+    hf_dir = os.path.join(local_dir, "huggingface")
+    args = model_args_from_hf(hf_dir)
+    reader = TorchDistReader(os.path.join(local_dir, "dist_ckpt"))
+    return ModelDir(local_dir, role, args, reader, hf_dir, meta)
+
+
+def dist_key(canonical: str) -> tuple[str, tuple[int, ...]]:
+    """Canonical megatron name -> (on-disk key, leading index): the layer (and expert) index
+    become leading dims, e.g. ``decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight``
+    -> (``decoder.layers.mlp.experts.experts.linear_fc2.weight``, (3, 1))."""
+    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", canonical)
+    if m is None:
+        return canonical, ()
+    e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$", m[2])
+    if e:
+        return f"decoder.layers.{_EXPERT_DIST[1]}{e[2]}", (int(m[1]), int(e[1]))
+    return f"decoder.layers.{m[2]}", (int(m[1]),)
+
+
+def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str], Transform]]:
+    """(canonical name, HF names, transform) of every HF tensor group of ``args`` as ``role``,
+    in file order: embedding, layer by layer (table order, experts inner), final norm, head.
+    Tied embeddings (actor): no lm_head."""
+    table = args.arch.table
+    rows = table.rows(role)
+    tied = args.tie_embeddings and role == "actor"
+    kinds = args.moe.moe_layers if args.moe else (False,) * args.num_layers
+    experts = range(args.moe.num_experts) if args.moe else range(0)
+    layered = {t: r for t, r in rows.items() if "{layer}" in t}
+    first = [t for t in rows if "{layer}" not in t and t.startswith("embedding.")]
+    last = [t for t in rows if "{layer}" not in t and t not in first
+            and not (tied and t in table.lm_head)]
+    for template in first:
+        yield template, list(rows[template][0]), rows[template][1]
+    for layer in range(args.num_layers):
+        for template, (hf_templates, transform) in layered.items():
+            if (template in table.moe_mlp and not kinds[layer]) or (template in table.dense_mlp and kinds[layer]):
+                continue
+            for e in experts if "{expert}" in template else [None]:
+                yield (template.format(layer=layer, expert=e),
+                       [t.format(layer=layer, expert=e) for t in hf_templates], transform)
+    for template in last:
+        yield template, list(rows[template][0]), rows[template][1]
+
+
+def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
+    """Every read with its HF tensors (shapes from the on-disk metadata, no data read); an error
+    names expected tensors the checkpoint lacks and model keys nothing consumes."""
+    reader, args = model.reader, model.args
+    embed = reader.tensors.get("embedding.word_embeddings.weight")
+    dims = Dims(args.num_heads, args.num_kv_heads, args.head_dim, args.vocab_size,
+                embed.shape[0] if embed else args.vocab_size)
+    units, missing, used = [], [], set()
+    for canonical, hf_names, transform in canonical_rules(args, model.role):
+        key, index = dist_key(canonical)
+        if key not in reader.tensors or not reader.covers(key, index):
+            missing.append(f"{canonical} (key {key!r}, index {index}) for {hf_names}")
+            continue
+        used.add(key)
+        info = reader.tensors[key]
+        probe = torch.empty(info.shape[len(index):], dtype=info.dtype, device="meta")
+        outs = transform.to_hf(probe, dims)
+        specs = tuple(TensorSpec(n, tuple(t.shape), info.dtype) for n, t in zip(hf_names, outs))
+        units.append(Unit(canonical, key, index, transform, specs))
+    if args.tie_embeddings and model.role == "actor":
+        used.add("output_layer.weight")  # the last stage's copy of the tied embedding, if saved
+    unused = sorted(k for k in reader.tensors if k not in used and not _NOT_WEIGHTS.search(k))
+    unused += sorted(k for k in reader.objects if not _NOT_WEIGHTS.search(k))
+    if missing or unused:
+        raise MergeError(
+            f"{model.path}: the checkpoint does not match huggingface/config.json "
+            f"({args.arch.model_type}, role {model.role}): "
+            + (f"{len(missing)} expected tensors missing: {missing[:6]}; " if missing else "")
+            + (f"{len(unused)} checkpoint keys no mapping row consumes: {unused[:6]}; " if unused else "")
+            + "merge the checkpoint with the config it was saved with.")
+    return units, dims
+
+
+def iter_hf_tensors(model: ModelDir, units: list[Unit], dims: Dims) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) in plan order; one unit's part in memory at a time."""
+    for unit in units:
+        part = model.reader.read(unit.key, unit.index)
+        for spec, tensor in zip(unit.specs, unit.transform.to_hf(part, dims)):
+            yield spec.name, tensor
+        del part
+
+
+def _hf_config(model: ModelDir, model_class: ModelClass) -> dict:
+    """config.json of the merged model: architectures (and num_labels for the critic) set."""
+    want = {"actor": "causal_lm", "critic": "token_classification"}[model.role]
+    if model_class not in ("auto", want):
+        why = ("a critic has a value head (score: hidden -> 1) and no LM head, so it is not a causal LM"
+               if model.role == "critic" else "an actor has an LM head, not a value head")
+        raise MergeError(f"{model.path}: model_class={model_class!r} for a {model.role}: {why}; "
+                         f"use --model_class {want} (or auto).")
+    with open(os.path.join(model.hf_dir, "config.json")) as f:
+        config = json.load(f)
+    arch = model.args.arch
+    if model.role == "critic":
+        config.update(architectures=[arch.hf_token_classification], num_labels=1,
+                      id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    else:
+        config["architectures"] = [arch.hf_causal_lm]
+    return config
+
+
+def _prepare_target(target_dir: str, overwrite: bool) -> None:
+    if os.path.isdir(target_dir) and os.listdir(target_dir):
+        if not overwrite:
+            raise MergeError(f"target_dir {target_dir} is not empty; pass --overwrite (overwrite=True) "
+                             "to replace its model files, or choose an empty directory.")
+        for name in os.listdir(target_dir):  # stale shards of an earlier merge would confuse loaders
+            if _WEIGHT_FILE.match(name):
+                os.remove(os.path.join(target_dir, name))
+    os.makedirs(target_dir, exist_ok=True)
+
+
+def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
+          model_class: ModelClass | None = None, overwrite: bool = False,
+          progress: bool = False) -> MergeSummary:
+    """Writes the HF model of ``local_dir`` into ``target_dir``: safetensors shards of at most
+    ``max_shard_size`` (+ index), config.json (critic: ``*ForTokenClassification``, num_labels=1)
+    and the tokenizer/generation files of ``local_dir/huggingface``."""
+    start = time.monotonic()
+    model = open_model_dir(local_dir)
+    config = _hf_config(model, model_class or "auto")
+    units, dims = plan_units(model)
+    _prepare_target(target_dir, overwrite)
+    specs = [s for u in units for s in u.specs]
+    writer = ShardedSafetensorsWriter(target_dir, specs, max_shard_size)
+    tensors = iter_hf_tensors(model, units, dims)
+    if progress:
+        from tqdm import tqdm
+
+        tensors = tqdm(tensors, total=len(specs), unit="tensor", desc="merge")
+    for name, tensor in tensors:
+        writer.write(name, tensor)
+    writer.close()
+    for name in sorted(os.listdir(model.hf_dir)):
+        src = os.path.join(model.hf_dir, name)
+        if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name != "config.json":
+            shutil.copyfile(src, os.path.join(target_dir, name))
+    with open(os.path.join(target_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    return MergeSummary(len(specs), writer.bytes_written, len(writer.files), time.monotonic() - start,
+                        peak_rss_mb())
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def tensor_class(name: str) -> str:
+    """``model.layers.3.mlp.experts.1.w1.weight`` -> ``model.layers.*.mlp.experts.*.w1.weight``."""
+    return re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", name))
+
+
+def compare(local_dir: str, test_hf_dir: str) -> tuple[dict[str, float], list[str]]:
+    """Merges ``local_dir`` in memory (tensor by tensor) against the HF dir ``test_hf_dir``:
+    max abs diff per tensor class, and problems (missing/extra names, shape or dtype mismatch)."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+
+    model = open_model_dir(local_dir)
+    units, dims = plan_units(model)
+    ref = SafetensorsReader(test_hf_dir)
+    diffs: dict[str, float] = {}
+    problems, seen = [], set()
+    for name, tensor in iter_hf_tensors(model, units, dims):
+        seen.add(name)
+        if name not in ref:
+            problems.append(f"{name}: not in {test_hf_dir}")
+            continue
+        other = ref[name]
+        if other.shape != tensor.shape or other.dtype != tensor.dtype:
+            problems.append(f"{name}: merged {tuple(tensor.shape)} {tensor.dtype}, reference "
+                            f"{tuple(other.shape)} {other.dtype}")
+            continue
+        diff = (tensor.double() - other.double()).abs().max().item() if tensor.numel() else 0.0
+        cls = tensor_class(name)
+        diffs[cls] = max(diffs.get(cls, 0.0), diff)
+    problems += [f"{n}: in {test_hf_dir} but not merged" for n in sorted(set(ref) - seen)]
+    return diffs, problems

@@ -1,0 +1,154 @@
+"""Reads a megatron ``torch_dist`` checkpoint directory without megatron or torch.distributed.
+
+The directory holds ``.metadata`` (a pickle of torch.distributed.checkpoint's ``Metadata``: per key
+the global shape, dtype and the chunks (offsets, sizes) that were written, and per chunk the file,
+byte offset and length) and ``__<rank>_<n>.distcp`` files (each chunk a ``torch.save`` payload).
+``.metadata`` is read only through ``safe_load``'s allowlist unpickler, tensor chunks only with
+``torch.load(weights_only=True)``, ShardedObject payloads (bytes items) through torch's weights_only
+unpickler with ``safe_load.SAFE_TORCH_GLOBALS``. A read assembles only the chunks overlapping the
+requested part, so memory per read is that part (plus one chunk in flight).
+"""
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.safe_load import SAFE_TORCH_GLOBALS, restricted_pickle_load
+
+METADATA_FILE = ".metadata"
+
+
+class TorchDistReadError(CheckpointError):
+    """A torch_dist directory that cannot be read as asked (missing/truncated file, unknown key)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor key: global shape and dtype, and the written chunks as (offsets, sizes)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+class TorchDistReader:
+    """Lazy reader of one torch_dist directory (``<model dir>/dist_ckpt``).
+
+    ``tensors``: key -> TensorInfo; ``objects``: keys of ShardedObject (bytes) items.
+    ``read(key, index)``: the global tensor, or its part at leading indices ``index``
+    (e.g. ``(layer,)`` or ``(layer, expert)``) with those dims removed.
+    """
+
+    def __init__(self, dist_dir: str | os.PathLike) -> None:
+        self.path = os.fspath(dist_dir)
+        meta_path = os.path.join(self.path, METADATA_FILE)
+        if not os.path.isfile(meta_path):
+            raise TorchDistReadError(
+                f"{self.path} is not a torch_dist checkpoint: {meta_path} does not exist. Pass the "
+                "dist_ckpt/ directory of a model dir written by CheckpointManager or a converter.")
+        with open(meta_path, "rb") as f:
+            self._meta = restricted_pickle_load(f, source=meta_path)
+        self.tensors: dict[str, TensorInfo] = {}
+        self.objects: list[str] = []
+        for key, md in self._meta.state_dict_metadata.items():
+            if hasattr(md, "chunks"):
+                chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+                self.tensors[key] = TensorInfo(key, tuple(md.size), md.properties.dtype, chunks)
+            else:
+                self.objects.append(key)
+        self._storage = {(idx.fqn, tuple(idx.offset) if idx.offset is not None else None): info
+                         for idx, info in self._meta.storage_data.items()}
+
+    def keys(self) -> list[str]:
+        """Every key: tensors, then ShardedObjects."""
+        return list(self.tensors) + list(self.objects)
+
+    def info(self, key: str) -> TensorInfo:
+        if key not in self.tensors:
+            raise TorchDistReadError(f"{self.path}: no tensor key {key!r} in the checkpoint "
+                                     f"({len(self.tensors)} tensor keys, e.g. {sorted(self.tensors)[:3]}).")
+        return self.tensors[key]
+
+    def part_shape(self, key: str, index: tuple[int, ...] = ()) -> tuple[int, ...]:
+        """Shape of ``read(key, index)`` without reading: the global shape less ``len(index)`` dims."""
+        return self.info(key).shape[len(index):]
+
+    def covers(self, key: str, index: tuple[int, ...]) -> bool:
+        """True when some written chunk overlaps the part at ``index`` (e.g. layer i exists)."""
+        return any(_overlap(index, off, size) for off, size in self.info(key).chunks)
+
+    def read(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
+        """The part of ``key`` at leading indices ``index`` ([*shape[len(index):]]), assembled from
+        the chunks that overlap it; an error names the key when chunks do not cover it fully."""
+        info = self.info(key)
+        if len(index) > len(info.shape) or any(not 0 <= i < n for i, n in zip(index, info.shape)):
+            raise TorchDistReadError(f"{self.path}: index {index} is outside {key!r} of shape {info.shape}.")
+        out = torch.empty(info.shape[len(index):], dtype=info.dtype)
+        filled = 0
+        for offsets, sizes in info.chunks:
+            if not _overlap(index, offsets, sizes):
+                continue
+            chunk = self._load_chunk(key, offsets)
+            src, dst = [], []  # slices of the chunk and of ``out`` that meet
+            for d, (off, size) in enumerate(zip(offsets, sizes)):
+                if d < len(index):
+                    src.append(slice(index[d] - off, index[d] - off + 1))
+                else:
+                    src.append(slice(0, size))
+                    dst.append(slice(off, off + size))
+            part = chunk[tuple(src)].reshape(out[tuple(dst)].shape)
+            out[tuple(dst)] = part
+            filled += part.numel()
+            del chunk
+        if filled != out.numel():
+            raise TorchDistReadError(
+                f"{self.path}: chunks of {key!r} cover {filled} of the {out.numel()} elements at index "
+                f"{index}; the checkpoint is incomplete (a rank's shard was not written).")
+        return out
+
+    def read_object(self, key: str) -> Any:
+        """A ShardedObject payload (e.g. ``rng_state/shard_0_2``), unpickled only with torch's
+        weights_only unpickler plus ``SAFE_TORCH_GLOBALS``."""
+        if key not in self.objects:
+            raise TorchDistReadError(f"{self.path}: no ShardedObject key {key!r} in the checkpoint.")
+        data = self._read_bytes(key, None)
+        with torch.serialization.safe_globals(SAFE_TORCH_GLOBALS):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
+        data = self._read_bytes(key, offsets)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    def _read_bytes(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
+        info = self._storage.get((key, offsets))
+        if info is None:
+            raise TorchDistReadError(f"{self.path}: .metadata lists {key!r} (chunk at {offsets}) but "
+                                     "no storage entry for it; the .metadata file is damaged.")
+        if getattr(info, "transform_descriptors", None):
+            raise TorchDistReadError(
+                f"{self.path}: {key!r} is stored with transforms {info.transform_descriptors} "
+                "(e.g. compression), which this reader does not support; save without them.")
+        file = os.path.join(self.path, info.relative_path)
+        try:
+            with open(file, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+        except FileNotFoundError:
+            raise TorchDistReadError(
+                f"{file} is missing: it holds {key!r}; the checkpoint is incomplete (copy the whole "
+                "dist_ckpt/ directory).") from None
+        if len(data) != info.length:
+            raise TorchDistReadError(
+                f"{file} is truncated: {key!r} needs bytes {info.offset}..{info.offset + info.length}, "
+                f"the file has {os.path.getsize(file)} bytes; copy the checkpoint again.")
+        return data
+
+
+def _overlap(index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+    return all(off <= i < off + size for i, off, size in zip(index, offsets, sizes))
