@@ -18,14 +18,16 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("merge", help="write the HF model (safetensors shards + config + tokenizer)")
-    m.add_argument("--local_dir", required=True)
-    m.add_argument("--target_dir", required=True)
+    m.add_argument("--local_dir", required=True, help="model dir: global_step_<N>/actor or .../critic, or a hf_to_mcore.py output")
+    m.add_argument("--target_dir", required=True, help="HF output directory (must be empty or absent)")
     m.add_argument("--max_shard_size", default="5GB", help="bytes or e.g. 5GB, 500MB, 2GiB (default 5GB)")
-    m.add_argument("--model_class", default="auto", choices=["auto", "causal_lm", "token_classification"])
+    m.add_argument("--model_class", default="auto", choices=["auto", "causal_lm", "token_classification"],
+                   help="auto (default): from the role in mcore_rl.json (actor: causal LM, critic: token "
+                   "classification with one label); causal_lm on a critic is an error")
     m.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty target_dir")
     t = sub.add_parser("test", help="compare the merged tensors with a HF model directory")
-    t.add_argument("--local_dir", required=True)
-    t.add_argument("--test_hf_dir", required=True)
+    t.add_argument("--local_dir", required=True, help="model dir: global_step_<N>/actor or .../critic, or a hf_to_mcore.py output")
+    t.add_argument("--test_hf_dir", required=True, help="HF model directory to compare every tensor with")
     t.add_argument("--atol", type=float, default=0.0, help="allowed max abs diff per tensor (default 0: exact)")
     return p
 
