@@ -94,7 +94,11 @@ def rank_state(engine) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
     """(the model's tensors, this rank's optimizer shard): the plain baseline's two parts."""
     model = {f"model{c}.{k}": v for c, chunk in enumerate(engine.model)
              for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
-    return model, {f"opt.{k}": v for k, v in optimizer_tensors(engine).items()}
+    # a main-param shard views DDP's whole buffer: torch.save would write the whole storage, so
+    # the baseline keeps compact copies (made here, outside every timing) to write the same bytes
+    opt = {f"opt.{k}": v if v.untyped_storage().nbytes() == v.numel() * v.element_size() else v.clone()
+           for k, v in optimizer_tensors(engine).items()}
+    return model, opt
 
 
 def nbytes(tensors) -> int:
