@@ -32,7 +32,7 @@ from mcore_rl.mapping.weights import MappingError, WeightMap, _tp_rank_size, can
 from mcore_rl.models.builder import BuildOptions, Role, build_model
 from mcore_rl.models.hf_config import model_args_from_hf
 from mcore_rl.models.hf_weights import weight_map
-from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+from mcore_rl.parallel import ParallelLayout, destroy_parallel_state, initialize_parallel_state
 from mcore_rl.platform import active_platform
 
 Tensor = torch.Tensor
@@ -194,7 +194,9 @@ class HFShardResolver:
                                "config does not match the weights.")
         self.used_hf.update(hf_names)
         self.written.add(name)
-        return local.to(param.dtype).contiguous()
+        # a compact tensor of its own: as_strided offsets count from the storage's start, and a
+        # TP shard is a view into the middle of the full tensor
+        return torch.empty(param.shape, dtype=param.dtype).copy_(local)
 
     def __call__(self, meta: Tensor) -> Tensor:
         key = _storage_key(meta)
@@ -262,7 +264,8 @@ def _progress(resolver: HFShardResolver, enabled: bool) -> Any:
 
 def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     """Converts ``opts.hf_model_path`` into the model directory ``opts.output_path`` (collective
-    over a torch.distributed world of tp * pp * ep ranks; the platform must be set up)."""
+    over a torch.distributed world of tp * pp * ep ranks; the platform must be set up). Sets up
+    megatron's parallel state for the split (any earlier state of this process is torn down)."""
     start = time.time()
     layout = check_world(opts)
     rank0 = torch.distributed.get_rank() == 0
@@ -271,6 +274,7 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     role = opts.role or role_from_config(opts.hf_model_path)
     if opts.dtype not in DTYPES:
         raise ConvertError(f"--dtype {opts.dtype!r}; use one of {sorted(DTYPES)}.")
+    destroy_parallel_state()  # the conversion owns this process's megatron groups
     initialize_parallel_state(layout)
     chunks = build_model(args, layout, role, active_platform(),
                          BuildOptions(params_dtype=DTYPES[opts.dtype], meta_device=True))
