@@ -57,8 +57,14 @@ def run_conversion(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mcore_rl.errors import McoreRLError
+
     a = parse_args(argv)
-    code = run_conversion(a)
+    try:
+        code = run_conversion(a)
+    except McoreRLError as e:  # bad input: the message names the value and the fix
+        print(f"hf_to_mcore: error: {e}", file=sys.stderr)
+        return 2
     if code == 0 and a.test and os.environ.get("RANK", "0") == "0":
         verify = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_logits.py")
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -137,16 +137,20 @@ def check_input(hf_dir: str) -> SafetensorsReader:
     return SafetensorsReader(hf_dir)
 
 
-def prepare_output(path: str, overwrite: bool) -> None:
-    """Refuses a non-empty output directory unless ``overwrite`` (then it is emptied)."""
+def check_output(path: str, overwrite: bool) -> None:
+    """Refuses a file, or a non-empty directory unless ``overwrite`` (every rank checks)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConvertError(f"--output_path {path!r} is a file; pass a directory.")
-    if os.path.isdir(path) and os.listdir(path):
-        if not overwrite:
-            raise ConvertError(f"--output_path {path!r} is not empty; pass --overwrite to replace its "
-                               "contents or choose an empty directory.")
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise ConvertError(f"--output_path {path!r} is not empty; pass --overwrite to replace its "
+                           "contents or choose an empty directory.")
+
+
+def prepare_output(path: str) -> None:
+    """An empty ``path/dist_ckpt`` (what was there goes: ``check_output`` allowed it)."""
+    if os.path.isdir(path):
         shutil.rmtree(path)
-    os.makedirs(os.path.join(path, "dist_ckpt"), exist_ok=True)
+    os.makedirs(os.path.join(path, "dist_ckpt"))
 
 
 # ---- lazy item data ------------------------------------------------------------------------------
@@ -280,8 +284,10 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
                          BuildOptions(params_dtype=DTYPES[opts.dtype], meta_device=True))
     wmap = weight_map(args, role, layout.tp)
     check_hf_keys(wmap, set(source.keys()))
+    check_output(opts.output_path, opts.overwrite)
+    torch.distributed.barrier()  # every rank has looked before rank 0 empties the directory
     if rank0:
-        prepare_output(opts.output_path, opts.overwrite)
+        prepare_output(opts.output_path)
     torch.distributed.barrier()
     resolver = HFShardResolver(chunks, wmap, source)
     bar = _progress(resolver, progress and rank0)
