@@ -23,6 +23,7 @@ VARIANTS = {  # name -> (model_type, overrides, role)
     "qwen3_moe": ("qwen3_moe", {}, "actor"),
     "mixtral": ("mixtral", {}, "actor"),
     "llama_critic": ("llama", {}, "critic"),  # role from *ForTokenClassification
+    "qwen2_bf16": ("qwen2", {}, "actor"),  # converted with --dtype bf16
 }
 MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
 
@@ -31,7 +32,11 @@ def _convert_all(jobs: list[tuple[str, str]], split: dict | None = None) -> dict
     """In one rank world: convert each (hf_dir, out_dir); returns the summaries' tensor counts."""
     from mcore_rl.checkpoint.convert import ConvertOptions, convert
 
-    return {out: convert(ConvertOptions(hf, out, **(split or {})), progress=False).tensors for hf, out in jobs}
+    out = {}
+    for hf, dst in jobs:
+        dtype = "bf16" if dst.endswith("bf16") else "fp32"
+        out[dst] = convert(ConvertOptions(hf, dst, dtype=dtype, **(split or {})), progress=False).tensors
+    return out
 
 
 def _load_and_export(dirs: dict[str, str]) -> dict:
@@ -82,13 +87,16 @@ def converted(tmp_path_factory):
 
 
 def _assert_same_hf(name: str, exported: dict, hf_dir: str) -> None:
+    """Bit-exact equality (bf16 conversions: the HF tensor rounded to bf16, loaded into fp32)."""
     from mcore_rl.mapping.hf_io import SafetensorsReader
 
     source = SafetensorsReader(hf_dir)
     assert set(exported) == set(source) - {"lm_head.weight"} or set(exported) == set(source), name
     for key in source:
         if key in exported:
-            assert torch.equal(exported[key], source[key]), f"{name}: {key} differs after the round trip"
+            want = source[key].to(torch.bfloat16).float() if name.endswith("bf16") else source[key]
+            assert not name.endswith("bf16") or not torch.equal(want, source[key])  # rounding active
+            assert torch.equal(exported[key], want), f"{name}: {key} differs after the round trip"
 
 
 def test_every_architecture_round_trips_bit_exact_at_another_layout(converted, tmp_path):
