@@ -1,6 +1,6 @@
 """converters/hf_to_mcore: HF -> model directory for every architecture, loaded back at other
 layouts (TP=2 x PP=2, EP=2 for MoE) exports the original HF tensors bit for bit; a conversion split
-over 2 ranks (TP=2 through torchrun, EP=2 through the library) writes the same checkpoint."""
+over 2 ranks (TP=2 through torchrun; PP=2 and EP=2 through the library) writes the same checkpoint."""
 from __future__ import annotations
 
 import os
@@ -104,6 +104,8 @@ def test_every_architecture_round_trips_bit_exact_at_another_layout(converted, t
     split = {}  # the same conversions split over 2 ranks: TP=2 (dense), EP=2 (MoE) via the library
     split["llama"] = str(tmp_path / "llama_tp2")
     run_ranks(2, _convert_all, [(hf_dirs["llama"], split["llama"])], dict(tp=2))
+    split["qwen2_tied"] = str(tmp_path / "qwen2_tied_pp2")  # tied head: the last stage writes no copy
+    run_ranks(2, _convert_all, [(hf_dirs["qwen2_tied"], split["qwen2_tied"])], dict(pp=2))
     split["qwen3_moe"] = str(tmp_path / "qwen3_moe_ep2")
     run_ranks(2, _convert_all, [(hf_dirs["qwen3_moe"], split["qwen3_moe"])], dict(ep=2))
     dirs = {name: str(base / f"out_{name}") for name in VARIANTS}

@@ -63,7 +63,7 @@ class ConvertOptions:
 
 @dataclass
 class Summary:
-    """What this rank wrote (tensors, bytes) and the whole conversion's time and peak RSS."""
+    """What all ranks wrote (tensors, bytes), the time, and the largest peak RSS of a rank."""
 
     role: str
     tensors: int
@@ -242,6 +242,8 @@ def check_coverage(resolver: HFShardResolver, chunks: list[torch.nn.Module], sou
     if unused:
         raise ConvertError(f"HF tensors never written into the checkpoint: {unused[:8]}; the mapping table "
                            "or the model build misses them (report this); the output is not usable.")
+    if resolver.wmap.tied_embeddings:  # the last stage's copy is a replica of the embedding's key
+        params.discard("output_layer.weight")
     unset = sorted(params - written)
     if unset:
         raise ConvertError(f"model parameters no rank wrote: {unset[:8]}; the output is not usable "
@@ -304,8 +306,10 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
         storage.write_json_atomic(os.path.join(opts.output_path, META),
                                   build_metadata(facts, role, ("model",), None))
-    torch.distributed.barrier()
-    return Summary(role, resolver.tensors, resolver.bytes, time.time() - start, _peak_rss_mb())
+    mine = json.dumps([resolver.tensors, resolver.bytes, _peak_rss_mb()]).encode()
+    every = [json.loads(raw) for raw in storage.all_gather_bytes(mine)]  # collective: also the last barrier
+    return Summary(role, sum(e[0] for e in every), sum(e[1] for e in every), time.time() - start,
+                   max(e[2] for e in every))
 
 
 def _copy_hf_files(src: str, dst: str) -> None:
