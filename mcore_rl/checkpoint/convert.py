@@ -18,7 +18,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import torch
 from megatron.core import dist_checkpointing
@@ -176,7 +176,7 @@ class HFShardResolver:
         self.used_hf: set[str] = set()
         self.written: set[str] = set()
         self.tensors = self.bytes = 0
-        self.on_item: Callable[[], None] = lambda: None
+        self.bar: Any = None  # a tqdm bar, counted per item written
 
     def plan(self, tensors: list[Tensor]) -> None:
         for t in tensors:
@@ -185,6 +185,9 @@ class HFShardResolver:
                 raise CheckpointError(f"a checkpoint item of shape {tuple(t.shape)} is no model parameter "
                                       "nor a view of one; the converter cannot fill it (report this).")
             self.remaining[key] = self.remaining.get(key, 0) + 1
+        if self.bar is not None:
+            self.bar.total = len(tensors)
+            self.bar.refresh()
 
     def _compute(self, key: int) -> Tensor:
         name, param = self.params[key]
@@ -212,7 +215,8 @@ class HFShardResolver:
             del self.real[key]
         self.tensors += 1
         self.bytes += out.numel() * out.element_size()
-        self.on_item()
+        if self.bar is not None:
+            self.bar.update(1)
         return out
 
 
@@ -250,24 +254,6 @@ def check_coverage(resolver: HFShardResolver, chunks: list[torch.nn.Module], sou
                            "(report this).")
 
 
-def _progress(resolver: HFShardResolver, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    bar = tqdm(total=0, unit="tensor", desc="hf_to_mcore")
-    plan = resolver.plan
-
-    def counted_plan(tensors: list[Tensor]) -> None:
-        plan(tensors)
-        bar.total = len(tensors)
-        bar.refresh()
-
-    resolver.plan = counted_plan  # type: ignore[method-assign]
-    resolver.on_item = lambda: bar.update(1)
-    return bar
-
-
 def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     """Converts ``opts.hf_model_path`` into the model directory ``opts.output_path`` (collective
     over a torch.distributed world of tp * pp * ep ranks; the platform must be set up). Sets up
@@ -292,14 +278,17 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         prepare_output(opts.output_path)
     torch.distributed.barrier()
     resolver = HFShardResolver(chunks, wmap, source)
-    bar = _progress(resolver, progress and rank0)
+    if progress and rank0:
+        from tqdm import tqdm
+
+        resolver.bar = tqdm(total=0, unit="tensor", desc="hf_to_mcore")
     state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
     request = dist_checkpointing.save(state, os.path.join(opts.output_path, "dist_ckpt"),
                                       sharded_strategy=ItemSaveStrategy(resolve=resolver),
                                       async_sharded_save=True)
     request.execute_sync()
-    if bar is not None:
-        bar.close()
+    if resolver.bar is not None:
+        resolver.bar.close()
     check_coverage(resolver, chunks, source)
     if rank0:  # written last: a failed conversion leaves no loadable directory
         _copy_hf_files(opts.hf_model_path, os.path.join(opts.output_path, "huggingface"))
