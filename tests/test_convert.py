@@ -125,7 +125,7 @@ def _run_cli(*argv: str, torchrun: int = 0) -> subprocess.CompletedProcess:
     cmd = [sys.executable, script, *argv]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
-               "--master_port=29561", script, *argv]
+               "--standalone", script, *argv]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
