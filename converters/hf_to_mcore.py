@@ -48,7 +48,8 @@ def run_conversion(a: argparse.Namespace) -> int:
         s = convert(opts)
         if torch.distributed.get_rank() == 0:
             print(f"hf_to_mcore: {s.role} written to {a.output_path}: {s.tensors} tensors, "
-                  f"{s.bytes / 2**20:.1f} MiB, {s.seconds:.1f} s, peak RSS {s.peak_rss_mb:.0f} MiB (largest rank)")
+                  f"{s.bytes / 2**20:.1f} MiB, {s.seconds:.1f} s, peak RSS {s.peak_rss_mb:.0f} MiB "
+                  f"(largest rank), at most {s.peak_live_params} parameter(s) in memory at once")
     finally:
         torch.distributed.destroy_process_group()
         if store is not None:

@@ -29,13 +29,15 @@ MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
 def _convert_all(jobs: list[tuple[str, str]], split: dict | None = None) -> dict:
-    """In one rank world: convert each (hf_dir, out_dir); returns the summaries' tensor counts."""
+    """In one rank world: convert each (hf_dir, out_dir); returns (tensors written, most
+    parameters held in real memory at once) per output."""
     from mcore_rl.checkpoint.convert import ConvertOptions, convert
 
     out = {}
     for hf, dst in jobs:
         dtype = "bf16" if dst.endswith("bf16") else "fp32"
-        out[dst] = convert(ConvertOptions(hf, dst, dtype=dtype, **(split or {})), progress=False).tensors
+        summary = convert(ConvertOptions(hf, dst, dtype=dtype, **(split or {})), progress=False)
+        out[dst] = (summary.tensors, summary.peak_live_params)
     return out
 
 
@@ -101,6 +103,8 @@ def _assert_same_hf(name: str, exported: dict, hf_dir: str) -> None:
 
 def test_every_architecture_round_trips_bit_exact_at_another_layout(converted, tmp_path):
     base, hf_dirs, counts = converted
+    for out, (tensors, live) in counts.items():  # streamed: one parameter (one expert) at a time
+        assert tensors > 0 and live == 1, (out, tensors, live)
     split = {}  # the same conversions split over 2 ranks: TP=2 (dense), EP=2 (MoE) via the library
     split["llama"] = str(tmp_path / "llama_tp2")
     run_ranks(2, _convert_all, [(hf_dirs["llama"], split["llama"])], dict(tp=2))

@@ -70,6 +70,7 @@ class Summary:
     bytes: int
     seconds: float
     peak_rss_mb: float
+    peak_live_params: int  # most parameters a rank held in real memory at once
 
 
 # ---- input checks --------------------------------------------------------------------------------
@@ -176,6 +177,7 @@ class HFShardResolver:
         self.used_hf: set[str] = set()
         self.written: set[str] = set()
         self.tensors = self.bytes = 0
+        self.peak_live = 0  # most parameters held in real memory at once (streaming: 1)
         self.bar: Any = None  # a tqdm bar, counted per item written
 
     def plan(self, tensors: list[Tensor]) -> None:
@@ -209,6 +211,7 @@ class HFShardResolver:
         key = _storage_key(meta)
         if key not in self.real:
             self.real[key] = self._compute(key)
+            self.peak_live = max(self.peak_live, len(self.real))
         out = self.real[key].as_strided(meta.size(), meta.stride(), meta.storage_offset())
         self.remaining[key] -= 1
         if self.remaining[key] == 0:
@@ -295,10 +298,10 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
         storage.write_json_atomic(os.path.join(opts.output_path, META),
                                   build_metadata(facts, role, ("model",), None))
-    mine = json.dumps([resolver.tensors, resolver.bytes, _peak_rss_mb()]).encode()
+    mine = json.dumps([resolver.tensors, resolver.bytes, _peak_rss_mb(), resolver.peak_live]).encode()
     every = [json.loads(raw) for raw in storage.all_gather_bytes(mine)]  # collective: also the last barrier
     return Summary(role, sum(e[0] for e in every), sum(e[1] for e in every), time.time() - start,
-                   max(e[2] for e in every))
+                   max(e[2] for e in every), max(e[3] for e in every))
 
 
 def _copy_hf_files(src: str, dst: str) -> None:
