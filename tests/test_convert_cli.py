@@ -140,7 +140,7 @@ def test_bad_input_is_refused_with_the_value_and_the_fix(tmp_path):
         "no_weights": "no *.safetensors weights in",
         "index_missing": "names shard files that do not exist: ['model-00002-of-00002.safetensors']",
         "truncated": "model-00001-of-00001.safetensors is truncated",
-        "unknown_arch": "gpt2",
+        "unknown_arch": "unknown architecture model_type='gpt2'; supported:",
         "unknown_role": "architectures=['LlamaModel'] name neither a *ForCausalLM (actor) nor a "
                         "*ForTokenClassification (critic); pass --role actor|critic",
         "extra_tensor": "model.extra.weight",
