@@ -17,8 +17,8 @@ from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.faults import fault_point
-from mcore_rl.checkpoint.state import (_safe_loading, apply_loaded, build_metadata, plan_load,
-                                       sharded_state)
+from mcore_rl.checkpoint.model_dir import load_planned
+from mcore_rl.checkpoint.state import build_metadata, plan_load, sharded_state
 from mcore_rl.checkpoint.writer import ItemSaveStrategy
 
 log = logging.getLogger("mcore_rl.checkpoint")
@@ -359,12 +359,7 @@ class CheckpointManager:
             meta = storage.read_json(os.path.join(role_dir, META))
             plans[role] = plan_load(meta, engine, role, tuple(contents), role_dir)
         for role, engine in engines.items():
-            dist_dir = os.path.join(step_dir, role, "dist_ckpt")
-            plan = plans[role]
-            state = sharded_state(engine, plan.contents, plan.sharding, is_loading=True, rng=plan.restore_rng)
-            with _safe_loading():
-                loaded = dist_checkpointing.load(state, dist_dir, sharded_strategy=("torch_dist", 1))
-            apply_loaded(engine, loaded, plans[role], os.path.join(step_dir, role))
+            load_planned(os.path.join(step_dir, role), engine, plans[role])
         return storage.read_json(os.path.join(step_dir, TRAINER_STATE))
 
     @staticmethod

@@ -21,6 +21,7 @@ import os
 import signal
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -40,6 +41,18 @@ from mcore_rl.checkpoint.faults import hold_point
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ERROR_BYTES = 4096
 _PENDING, _DONE, _FAILED = 0, 1, 2
+
+
+class LazyResolver(Protocol):
+    """Supplies item data at write time (a converter saves a meta-device model's sharded state).
+
+    ``plan`` gets every tensor item's data (e.g. meta tensors: detached views of parameters, which
+    share the parameter's storage) in write order before anything is written; ``__call__`` returns
+    the real tensor for one of them, same size and dtype, just before it is written."""
+
+    def plan(self, tensors: list[torch.Tensor]) -> None: ...
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 class _SharedResults:
@@ -87,9 +100,11 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if compact else tensor.clone()
 
 
-def write_rank_file(parent_pid: int, rank: int, buckets: list, results: _SharedResults) -> None:
+def write_rank_file(parent_pid: int, rank: int, buckets: list, results: _SharedResults,
+                    resolve: LazyResolver | None = None) -> None:
     """Writes this rank's items into one file (fsynced) and records each item's byte span.
-    Runs in the rank (sync save) or in the process megatron forks (async save)."""
+    Runs in the rank (sync save) or in the process megatron forks (async save). ``resolve``
+    turns each tensor item's data into the tensor to write, just before it is written."""
     forked = os.getpid() != parent_pid
     if forked:
         _die_with_parent(parent_pid)
@@ -102,7 +117,7 @@ def write_rank_file(parent_pid: int, rank: int, buckets: list, results: _SharedR
         with open(path, "wb") as stream:
             for i, (item, data) in enumerate(items):
                 if item.type != WriteItemType.BYTE_IO:
-                    data = _host_copy(data)
+                    data = _host_copy(resolve(data) if resolve is not None else data)
                 result = _write_item(*_TRANSFORMS, stream, data, item, storage_key,
                                      serialization_format=SerializationFormat.TORCH_SAVE)
                 results.record(i, result.storage_data.offset, result.storage_data.length)
@@ -123,9 +138,10 @@ class ItemWriter(FileSystemWriterAsync):
     """A ``FileSystemWriterAsync`` that writes one file per rank item by item (see module doc).
     ``stage_device_tensors``: copy device tensors to host memory at the save call (async save)."""
 
-    def __init__(self, path: str | Path, stage_device_tensors: bool) -> None:
+    def __init__(self, path: str | Path, stage_device_tensors: bool,
+                 resolve: LazyResolver | None = None) -> None:
         super().__init__(path, thread_count=1)
-        self.stage = stage_device_tensors
+        self.stage, self.resolve = stage_device_tensors, resolve
         self.results: _SharedResults | None = None
         if not _TRANSFORMS:
             _TRANSFORMS.append(self.transforms)
@@ -143,11 +159,13 @@ class ItemWriter(FileSystemWriterAsync):
         name = f"{plan.storage_data.prefix}0.distcp"
         self.write_buckets = [(os.path.join(self.checkpoint_dir, name), name, items)] if items else []
         self.results = _SharedResults(len(items)) if items else None
+        if self.resolve is not None:
+            self.resolve.plan([d for it, d in items if it.type != WriteItemType.BYTE_IO])
 
     def get_save_function_and_args(self):
         if not self.write_buckets:
             return None, None, []
-        fn = partial(write_rank_file, os.getpid())
+        fn = partial(write_rank_file, os.getpid(), resolve=self.resolve)
         return fn, None, [torch.distributed.get_rank(), self.write_buckets, self.results]
 
     def retrieve_write_results(self):
@@ -168,15 +186,17 @@ class ItemWriter(FileSystemWriterAsync):
 
 
 class ItemSaveStrategy(TorchDistSaveShardedStrategy):
-    """torch_dist format (readable by megatron's own loader) written by ``ItemWriter``."""
+    """torch_dist format (readable by megatron's own loader) written by ``ItemWriter``.
+    ``resolve``: a ``LazyResolver`` that supplies tensor data at write time (run the request with
+    ``execute_sync``: the resolver's state lives in this process)."""
 
-    def __init__(self, stage_device_tensors: bool = False) -> None:
+    def __init__(self, stage_device_tensors: bool = False, resolve: LazyResolver | None = None) -> None:
         super().__init__("torch_dist", 1, thread_count=1)
-        self.stage = stage_device_tensors
+        self.stage, self.resolve = stage_device_tensors, resolve
 
     def async_save(self, sharded_state_dict, checkpoint_dir: Path) -> AsyncRequest:
         state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-        writer = ItemWriter(checkpoint_dir, self.stage)
+        writer = ItemWriter(checkpoint_dir, self.stage, self.resolve)
         planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                    flatten_state_dict=False)
         planned = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,

@@ -1,6 +1,7 @@
 """Builds actor/critic megatron-core GPTModels (one chunk per virtual pipeline stage) from ModelArgs."""
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -35,6 +36,8 @@ class BuildOptions:
     recompute_num_layers: int = 1
     max_seq_len: int | None = None
     moe: MoEOptions = MoEOptions()
+    # parameters on torch's meta device (shapes only, no memory): a converter's target layout
+    meta_device: bool = False
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -183,7 +186,8 @@ def transformer_config(
 
 
 def _build_chunk(
-    args: ModelArgs, config: TransformerConfig, role: Role, platform: Platform, vp_stage: int | None
+    args: ModelArgs, config: TransformerConfig, role: Role, platform: Platform, vp_stage: int | None,
+    device: torch.device,
 ) -> GPTModel:
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -207,7 +211,7 @@ def _build_chunk(
         vp_stage=vp_stage,
     )
     # megatron hard-codes parts of llama3 scaling; our frequencies honour the whole HF config
-    model.rotary_pos_emb.inv_freq = inv_freq(args.rope).to(platform.device())
+    model.rotary_pos_emb.inv_freq = inv_freq(args.rope).to(device)
     if post and role == "critic":
         model.output_layer = ValueHead(config, args.hidden_size, bias=args.value_head_bias)
     return model
@@ -228,11 +232,20 @@ def build_model(
         raise ConfigError(f"role={role!r}; use 'actor' or 'critic'.")
     config = transformer_config(args, layout, options, platform)
     stages = range(layout.vpp) if layout.vpp else [None]
-    chunks = [_build_chunk(args, config, role, platform, vp) for vp in stages]
+    device = torch.device("meta") if options.meta_device else platform.device()
+    with torch.device("meta") if options.meta_device else contextlib.nullcontext():
+        chunks = [_build_chunk(args, config, role, platform, vp, device) for vp in stages]
     if options.moe.freeze_router:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
                 if name.endswith("mlp.router.weight") or name.endswith("mlp.router.bias"):
                     param.requires_grad_(False)
-    device = platform.device()
+    if options.meta_device:
+        return [_to_meta(chunk) for chunk in chunks]
     return [chunk.to(device) for chunk in chunks]
+
+
+def _to_meta(chunk: GPTModel) -> GPTModel:
+    """Moves what megatron still made on the host (norms take an explicit device) to meta:
+    ``Module.to('meta')`` keeps the parameter objects, which views and tied weights rely on."""
+    return chunk.to("meta")

@@ -1,0 +1,83 @@
+"""Loads a model directory at TP=1 (``load_model_dir``, into an fp32 engine) and compares its outputs
+(actor logits, critic values) with transformers' model of the HF directory on sample inputs.
+
+  python converters/verify_logits.py MODEL_DIR HF_DIR     # exit 1 when max |diff| > 1e-4 (fp32)
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+TOL = 1e-4  # fp32 compute on both sides (bf16 checkpoints: HF weights rounded to bf16 too)
+
+
+def sample_batch(vocab_size: int, batch: int = 3, seq: int = 12, seed: int = 0) -> dict:
+    """input_ids [b, s] and attention_mask [b, s] with left and right padding."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, -2:] = 0
+    return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
+
+
+def compare(model_dir: str, hf_dir: str) -> tuple[float, float, float]:
+    """(max abs diff, cosine, tolerance) between our outputs and transformers' on real tokens."""
+    import torch
+    import transformers
+
+    from mcore_rl.checkpoint.model_dir import load_model_dir
+    from mcore_rl.checkpoint.storage import read_json
+    from mcore_rl.models.builder import BuildOptions
+    from mcore_rl.models.forward import chunk_forward
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.platform import active_platform
+    from mcore_rl.rl.engine import ModelEngine
+
+    meta = read_json(os.path.join(model_dir, "mcore_rl.json"))
+    role = meta["role"]
+    dtype = torch.bfloat16 if meta["params_dtype"] == "torch.bfloat16" else torch.float32
+    initialize_parallel_state(ParallelLayout())
+    args = model_args_from_hf(os.path.join(model_dir, "huggingface"))
+    # computed in fp32 either way: bf16 weights are checked against HF weights rounded to bf16
+    engine = ModelEngine(args, ParallelLayout(), role, active_platform(), BuildOptions())
+    load_model_dir(model_dir, engine)
+    auto = transformers.AutoModelForCausalLM if role == "actor" else transformers.AutoModelForTokenClassification
+    hf = auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(dtype))
+    batch = sample_batch(args.vocab_size)
+    with torch.no_grad():
+        ref = hf(**batch).logits
+        ours = chunk_forward(engine.model[0], batch)[..., : ref.shape[-1]].float()
+    real = batch["attention_mask"].bool()
+    a, b = ours[real].double(), ref[real].double()
+    cos = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+    return (a - b).abs().max().item(), cos, TOL
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    from mcore_rl.platform import init_distributed, setup_platform
+
+    model_dir, hf_dir = argv
+    platform = setup_platform("cpu")
+    with tempfile.NamedTemporaryFile(prefix="verify_store_") as store:
+        init_distributed(platform, 0, 1, init_method=f"file://{store.name}")
+        try:
+            diff, cos, tol = compare(model_dir, hf_dir)
+        finally:
+            torch.distributed.destroy_process_group()
+    ok = diff <= tol
+    print(f"verify: max abs diff {diff:.3g} (tolerance {tol:g}), cosine {cos:.8f}: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
