@@ -205,7 +205,7 @@ class HFShardResolver:
         self.written.add(name)
         # a compact tensor of its own: as_strided offsets count from the storage's start, and a
         # TP shard is a view into the middle of the full tensor
-        return torch.empty(param.shape, dtype=param.dtype).copy_(local)
+        return torch.empty(param.shape, dtype=param.dtype).copy_(local)  # host: the converter works on the CPU
 
     def __call__(self, meta: Tensor) -> Tensor:
         key = _storage_key(meta)

@@ -62,7 +62,7 @@ class TensorSpec:
         n = 1
         for s in self.shape:
             n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * torch.empty((), dtype=self.dtype).element_size()  # host: a 0-d probe for the element size
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_size: int | str) -> list[list[TensorSpec]]:

@@ -89,7 +89,7 @@ class TorchDistReader:
         info = self.info(key)
         if len(index) > len(info.shape) or any(not 0 <= i < n for i, n in zip(index, info.shape)):
             raise TorchDistReadError(f"{self.path}: index {index} is outside {key!r} of shape {info.shape}.")
-        out = torch.empty(info.shape[len(index):], dtype=info.dtype)
+        out = torch.empty(info.shape[len(index):], dtype=info.dtype)  # host: the merge reads on the CPU
         filled = 0
         for offsets, sizes in info.chunks:
             if not _overlap(index, offsets, sizes):
