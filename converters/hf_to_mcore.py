@@ -18,13 +18,14 @@ import tempfile
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf_model_path", required=True)
-    p.add_argument("--output_path", required=True)
+    p.add_argument("--hf_model_path", required=True, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("--output_path", required=True, help="model directory to write (must be empty or absent)")
     for name in ("tp", "pp", "ep", "etp"):
-        p.add_argument(f"--{name}", type=int, default=1)
+        p.add_argument(f"--{name}", type=int, default=1,
+                       help=f"{name.upper()} size to split the work over (torchrun world = tp*pp*ep; default 1)")
     p.add_argument("--use_cpu_initialization", action="store_true",
                    help="accepted for compatibility: the conversion never touches a GPU")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="dtype of the written weights (default fp32)")
     p.add_argument("--role", choices=["actor", "critic"], default=None,
                    help="default: from config.json architectures")
     p.add_argument("--test", action="store_true", help="verify logits against transformers afterwards")
