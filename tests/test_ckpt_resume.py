@@ -2,7 +2,8 @@
 with the next 2 steps running while it is written) + a fresh world (other init seed) that
 resumes + 2 steps (parameters, optimizer state, metrics identical bitwise)
 at TP=2+SP, PP=2xVPP=2 (bf16), DP=2 (critic) and EP=2 (MoE); negative controls show that RNG
-restore and optimizer restore are what make it exact. DP=2 -> DP=1 reshard (dp_reshardable)."""
+restore and optimizer restore are what make it exact. The scheduler fix is
+shown to be needed by a second load into one engine."""
 from __future__ import annotations
 
 import pytest

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import uuid
 
+from tests.two_node_ckpt_script import file_digests  # one hashing helper for both
+
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -173,17 +175,6 @@ def _metrics(path: str) -> list[dict]:
         return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in f]
 
 
-def _digests(step_dir: str) -> dict[str, str]:
-    import hashlib
-
-    out = {}
-    for d, _, names in os.walk(step_dir):
-        for name in names:
-            with open(os.path.join(d, name), "rb") as f:
-                out[os.path.relpath(os.path.join(d, name), step_dir)] = hashlib.sha256(f.read()).hexdigest()
-    return out
-
-
 def _disk_state(disk: str) -> dict:
     """What one node holds: tracker, complete steps, per-step trainer state and file digests."""
     root = os.path.join(disk, "ckpt")
@@ -195,7 +186,7 @@ def _disk_state(disk: str) -> dict:
         "complete": [s for s in steps if os.path.isfile(os.path.join(step_dirs[s], "COMPLETE"))],
         "trainer_step": {s: json.load(open(os.path.join(d, "trainer_state.json")))["step"]
                          for s, d in step_dirs.items() if os.path.isfile(os.path.join(d, "trainer_state.json"))},
-        "files": {s: _digests(d) for s, d in step_dirs.items()},
+        "files": {s: file_digests(d) for s, d in step_dirs.items()},
         "metrics": os.path.isfile(os.path.join(disk, "out", "metrics.jsonl")),
     }
 

@@ -16,7 +16,7 @@ import logging
 import os
 
 
-def _digests(base: str) -> dict[str, str]:
+def file_digests(base: str) -> dict[str, str]:
     out = {}
     for d, _, names in os.walk(base):
         for n in names:
@@ -118,7 +118,7 @@ def main() -> None:
     result = {
         "rank": rank, "node": node_id(), "tmpfs_root": tmpfs_root, "mode": mode,
         "check_before_sync": before, "check_after_sync": after,
-        "step1": _digests(step), "step2": _digests(step2),
+        "step1": file_digests(step), "step2": file_digests(step2),
         "load": {} if incomplete.item() else _load_full_and_compare(sd, ckpt_dir),
     }
     os.makedirs(a.out, exist_ok=True)

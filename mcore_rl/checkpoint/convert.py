@@ -25,6 +25,7 @@ from megatron.core import dist_checkpointing
 
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import META, copy_hf_files, peak_rss_mb
 from mcore_rl.checkpoint.state import build_metadata
 from mcore_rl.checkpoint.writer import ItemSaveStrategy
 from mcore_rl.mapping.hf_io import SafetensorsReader
@@ -36,9 +37,6 @@ from mcore_rl.parallel import ParallelLayout, destroy_parallel_state, initialize
 from mcore_rl.platform import active_platform
 
 Tensor = torch.Tensor
-META = "mcore_rl.json"
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -294,24 +292,13 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         resolver.bar.close()
     check_coverage(resolver, chunks, source)
     if rank0:  # written last: a failed conversion leaves no loadable directory
-        _copy_hf_files(opts.hf_model_path, os.path.join(opts.output_path, "huggingface"))
+        copy_hf_files(opts.hf_model_path, os.path.join(opts.output_path, "huggingface"))
         facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
         storage.write_json_atomic(os.path.join(opts.output_path, META),
                                   build_metadata(facts, role, ("model",), None))
-    mine = json.dumps([resolver.tensors, resolver.bytes, _peak_rss_mb(), resolver.peak_live]).encode()
+    mine = json.dumps([resolver.tensors, resolver.bytes, peak_rss_mb(), resolver.peak_live]).encode()
     every = [json.loads(raw) for raw in storage.all_gather_bytes(mine)]  # collective: also the last barrier
     return Summary(role, sum(e[0] for e in every), sum(e[1] for e in every), time.time() - start,
                    max(e[2] for e in every), max(e[3] for e in every))
 
 
-def _copy_hf_files(src: str, dst: str) -> None:
-    os.makedirs(dst, exist_ok=True)
-    for name in HF_FILES:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
-
-
-def _peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -17,6 +17,7 @@ from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.faults import fault_point
+from mcore_rl.checkpoint.files import META, copy_hf_files
 from mcore_rl.checkpoint.model_dir import load_planned
 from mcore_rl.checkpoint.state import build_metadata, plan_load, sharded_state
 from mcore_rl.checkpoint.writer import ItemSaveStrategy
@@ -24,11 +25,8 @@ from mcore_rl.checkpoint.writer import ItemSaveStrategy
 log = logging.getLogger("mcore_rl.checkpoint")
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "COMPLETE"
-META = "mcore_rl.json"
 TRAINER_STATE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-_HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def _all_ranks_ok(ok: bool) -> bool:
@@ -239,12 +237,10 @@ class CheckpointManager:
         source = self.hf_sources.get(role)
         if source is None:
             return
-        os.makedirs(hf_dir, exist_ok=True)
         if isinstance(source, (str, os.PathLike)):
-            for name in _HF_FILES:
-                if os.path.isfile(os.path.join(source, name)):
-                    shutil.copyfile(os.path.join(source, name), os.path.join(hf_dir, name))
+            copy_hf_files(os.fspath(source), hf_dir)
         else:
+            os.makedirs(hf_dir, exist_ok=True)
             source.to_json_file(os.path.join(hf_dir, "config.json"))
 
     def _finalize(self, step: int, step_dir: str, roles: list[str]) -> None:

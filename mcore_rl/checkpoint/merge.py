@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shutil
 import time
 from dataclasses import dataclass
@@ -23,12 +22,12 @@ from typing import Iterator, Literal
 import torch
 
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import META, peak_rss_mb
 from mcore_rl.checkpoint.safetensors_write import INDEX_FILE, ShardedSafetensorsWriter, TensorSpec
 from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 
-META_FILE = "mcore_rl.json"
 ModelClass = Literal["auto", "causal_lm", "token_classification"]
 _EXPERT_DIST = ("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # canonical -> on-disk
 _NOT_WEIGHTS = re.compile(r"^(optimizer\.|chained_\d+\.|rng_state)|\._extra_state(/|$)")
@@ -78,17 +77,17 @@ class MergeSummary:
 def open_model_dir(local_dir: str) -> ModelDir:
     """Validates ``local_dir`` (``global_step_N/<role>`` or a converter output) and opens it."""
     local_dir = os.path.abspath(local_dir)
-    meta_path = os.path.join(local_dir, META_FILE)
+    meta_path = os.path.join(local_dir, META)
     if not os.path.isfile(meta_path):
-        roles = sorted(d for d in os.listdir(local_dir) if os.path.isfile(os.path.join(local_dir, d, META_FILE))) \
+        roles = sorted(d for d in os.listdir(local_dir) if os.path.isfile(os.path.join(local_dir, d, META))) \
             if os.path.isdir(local_dir) else []
         hint = (f"it holds model dirs {roles}: pass one of them, e.g. {os.path.join(local_dir, roles[0])}"
                 if roles else "pass a model dir (global_step_<N>/actor or a converter output)")
-        raise MergeError(f"{local_dir} is not a model directory: no {META_FILE}; {hint}.")
+        raise MergeError(f"{local_dir} is not a model directory: no {META}; {hint}.")
     with open(meta_path) as f:
         meta = json.load(f)
     if "model" not in meta.get("contents", []):
-        raise MergeError(f"{local_dir}: {META_FILE} contents {meta.get('contents')} hold no 'model' weights "
+        raise MergeError(f"{local_dir}: {META} contents {meta.get('contents')} hold no 'model' weights "
                          "(saved without 'model' in checkpoint.save_contents); nothing to merge.")
     role = meta.get("role")
     if role not in ("actor", "critic"):
@@ -239,11 +238,6 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
         json.dump(config, f, indent=2, sort_keys=True)
     return MergeSummary(len(specs), writer.bytes_written, len(writer.files), time.monotonic() - start,
                         peak_rss_mb())
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set size in MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def tensor_class(name: str) -> str:

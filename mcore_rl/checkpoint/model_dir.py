@@ -8,9 +8,8 @@ from megatron.core import dist_checkpointing
 
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import META
 from mcore_rl.checkpoint.state import LoadPlan, _safe_loading, apply_loaded, plan_load, sharded_state
-
-META = "mcore_rl.json"
 
 
 def read_plan(model_dir: str, engine, role: str, contents: tuple[str, ...]) -> LoadPlan:

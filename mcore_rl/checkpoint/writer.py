@@ -100,11 +100,12 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if compact else tensor.clone()
 
 
-def write_rank_file(parent_pid: int, rank: int, buckets: list, results: _SharedResults,
+def write_rank_file(parent_pid: int, transforms, rank: int, buckets: list, results: _SharedResults,
                     resolve: LazyResolver | None = None) -> None:
     """Writes this rank's items into one file (fsynced) and records each item's byte span.
     Runs in the rank (sync save) or in the process megatron forks (async save). ``resolve``
-    turns each tensor item's data into the tensor to write, just before it is written."""
+    turns each tensor item's data into the tensor to write, just before it is written;
+    ``transforms``: the writer's torch storage transforms (none by default)."""
     forked = os.getpid() != parent_pid
     if forked:
         _die_with_parent(parent_pid)
@@ -118,7 +119,7 @@ def write_rank_file(parent_pid: int, rank: int, buckets: list, results: _SharedR
             for i, (item, data) in enumerate(items):
                 if item.type != WriteItemType.BYTE_IO:
                     data = _host_copy(resolve(data) if resolve is not None else data)
-                result = _write_item(*_TRANSFORMS, stream, data, item, storage_key,
+                result = _write_item(transforms, stream, data, item, storage_key,
                                      serialization_format=SerializationFormat.TORCH_SAVE)
                 results.record(i, result.storage_data.offset, result.storage_data.length)
                 del data
@@ -131,9 +132,6 @@ def write_rank_file(parent_pid: int, rank: int, buckets: list, results: _SharedR
         os._exit(0 if error is None else 1)
 
 
-_TRANSFORMS: list = []  # torch's default writer transforms (no extensions), set once below
-
-
 class ItemWriter(FileSystemWriterAsync):
     """A ``FileSystemWriterAsync`` that writes one file per rank item by item (see module doc).
     ``stage_device_tensors``: copy device tensors to host memory at the save call (async save)."""
@@ -143,8 +141,6 @@ class ItemWriter(FileSystemWriterAsync):
         super().__init__(path, thread_count=1)
         self.stage, self.resolve = stage_device_tensors, resolve
         self.results: _SharedResults | None = None
-        if not _TRANSFORMS:
-            _TRANSFORMS.append(self.transforms)
 
     def prepare_write_data(self, plan, planner) -> None:
         """Keeps references to the items (no clone); a device tensor is staged when async."""
@@ -165,7 +161,7 @@ class ItemWriter(FileSystemWriterAsync):
     def get_save_function_and_args(self):
         if not self.write_buckets:
             return None, None, []
-        fn = partial(write_rank_file, os.getpid(), resolve=self.resolve)
+        fn = partial(write_rank_file, os.getpid(), self.transforms, resolve=self.resolve)
         return fn, None, [torch.distributed.get_rank(), self.write_buckets, self.results]
 
     def retrieve_write_results(self):
