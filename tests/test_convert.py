@@ -140,6 +140,31 @@ def test_convert_then_merge_gives_back_every_hf_tensor(converted, tmp_path):
         _assert_same_hf(name, merged, hf_dirs[name])
 
 
+def _verify(pairs: dict[str, tuple[str, str]]) -> dict[str, tuple[float, float]]:
+    """What ``hf_to_mcore.py --test`` runs, for each (model_dir, hf_dir): (max |diff|, cosine)."""
+    from converters.verify_logits import compare
+    from mcore_rl.parallel import destroy_parallel_state
+
+    out = {}
+    for name, (model_dir, hf_dir) in pairs.items():
+        destroy_parallel_state()
+        diff, cos, _ = compare(model_dir, hf_dir)
+        out[name] = (diff, cos)
+    return out
+
+
+def test_every_architecture_passes_the_logit_check(converted):
+    """``--test`` for every variant: outputs of the converted model at TP=1 vs transformers."""
+    from converters.verify_logits import TOL
+
+    base, hf_dirs, _ = converted
+    results = run_ranks(1, _verify, {n: (str(base / f"out_{n}"), hf_dirs[n]) for n in VARIANTS})[0]
+    assert set(results) == set(VARIANTS)
+    print({n: f"{d:.2g}" for n, (d, _) in results.items()})
+    for name, (diff, cos) in results.items():
+        assert diff <= TOL and cos > 0.9999, f"{name}: max |diff| {diff:.3g}, cosine {cos:.6f}"
+
+
 def _run_cli(*argv: str, torchrun: int = 0) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     script = os.path.join(ROOT, "converters", "hf_to_mcore.py")
@@ -150,16 +175,17 @@ def _run_cli(*argv: str, torchrun: int = 0) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_torchrun_tp2_writes_the_same_checkpoint_as_one_process(converted, tmp_path):
+def test_torchrun_tp2_and_ep2_write_the_same_checkpoint_as_one_process(converted, tmp_path):
     base, hf_dirs, _ = converted
-    out = tmp_path / "tp2"
-    r = _run_cli("--hf_model_path", hf_dirs["qwen2_tied"], "--output_path", str(out), "--tp", "2", torchrun=2)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "tensors" in r.stdout
-    one, two = run_ranks(1, _raw_tensors, [str(base / "out_qwen2_tied"), str(out)])[0]
-    assert set(one) == set(two)
-    for key in one:
-        assert torch.equal(one[key], two[key]), key
+    for name, split in (("qwen2_tied", "--tp"), ("qwen2_moe", "--ep")):
+        out = tmp_path / f"{name}_torchrun"
+        r = _run_cli("--hf_model_path", hf_dirs[name], "--output_path", str(out), split, "2", torchrun=2)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert "tensors" in r.stdout
+        one, two = run_ranks(1, _raw_tensors, [str(base / f"out_{name}"), str(out)])[0]
+        assert set(one) == set(two), name
+        for key in one:
+            assert torch.equal(one[key], two[key]), f"{name} {split} 2: {key}"
 
 
 def _raw_tensors(model_dirs: list[str]) -> list[dict[str, torch.Tensor]]:

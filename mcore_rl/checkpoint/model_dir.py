@@ -10,6 +10,7 @@ from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.files import META
 from mcore_rl.checkpoint.state import LoadPlan, _safe_loading, apply_loaded, plan_load, sharded_state
+from mcore_rl.mapping.weights import unwrap
 
 
 def read_plan(model_dir: str, engine, role: str, contents: tuple[str, ...]) -> LoadPlan:
@@ -21,16 +22,43 @@ def read_plan(model_dir: str, engine, role: str, contents: tuple[str, ...]) -> L
     return plan_load(storage.read_json(meta_path), engine, role, tuple(contents), model_dir)
 
 
-def load_planned(model_dir: str, engine, plan: LoadPlan) -> None:
-    """Reads ``plan.contents`` from ``model_dir/dist_ckpt`` into ``engine`` (collective)."""
+def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None = None) -> None:
+    """Reads ``plan.contents`` from ``model_dir/dist_ckpt`` into ``engine`` (collective).
+    Model keys starting with ``keep_prefix`` are not read: those parameters keep their values."""
     state = sharded_state(engine, plan.contents, plan.sharding, is_loading=True, rng=plan.restore_rng)
+    kept = _split_off(engine, state, keep_prefix) if keep_prefix else {}
     with _safe_loading():
         loaded = dist_checkpointing.load(state, os.path.join(model_dir, "dist_ckpt"),
                                          sharded_strategy=("torch_dist", 1))
+    for key, tensors in kept.items():
+        loaded[key].update(tensors)
     apply_loaded(engine, loaded, plan, model_dir)
 
 
-def load_model_dir(model_dir: str, engine) -> None:
-    """Loads the ``model`` contents of ``model_dir`` into ``engine`` (any TP/PP/EP layout; the
-    engine's role must be the directory's). Collective over the engine's world."""
-    load_planned(model_dir, engine, read_plan(model_dir, engine, engine.role, ("model",)))
+def _split_off(engine, state: dict, prefix: str) -> dict[str, dict]:
+    """Removes the model keys under ``prefix`` from ``state``; returns the engine's own current
+    tensors for them (per ``model{i}``), which the strict load then writes back unchanged."""
+    kept = {}
+    for i, chunk in enumerate(engine.model):
+        part = state.get(f"model{i}", {})
+        current = unwrap(chunk).state_dict()
+        names = [k for k in part if k.startswith(prefix)]
+        kept[f"model{i}"] = {k: current[k] for k in names}
+        for k in names:
+            del part[k]
+    return kept
+
+
+def load_model_dir(model_dir: str, engine, init_value_head: bool = False) -> None:
+    """Loads the ``model`` contents of ``model_dir`` into ``engine`` at any TP/PP/EP layout
+    (collective over the engine's world). The engine's role must be the directory's, except with
+    ``init_value_head=True``: a critic engine takes the trunk of an actor directory (its LM head
+    is not read) and keeps its value head's initialisation, as ``load_hf`` does for a causal LM."""
+    if not init_value_head:
+        load_planned(model_dir, engine, read_plan(model_dir, engine, engine.role, ("model",)))
+        return
+    if engine.role != "critic":
+        raise CheckpointError(f"init_value_head=True loads an actor's trunk into a critic; the engine is "
+                              f"a {engine.role!r}: drop init_value_head.")
+    load_planned(model_dir, engine, read_plan(model_dir, engine, "actor", ("model",)),
+                 keep_prefix="output_layer.")

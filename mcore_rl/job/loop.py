@@ -16,7 +16,9 @@ import torch
 
 from mcore_rl.checkpoint.manager import CheckpointManager
 from mcore_rl.job import toy_task
+from mcore_rl.config_loader import ConfigError
 from mcore_rl.job.schema import JobConfig, TinyModelConfig, dump_job_config
+from mcore_rl.job.start import Start, actor_start, critic_start
 from mcore_rl.models.builder import BuildOptions
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
@@ -67,25 +69,42 @@ def build_options(cfg: JobConfig) -> BuildOptions:
     return BuildOptions(params_dtype=dtype, hidden_dropout=cfg.model.hidden_dropout, moe=cfg.model.moe)
 
 
-def build(cfg: JobConfig, platform: Platform) -> tuple[Actor, Critic | None]:
-    """Actor (with a frozen reference when a KL term is on) and, for PPO, a critic."""
+def build(cfg: JobConfig, platform: Platform,
+          begin: tuple[Start, Start | None] | None = None) -> tuple[Actor, Critic | None]:
+    """Actor (with a frozen reference when a KL term is on) and, for PPO, a critic, from
+    ``begin`` = ``starts(cfg)`` (computed when not given)."""
     layout = cfg.layout
     initialize_parallel_state(layout, seed=cfg.seed)
-    if cfg.model.hf_dir:
-        args, weights = model_args_from_hf(cfg.model.hf_dir), cfg.model.hf_dir
-    else:
-        args, weights = tiny_model(cfg.model.tiny)
+    start, critic_from = begin or starts(cfg)
     options = build_options(cfg)
-    policy = ModelEngine(args, layout, "actor", platform, options, cfg.actor_optim, weights)
-    needs_ref = cfg.actor.use_kl_loss or cfg.algorithm.kl_in_reward_coeff > 0
-    ref = ModelEngine(args, layout, "actor", platform, options, None, weights) if needs_ref else None
+    policy = ModelEngine(start.args, layout, "actor", platform, options, cfg.actor_optim, start.hf)
+    start.load_into(policy)
+    ref = None
+    if cfg.actor.use_kl_loss or cfg.algorithm.kl_in_reward_coeff > 0:
+        ref = ModelEngine(start.args, layout, "actor", platform, options, None, start.hf)
+        start.load_into(ref)
     # log-probs at the temperature the rollout samples with
     actor = Actor(policy, replace(cfg.actor, temperature=cfg.rollout.temperature), ref)
-    if cfg.algorithm.name != "ppo":
+    if critic_from is None:
         return actor, None
-    # trunk from the policy, loaded before the optimizer copies the parameters
-    value = ModelEngine(args, layout, "critic", platform, options, cfg.critic_optim, weights, init_value_head=True)
+    value = ModelEngine(critic_from.args, layout, "critic", platform, options, cfg.critic_optim,
+                        critic_from.hf, init_value_head=critic_from.init_value_head and critic_from.hf is not None)
+    critic_from.load_into(value)
     return actor, Critic(value, cfg.critic)
+
+
+def starts(cfg: JobConfig) -> tuple[Start, Start | None]:
+    """Where the actor (and reference) and, for PPO, the critic start (see ``job/start.py``)."""
+    tiny = None
+    if not (cfg.model.hf_dir or cfg.model.mcore_dir):
+        tiny = (*tiny_model(cfg.model.tiny), tiny_hf_config(cfg.model.tiny))
+    actor = actor_start(cfg.model.hf_dir, cfg.model.mcore_dir, tiny)
+    if cfg.algorithm.name != "ppo":
+        if cfg.model.critic_dir:
+            raise ConfigError(f"model.critic_dir={cfg.model.critic_dir!r} with algorithm.name="
+                              f"{cfg.algorithm.name!r}, which has no critic: drop model.critic_dir or use ppo.")
+        return actor, None
+    return actor, critic_start(cfg.model.critic_dir, actor)
 
 
 def advantages(cfg: JobConfig, batch: dict, scores: Tensor, critic: Critic | None) -> dict:
@@ -163,7 +182,8 @@ def run(cfg: JobConfig) -> list[dict]:
     init_distributed(platform)
     rank0 = torch.distributed.get_rank() == 0
     log_package_events(torch.distributed.get_rank())
-    actor, critic = build(cfg, platform)
+    begin = starts(cfg)
+    actor, critic = build(cfg, platform, begin)
     if rank0:
         layout = actor.engine.layout.describe(torch.distributed.get_world_size())
         print(f"{cfg.algorithm.name} ({cfg.model.dtype}): {layout}", flush=True)
@@ -171,7 +191,8 @@ def run(cfg: JobConfig) -> list[dict]:
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
             f.write(dump_job_config(cfg))
     start = time.perf_counter()
-    history = _loop(cfg, actor, critic, rank0)
+    hf_files = {"actor": begin[0].hf_files, "critic": (begin[1] or begin[0]).hf_files}
+    history = _loop(cfg, actor, critic, rank0, checkpoint_manager(cfg, hf_files))
     if rank0:
         plot_rewards(history, os.path.join(cfg.output_dir, "reward.png"))
         print(summary(history, time.perf_counter() - start, cfg.output_dir), flush=True)
@@ -192,11 +213,10 @@ def log_package_events(rank: int) -> None:
     logger.setLevel(logging.INFO)
 
 
-def checkpoint_manager(cfg: JobConfig) -> CheckpointManager:
-    """The job's checkpoint manager; HF config of the model goes into every checkpoint."""
-    source = cfg.model.hf_dir or tiny_hf_config(cfg.model.tiny)
-    root = os.path.join(cfg.output_dir, "checkpoints")
-    return CheckpointManager(cfg.checkpoint, root, {"actor": source, "critic": source})
+def checkpoint_manager(cfg: JobConfig, hf_files: dict) -> CheckpointManager:
+    """The job's checkpoint manager; each role's HF config (``hf_files``: role -> HF directory
+    or config) goes into every checkpoint."""
+    return CheckpointManager(cfg.checkpoint, os.path.join(cfg.output_dir, "checkpoints"), hf_files)
 
 
 def _engines(actor: Actor, critic: Critic | None) -> dict:
@@ -221,10 +241,11 @@ def _save_due(cfg: JobConfig, done: int) -> bool:
     return freq > 0 and (done % freq == 0 or done == cfg.steps)
 
 
-def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, rank0: bool) -> list[dict]:
+def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, rank0: bool,
+          ckpt: CheckpointManager) -> list[dict]:
     from tqdm import tqdm
 
-    ckpt, engines = checkpoint_manager(cfg), _engines(actor, critic)
+    engines = _engines(actor, critic)
     history = _resume(cfg, ckpt, engines, rank0)
     path = os.path.join(cfg.output_dir, "metrics.jsonl")
     bar = tqdm(range(len(history), cfg.steps), disable=not (rank0 and cfg.progress_bar), desc=cfg.algorithm.name)

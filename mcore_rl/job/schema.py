@@ -91,7 +91,13 @@ class TinyModelConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """``hf_dir``: a HF model directory to start from; otherwise the embedded tiny model.
+    """Where the actor (and reference) start: ``hf_dir``, a HF model directory; ``mcore_dir``, a
+    model directory of role actor (converters/hf_to_mcore.py's output, or a checkpoint's
+    ``global_step_N/actor``), loaded at any layout; neither: the embedded tiny model.
+    ``critic_dir`` (PPO): the critic's start, a HF directory (*ForCausalLM: fresh value head;
+    *ForTokenClassification / *ForSequenceClassification: score head loaded) or a model
+    directory (role critic, or role actor: fresh value head); unset: the actor's start with a
+    fresh value head.
 
     ``dtype``: parameter dtype of actor, reference and critic (bf16 trains with fp32 main
     weights in megatron's optimizer). ``moe``: router/dispatcher options for MoE models.
@@ -100,6 +106,8 @@ class ModelConfig:
     """
 
     hf_dir: str | None = None
+    mcore_dir: str | None = None
+    critic_dir: str | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: Literal["fp32", "bf16"] = "fp32"
     hidden_dropout: float = 0.0
