@@ -1,7 +1,8 @@
 """What CheckpointManager.save writes and what manager.resume refuses, on one TP=2 save (world 2):
 
-- ``hf_model`` in save_contents: ``actor/huggingface/model.safetensors`` holds exactly the HF
-  model's names and full (TP-gathered) shapes, the engine's exported values, and loads with
+- ``hf_model`` in save_contents: ``actor/huggingface/`` holds safetensors shards of at most
+  ``hf_max_shard_size`` (a larger tensor alone) with an index, written bucket by bucket, holding
+  exactly the HF model's names and full (TP-gathered) shapes, the engine's exported values, and loads with
   ``AutoModelForCausalLM.from_pretrained`` (config.json beside it) without missing or unexpected
   keys into a model whose log-probs equal the engine's; ``hf_model`` in load_contents is refused.
 - planted pickles (``os.system`` through ``__reduce__``) in the saved ``.metadata``, in the RNG
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 
@@ -26,6 +28,7 @@ from tests.tiny import hf_log_probs, rl_batch
 
 SAVE = ("model", "optimizer", "extra", "hf_model")
 TRACKER = "latest_checkpointed_iteration.txt"
+SHARD = 40_000  # bytes: the tiny model's HF weights span several shards
 
 
 def _config():
@@ -69,7 +72,7 @@ def _save_then_attack(base: str) -> dict:
     eng = engine(dict(tp=2))
     train_step(eng, 0)  # values away from the init: an export of stale weights would differ
     with writer_processes_allowed():
-        step_dir = _manager(os.path.join(base, "ckpt"), save_contents=SAVE).save(1, {"actor": eng}, {"step": 1})
+        step_dir = _manager(os.path.join(base, "ckpt"), save_contents=SAVE, hf_max_shard_size=SHARD).save(1, {"actor": eng}, {"step": 1})
         out = {"step_dir": step_dir, "tp_local": {n: tuple(p.shape) for n, p in eng.model[0].named_parameters()}}
         exported = export_hf(eng.model, eng.args, "actor")
         if torch.distributed.get_rank() == 0:
@@ -91,8 +94,20 @@ def test_hf_model_safetensors_are_the_full_hf_state(saved):
     from transformers import AutoModelForCausalLM
 
     hf_dir = os.path.join(saved[0]["step_dir"], "actor", "huggingface")
-    assert sorted(os.listdir(hf_dir)) == ["config.json", "model.safetensors"], os.listdir(hf_dir)
-    written = load_file(os.path.join(hf_dir, "model.safetensors"))
+    with open(os.path.join(hf_dir, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shards = sorted(set(index["weight_map"].values()))
+    n = len(shards)
+    assert n > 2 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(os.listdir(hf_dir)) == sorted(["config.json", "model.safetensors.index.json", *shards])
+    written = {}
+    for shard in shards:
+        part = load_file(os.path.join(hf_dir, shard))
+        sizes = [t.numel() * t.element_size() for t in part.values()]
+        assert sum(sizes) <= SHARD or len(sizes) == 1, (shard, sizes)  # HF's rule: a big tensor alone
+        assert {index["weight_map"][k] for k in part} == {shard}
+        written.update(part)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in written.values())
     torch.manual_seed(0)
     original = AutoModelForCausalLM.from_config(_config()).state_dict()
     assert sorted(written) == sorted(original)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.safetensors_write import parse_size
 
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
@@ -21,6 +22,8 @@ class CheckpointConfig:
     complete step), ``path`` (``resume_path``, a ``global_step_<N>`` dir) or ``disable``.
     save_contents / load_contents: subsets of model, optimizer, extra (RNG + LR scheduler),
     hf_model (HF safetensors, save only). optimizer_sharding: DistributedOptimizer format.
+    hf_max_shard_size: largest hf_model shard (e.g. "5GB", "500MiB"; a larger tensor is a shard of
+    its own), also the most HF weights a rank holds at once while writing them.
     """
 
     root: str | None = None
@@ -32,6 +35,7 @@ class CheckpointConfig:
     save_contents: tuple[str, ...] = ("model", "optimizer", "extra")
     load_contents: tuple[str, ...] = ("model", "optimizer", "extra")
     optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    hf_max_shard_size: str = "5GB"
 
     def __post_init__(self) -> None:
         if not isinstance(self.save_freq, int) or self.save_freq < 0:
@@ -53,6 +57,10 @@ class CheckpointConfig:
                 raise CheckpointError(
                     f"checkpoint.{key}={list(getattr(self, key))!r}: {bad or 'empty'}; "
                     f"choose a non-empty subset of {list(CONTENTS)}.")
+        try:
+            parse_size(self.hf_max_shard_size)
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint.hf_max_shard_size: {e}") from None
         if "hf_model" in self.load_contents:
             raise CheckpointError(
                 "checkpoint.load_contents may not hold 'hf_model' (HF weights are an export; "

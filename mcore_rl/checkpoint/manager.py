@@ -19,6 +19,7 @@ from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.faults import fault_point
 from mcore_rl.checkpoint.files import META, copy_hf_files
 from mcore_rl.checkpoint.model_dir import load_planned
+from mcore_rl.checkpoint.safetensors_write import parse_size, write_bucket_shards
 from mcore_rl.checkpoint.state import build_metadata, plan_load, sharded_state
 from mcore_rl.checkpoint.writer import ItemSaveStrategy
 
@@ -224,14 +225,16 @@ class CheckpointManager:
         self._finalize(step, step_dir, roles)
 
     def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
-        from safetensors.torch import save_file
+        """HF safetensors shards of at most ``hf_max_shard_size`` (+ index), streamed bucket by
+        bucket (collective: every rank gathers each bucket; rank 0 writes it)."""
+        from mcore_rl.models.hf_weights import export_hf_buckets
 
-        from mcore_rl.models.hf_weights import export_hf
-
-        tensors = export_hf(engine.model, engine.args, role)  # collective: full tensors everywhere
+        buckets = export_hf_buckets(engine.model, engine.args, role, parse_size(self.cfg.hf_max_shard_size))
         if rank0:
-            os.makedirs(hf_dir, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(hf_dir, "model.safetensors"))
+            write_bucket_shards(hf_dir, buckets)
+        else:
+            for _ in buckets:
+                pass
 
     def _write_hf_files(self, role: str, hf_dir: str) -> None:
         source = self.hf_sources.get(role)

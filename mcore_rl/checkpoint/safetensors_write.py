@@ -12,6 +12,7 @@ import json
 import os
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -150,3 +151,30 @@ class ShardedSafetensorsWriter:
             total = sum(s.nbytes for _, s in self._order)
             with open(os.path.join(self.directory, INDEX_FILE), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def write_bucket_shards(directory: str, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> list[str]:
+    """Writes each bucket of (HF name, full tensor) as one shard of ``directory`` (created), named
+    and indexed as transformers does (``model.safetensors`` when there is one bucket); holds one
+    bucket at a time. Returns the file names. Shards get their final names once all are written."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    parts: list[tuple[str, list[str]]] = []
+    total = 0
+    for i, bucket in enumerate(buckets):
+        part = f".partial-{i:05d}.safetensors"
+        save_file({n: t.detach().contiguous() for n, t in bucket}, os.path.join(directory, part),
+                  metadata={"format": "pt"})
+        parts.append((part, [n for n, _ in bucket]))
+        total += sum(t.numel() * t.element_size() for _, t in bucket)
+    n = len(parts)
+    files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map = {}
+    for (part, names), name in zip(parts, files):
+        os.replace(os.path.join(directory, part), os.path.join(directory, name))
+        weight_map.update({k: name for k in names})
+    if n > 1:
+        with open(os.path.join(directory, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return files
