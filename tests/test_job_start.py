@@ -92,9 +92,13 @@ def _hf_scores(merged_actor: str, merged_critic: str, temperature: float) -> dic
     with torch.no_grad():
         logits = lm(input_ids=ids, attention_mask=mask).logits[:, -4:-1].float() / temperature
         values = vm(input_ids=ids, attention_mask=mask).logits[:, -4:-1, 0].float()
+        # the merged directory is a drop-in HF model: it generates (greedy, 4 new tokens)
+        generated = lm.generate(input_ids=ids[3:, :5], attention_mask=mask[3:, :5], max_new_tokens=4,
+                                min_new_tokens=4, do_sample=False)
     log_probs = torch.log_softmax(logits, -1).gather(-1, ids[:, -3:, None])[..., 0]
     real = mask[:, -3:].bool()
-    return {"log_probs": torch.where(real, log_probs, 0.0), "values": torch.where(real, values, 0.0)}
+    return {"log_probs": torch.where(real, log_probs, 0.0), "values": torch.where(real, values, 0.0),
+            "generated": tuple(generated.shape)}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
@@ -113,6 +117,7 @@ def test_trained_checkpoint_merges_to_hf_and_restarts_the_job(name, tmp_path):
     for role in ("actor", "critic"):
         merge(str(step / role), str(tmp_path / f"hf_{role}"))
     hf = _hf_scores(str(tmp_path / "hf_actor"), str(tmp_path / "hf_critic"), cfg.rollout.temperature)
+    assert hf["generated"] == (1, 9)
     for key in ("log_probs", "values"):
         assert (live[key] != 0).sum() >= 10, key  # real tokens scored
         assert _close(live[key], hf[key], TOL), f"{name} {key}: {(live[key] - hf[key]).abs().max():.3g}"
