@@ -188,3 +188,28 @@ def test_bad_start_points_are_refused(tmp_path):
     errors = {k: _build_error(_config(tmp_path, *v[0])) for k, v in cases.items()}  # no ranks needed
     for name, (_, text) in cases.items():
         assert errors[name].startswith("ok: ") and text in errors[name], f"{name}: {errors[name]}"
+
+
+def test_critic_starts_from_a_sequence_classification_reward_model(tmp_path):
+    """model.critic_dir = a HF *ForSequenceClassification reward model (score without bias): the
+    job's critic (TP=2) computes the reward model's per-token scores."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.tiny import tiny_config, tiny_hf_model
+
+    tiny_hf_model(tiny_config("qwen2", num_hidden_layers=2)).save_pretrained(tmp_path / "lm")
+    config = tiny_config("qwen2", num_hidden_layers=2, num_labels=1)
+    config.pad_token_id = 0
+    torch.manual_seed(5)
+    rm = AutoModelForSequenceClassification.from_config(config, attn_implementation="eager").eval()
+    assert rm.score.bias is None
+    rm.save_pretrained(tmp_path / "rm")
+    cfg = _config(tmp_path / "run", "layout.tp=2", f"model.hf_dir={tmp_path / 'lm'}", f"model.critic_dir={tmp_path / 'rm'}")
+    got = run_ranks(2, _start_and_score, cfg)[0]
+    batch = _batch(config.vocab_size)
+    with torch.no_grad():
+        hidden = rm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        ref = rm.score(hidden)[:, -4:-1, 0]
+    ref = torch.where(batch["attention_mask"][:, -3:].bool(), ref, 0.0)
+    assert ref.abs().max() > 0.05
+    assert _close(got["values"], ref, TOL), f"{(got['values'] - ref).abs().max():.3g}"
