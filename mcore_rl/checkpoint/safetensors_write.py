@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import Writeback
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -128,21 +129,27 @@ class ShardedSafetensorsWriter:
             self._open(shard)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         self._file.write(memoryview(data))
+        self._writeback.poke()
         self.bytes_written += spec.nbytes
         self._next += 1
 
     def _open(self, shard: int) -> None:
-        if self._file is not None:
-            self._file.close()
+        self._close_file()
         self._file = open(os.path.join(self.directory, self.files[shard]), "wb")
+        self._writeback = Writeback(self._file)
         self._file.write(_header(self.shards[shard]))
         self._file_index = shard
 
-    def close(self) -> None:
-        """Closes the last shard and writes the index; errors if tensors are missing."""
+    def _close_file(self) -> None:
+        """Flushes, fsyncs (a merged model is durable once written) and closes the open shard."""
         if self._file is not None:
+            self._writeback.close()
             self._file.close()
             self._file = None
+
+    def close(self) -> None:
+        """Closes the last shard and writes the index; errors if tensors are missing."""
+        self._close_file()
         if self._next != len(self._order):
             missing = [s.name for _, s in self._order[self._next:]]
             raise SafetensorsWriteError(f"{len(missing)} planned tensors were never written: {missing[:8]}")

@@ -89,6 +89,10 @@ class TorchDistReader:
         info = self.info(key)
         if len(index) > len(info.shape) or any(not 0 <= i < n for i, n in zip(index, info.shape)):
             raise TorchDistReadError(f"{self.path}: index {index} is outside {key!r} of shape {info.shape}.")
+        whole = [c for c in info.chunks if _overlap(index, *c) and _covers_part(index, info.shape, *c)]
+        if whole:  # one chunk holds the whole part: a view of it, no assembly copy
+            chunk = self._load_chunk(key, whole[0][0])
+            return chunk[tuple(i - off for i, off in zip(index, whole[0][0]))]
         out = torch.empty(info.shape[len(index):], dtype=info.dtype)  # host: the merge reads on the CPU
         filled = 0
         for offsets, sizes in info.chunks:
@@ -122,10 +126,19 @@ class TorchDistReader:
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
     def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        data = self._read_bytes(key, offsets)
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        file, info = self._locate(key, offsets)
+        with open(file, "rb") as f:  # torch reads the record straight into the tensor's storage
+            return torch.load(_Span(f, info.offset, info.length), map_location="cpu", weights_only=True)
 
     def _read_bytes(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
+        file, info = self._locate(key, offsets)
+        with open(file, "rb") as f:
+            f.seek(info.offset)
+            return f.read(info.length)
+
+    def _locate(self, key: str, offsets: tuple[int, ...] | None) -> tuple[str, Any]:
+        """(file, storage info) of one item; errors name a damaged .metadata, a missing or a
+        truncated file."""
         info = self._storage.get((key, offsets))
         if info is None:
             raise TorchDistReadError(f"{self.path}: .metadata lists {key!r} (chunk at {offsets}) but "
@@ -135,19 +148,54 @@ class TorchDistReader:
                 f"{self.path}: {key!r} is stored with transforms {info.transform_descriptors} "
                 "(e.g. compression), which this reader does not support; save without them.")
         file = os.path.join(self.path, info.relative_path)
-        try:
-            with open(file, "rb") as f:
-                f.seek(info.offset)
-                data = f.read(info.length)
-        except FileNotFoundError:
+        if not os.path.isfile(file):
             raise TorchDistReadError(
                 f"{file} is missing: it holds {key!r}; the checkpoint is incomplete (copy the whole "
-                "dist_ckpt/ directory).") from None
-        if len(data) != info.length:
+                "dist_ckpt/ directory).")
+        if os.path.getsize(file) < info.offset + info.length:
             raise TorchDistReadError(
                 f"{file} is truncated: {key!r} needs bytes {info.offset}..{info.offset + info.length}, "
                 f"the file has {os.path.getsize(file)} bytes; copy the checkpoint again.")
-        return data
+        return file, info
+
+
+class _Span(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file as a file of their own, so that
+    ``torch.load`` reads a record straight into its tensor (``readinto``), with no bytes copy."""
+
+    def __init__(self, f, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._offset + self._pos)
+        got = self._f.readinto(memoryview(buffer).cast("B")[:n])
+        self._pos += got
+        return got
+
+
+def _covers_part(index: tuple[int, ...], shape: tuple[int, ...], offsets: tuple[int, ...],
+                 sizes: tuple[int, ...]) -> bool:
+    """True when the chunk spans every dim after ``index`` fully (it alone holds the part)."""
+    return all(off == 0 and size == n for off, size, n in zip(offsets[len(index):], sizes[len(index):],
+                                                             shape[len(index):]))
 
 
 def _overlap(index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:

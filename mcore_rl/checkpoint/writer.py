@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.api import _wrap_exception
 
 from mcore_rl.checkpoint.faults import hold_point
+from mcore_rl.checkpoint.files import Writeback
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ERROR_BYTES = 4096
@@ -116,15 +117,20 @@ def write_rank_file(parent_pid: int, transforms, rank: int, buckets: list, resul
         hold_point("writer")
         (path, storage_key, items), = buckets
         with open(path, "wb") as stream:
-            for i, (item, data) in enumerate(items):
-                if item.type != WriteItemType.BYTE_IO:
-                    data = _host_copy(resolve(data) if resolve is not None else data)
-                result = _write_item(transforms, stream, data, item, storage_key,
-                                     serialization_format=SerializationFormat.TORCH_SAVE)
-                results.record(i, result.storage_data.offset, result.storage_data.length)
-                del data
-            stream.flush()
-            os.fsync(stream.fileno())
+            writeback = Writeback(stream)
+            try:
+                for i, (item, data) in enumerate(items):
+                    if item.type != WriteItemType.BYTE_IO:
+                        data = _host_copy(resolve(data) if resolve is not None else data)
+                    result = _write_item(transforms, stream, data, item, storage_key,
+                                         serialization_format=SerializationFormat.TORCH_SAVE)
+                    results.record(i, result.storage_data.offset, result.storage_data.length)
+                    del data
+                    writeback.poke()
+            except BaseException:
+                writeback.stop()
+                raise
+            writeback.close()  # flush + fsync
     except BaseException as e:  # reported to the rank at finalize, which raises it
         error = f"rank {rank} writer: {type(e).__name__}: {e}"
     results.finish(error)
