@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from mcore_rl.models.context_parallel import split_for_cp
+
 Tensor = torch.Tensor
 LossFn = Callable[[dict, Tensor], tuple[Tensor, dict]]
 
@@ -23,10 +25,14 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
 
 
 def chunk_forward(chunk: torch.nn.Module, batch: dict) -> Tensor:
-    """One chunk's forward. RoPE positions are the sequence index (GPTModel ignores position_ids)."""
+    """One chunk's forward. RoPE positions are the sequence index (GPTModel ignores position_ids).
+    With context parallelism each rank feeds its s/cp columns (``split_for_cp``; megatron's RoPE
+    follows the same split) and gets outputs [b, s/cp, ...] for them; the padding mask stays
+    whole (attention sees every key)."""
     input_ids = batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    return chunk(input_ids, positions, attention_mask=padding_mask(batch["attention_mask"]))
+    return chunk(split_for_cp(input_ids), split_for_cp(positions),
+                 attention_mask=padding_mask(batch["attention_mask"]))
 
 
 def run_schedule(

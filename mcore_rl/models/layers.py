@@ -1,7 +1,8 @@
 """Modules mcore_rl plugs into megatron-core's layer specs where its local modules fall short.
 
-- ``TorchCoreAttention``: core attention for the CPU spec (causal + key padding, GQA) through
-  torch SDPA; megatron's local DotProductAttention has no padding mask and no CP.
+- ``TorchCoreAttention``: core attention for the CPU spec (causal + key padding, GQA, context
+  parallelism) through torch SDPA; megatron's local DotProductAttention has no padding mask and
+  no CP.
 - ``RMSNorm``: HF-exact RMSNorm that supports sequence parallel (megatron's WrappedTorchNorm
   refuses it); its weight is marked so ``finalize_model_grads`` sums its grads over TP.
 - ``ValueHead``: the critic's hidden -> 1 projection, replicated over TP.
@@ -18,6 +19,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from mcore_rl.models.context_parallel import cp_attention_mask, gather_cp
 from mcore_rl.parallel.layout import LayoutError
 
 Tensor = torch.Tensor
@@ -44,11 +46,7 @@ class TorchCoreAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise LayoutError(
-                f"context_parallel_size={config.context_parallel_size}: TorchCoreAttention has no "
-                "context parallelism yet; use cp=1."
-            )
+        self.cp = config.context_parallel_size
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.scale = softmax_scale or config.softmax_scale or 1.0 / math.sqrt(config.kv_channels)
@@ -69,13 +67,12 @@ class TorchCoreAttention(MegatronModule):
                 "pass padded batches without attention_bias."
             )
         s_q, b, heads, d = query.shape
-        s_k = key.shape[0]
+        if self.cp > 1:  # keys and values of the whole sequence, masked by global position
+            key, value = gather_cp(key), gather_cp(value)
+            allowed = cp_attention_mask(s_q, attention_mask, query.device)
+        else:
+            allowed = self._mask(s_q, key.shape[0], attention_mask, query.device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-        allowed = torch.ones(s_q, s_k, dtype=torch.bool, device=query.device).tril(s_k - s_q)
-        if attention_mask is not None:
-            keys_ok = ~attention_mask.reshape(b, 1, 1, s_k)
-            diagonal = torch.eye(s_q, s_k, dtype=torch.bool, device=query.device)
-            allowed = (allowed & keys_ok) | diagonal
         dropout = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout):
             out = F.scaled_dot_product_attention(
@@ -83,6 +80,15 @@ class TorchCoreAttention(MegatronModule):
                 enable_gqa=heads != k.shape[1],
             )
         return out.permute(2, 0, 1, 3).reshape(s_q, b, heads * d)
+
+    @staticmethod
+    def _mask(s_q: int, s_k: int, padding: Optional[Tensor], device) -> Tensor:
+        """bool [s_q, s_k] or [b, 1, s_q, s_k]: causal, padding keys masked, a query sees itself."""
+        allowed = torch.ones(s_q, s_k, dtype=torch.bool, device=device).tril(s_k - s_q)
+        if padding is None:
+            return allowed
+        keys_ok = ~padding.reshape(padding.shape[0], 1, 1, s_k)
+        return (allowed & keys_ok) | torch.eye(s_q, s_k, dtype=torch.bool, device=device)
 
     def _dropout_rng(self, dropout: float):
         # heads are TP-split: each TP rank needs its own dropout stream, as in megatron's module

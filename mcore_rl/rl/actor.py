@@ -14,6 +14,7 @@ import torch
 from mcore_rl.rl import losses
 from mcore_rl.rl.batch import attended_responses, response_mask, validate_batch
 from mcore_rl.rl.engine import ModelEngine
+from mcore_rl.rl.cp_view import ROW_TOKENS
 from mcore_rl.rl.logprob import log_probs_and_entropy
 from mcore_rl.rl.minibatch import forward_rows, ppo_update, response_logits
 from mcore_rl.models.hf_config import ConfigError
@@ -108,11 +109,12 @@ class Actor:
                 logits, mb["responses"], vocab, cfg.temperature, True, entropy_grad=cfg.entropy_coeff != 0
             )
             mask = response_mask(mb).bool()
+            rows = mb.get(ROW_TOKENS)  # context parallelism: whole-row token counts
             pg, m = losses.policy_loss(
                 lp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_ratio_low,
-                cfg.clip_ratio_high, cfg.dual_clip_c, cfg.loss_agg_mode, denominator,
+                cfg.clip_ratio_high, cfg.dual_clip_c, cfg.loss_agg_mode, denominator, rows,
             )
-            loss = pg - cfg.entropy_coeff * losses.entropy_bonus(ent, mask, cfg.loss_agg_mode, denominator)
+            loss = pg - cfg.entropy_coeff * losses.entropy_bonus(ent, mask, cfg.loss_agg_mode, denominator, rows)
             n = mask.sum()
             negative = (mask & (mb["advantages"] < 0)).sum()
             stats = {
@@ -128,7 +130,7 @@ class Actor:
                 kl = losses.agg_loss(
                     # ref outside the mask may be anything (inf, NaN): keep it out of the gradient
                     losses.kl_penalty(lp, torch.where(mask, mb["ref_log_prob"], 0.0), cfg.kl_loss_type), mask,
-                    cfg.loss_agg_mode, denominator,
+                    cfg.loss_agg_mode, denominator, rows,
                 )
                 loss = loss + cfg.kl_loss_coeff * kl
                 stats["kl_loss"] = kl.detach()

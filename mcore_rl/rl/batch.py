@@ -129,7 +129,10 @@ def _check_positions(positions: Tensor, mask: Tensor) -> None:
 
 
 def attended_responses(batch: dict) -> Tensor:
-    """[B, R] attention mask of the response positions (1 = real token)."""
+    """[B, R] attention mask of the response positions (1 = real token); a context-parallel
+    view (rl/cp_view.py) carries its own share as ``_attended``."""
+    if "_attended" in batch:
+        return batch["_attended"]
     r = batch["responses"].shape[1]
     return batch["attention_mask"][:, -r:]
 

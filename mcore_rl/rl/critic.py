@@ -14,6 +14,7 @@ import torch
 from mcore_rl.rl import losses
 from mcore_rl.rl.batch import attended_responses, response_mask, validate_batch
 from mcore_rl.rl.engine import ModelEngine
+from mcore_rl.rl.cp_view import ROW_TOKENS
 from mcore_rl.rl.minibatch import forward_rows, ppo_update, response_logits
 from mcore_rl.models.hf_config import ConfigError
 
@@ -70,7 +71,7 @@ class Critic:
             mask = response_mask(mb).bool()
             vf, m = losses.value_loss(
                 values, mb["values"], mb["returns"], mask, cfg.cliprange_value, cfg.loss_agg_mode,
-                denominator,
+                denominator, mb.get(ROW_TOKENS),  # context parallelism: whole-row token counts
             )
             n = mask.sum()
             stats = {"vf_loss": vf.detach(), "tokens": n, "vf_clipfrac_sum": m["vf_clipfrac"] * n,

@@ -125,8 +125,11 @@ class ModelEngine:
 
     @property
     def seq_multiple(self) -> int:
-        """What padded sequence lengths must divide by: TP when sequence parallel is on."""
-        return self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        """What padded sequence lengths must divide by: TP when sequence parallel is on, times
+        2 * CP with context parallelism (each CP rank holds two chunks of s / (2 * cp))."""
+        tp = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        cp = self.config.context_parallel_size
+        return tp * (2 * cp if cp > 1 else 1)
 
     @property
     def experts_span_dp(self) -> bool:

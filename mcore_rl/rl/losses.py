@@ -40,7 +40,7 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def agg_loss(loss_mat: Tensor, mask: Tensor, agg_mode: str,
-             denominator: float | Tensor | None = None) -> Tensor:
+             denominator: float | Tensor | None = None, row_tokens: Tensor | None = None) -> Tensor:
     """Reduce a per-token loss ``[b, t]`` to a scalar over the valid tokens in ``mask`` ``[b, t]``.
 
     ``token-mean``: sum over tokens / token count. ``seq-mean-token-sum``: per-sequence token sum,
@@ -48,7 +48,9 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, agg_mode: str,
     Sequences without tokens are ignored. If ``denominator`` (float or 0-dim tensor) is given, the
     summed numerator is divided by it instead: the global token count (token-mean) or the global
     count of non-empty sequences (seq modes) of a mini-batch spread over micro-batches and DP
-    ranks, so that summing the micro-batch results gives the whole-batch loss.
+    ranks, so that summing the micro-batch results gives the whole-batch loss. ``row_tokens`` [b]:
+    each sequence's token count when ``mask`` holds only part of it (a context-parallel rank's
+    share), for ``seq-mean-token-mean``; default ``mask.sum(-1)``.
     """
     if agg_mode not in AGG_MODES:
         raise LossInputError(f"agg_mode={agg_mode!r} is not supported; use one of {', '.join(AGG_MODES)}")
@@ -66,7 +68,7 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, agg_mode: str,
         tokens = valid.sum(dim=-1)
         if agg_mode == "seq-mean-token-mean":
             # clamp: empty rows have a zero sum, so they stay 0 instead of 0/0
-            per_seq = per_seq / tokens.clamp(min=1)
+            per_seq = per_seq / (tokens if row_tokens is None else row_tokens).clamp(min=1)
         numerator, count = per_seq.sum(), (tokens > 0).sum()
     if denominator is None:
         # an all-padding batch gives 0, not NaN
@@ -98,7 +100,8 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
 def policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float | None = None,
                 dual_clip_c: float | None = None, agg_mode: str = "token-mean",
-                denominator: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                denominator: float | Tensor | None = None,
+                row_tokens: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate loss; all inputs ``[b, t]``, returns (scalar loss, metrics).
 
     ratio = exp(lp - old_lp) is clipped to [1 - clip_low, 1 + clip_high]; ``clip_high`` defaults
@@ -131,7 +134,7 @@ def policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask
         # the cap only applies to negative advantages, where an unbounded ratio is unbounded loss
         loss_mat = torch.where(advantages < 0, torch.minimum(clipped, cap), clipped)
         dual_active = negative & (cap < clipped)
-    loss = agg_loss(loss_mat, mask, agg_mode, denominator)
+    loss = agg_loss(loss_mat, mask, agg_mode, denominator, row_tokens)
     with torch.no_grad():  # metrics are for logging only
         metrics = {
             "clipfrac": _masked_mean((pg2 > pg1).to(log_prob.dtype), valid),
@@ -144,7 +147,8 @@ def policy_loss(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, mask
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
                clip_range: float | None = None, agg_mode: str = "token-mean",
-               denominator: float | Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+               denominator: float | Tensor | None = None,
+               row_tokens: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Critic loss 0.5 (v - R)^2, optionally PPO value-clipped; inputs ``[b, t]``.
 
     With ``clip_range``: v_clip = old_v + clamp(v - old_v, -c, c) and the per-token loss is
@@ -165,7 +169,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         clipped = (v_clipped - returns).square()
         loss_mat = 0.5 * torch.maximum(unclipped, clipped)
         clip_active = clipped > unclipped
-    loss = agg_loss(loss_mat, mask, agg_mode, denominator)
+    loss = agg_loss(loss_mat, mask, agg_mode, denominator, row_tokens)
     with torch.no_grad():  # metrics are for logging only
         metrics = {
             "vf_clipfrac": _masked_mean(clip_active.to(values.dtype), valid),
@@ -175,9 +179,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
 
 
 def entropy_bonus(entropy: Tensor, mask: Tensor, agg_mode: str = "token-mean",
-                  denominator: float | Tensor | None = None) -> Tensor:
+                  denominator: float | Tensor | None = None, row_tokens: Tensor | None = None) -> Tensor:
     """Aggregated per-token entropy ``[b, t]`` -> scalar; the caller subtracts coeff * this."""
-    return agg_loss(entropy, mask, agg_mode, denominator)
+    return agg_loss(entropy, mask, agg_mode, denominator, row_tokens)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 
 from mcore_rl.models.forward import LossFn
 from mcore_rl.rl.batch import BatchError, response_mask, select_rows, split_rows
+from mcore_rl.rl.cp_view import OUT_INDEX, all_reduce_cp, cp_loss_fn
 from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size, gather_dp
 from mcore_rl.rl.microbatcher import MicroBatches, MicroBatchSpec, plan_micro_batches
 
@@ -142,10 +143,10 @@ def forward_rows(engine: ModelEngine, batch: dict, config: BatchingConfig, loss_
     engine.train(False)
     local = dispatch_rows(batch, config)
     plan = micro_batch_plan(local, config, engine)
-    results = engine.run(plan.batches, loss_fn, True)
+    results = engine.run(plan.batches, cp_loss_fn(loss_fn), True)
     out = {}
     for key in keys:
-        value = plan.restore([r[key] for r in results])
+        value = all_reduce_cp(plan.restore([r[key] for r in results]))  # each CP rank: its tokens
         if config.dispatch == "global":
             value = gather_dp(value)
         out[key] = value.to(batch["input_ids"].device)
@@ -153,7 +154,10 @@ def forward_rows(engine: ModelEngine, batch: dict, config: BatchingConfig, loss_
 
 
 def response_logits(output: Tensor, batch: dict) -> Tensor:
-    """Outputs [b, R, ...] at the positions that predict the R response tokens (p predicts p+1)."""
+    """Outputs [b, R, ...] at the positions that predict the R response tokens (p predicts p+1);
+    for a context-parallel view, the local output columns that score its R_local tokens."""
+    if OUT_INDEX in batch:
+        return output.index_select(1, batch[OUT_INDEX])
     s, r = batch["input_ids"].shape[1], batch["responses"].shape[1]
     return output[:, s - r - 1 : s - 1]
 
@@ -217,12 +221,13 @@ def _denominator(mask: Tensor, agg_mode: str) -> float:
 def _mini_batch_step(engine: ModelEngine, mini: dict, config: BatchingConfig, make_loss: LossMaker, prefix: str) -> dict:
     denominator = _denominator(response_mask(mini), config.loss_agg_mode)
     pieces = micro_batch_plan(mini, config, engine).batches
-    # megatron divides each micro-batch loss by the micro-batch count and DDP averages over DP;
-    # with a global denominator the sum over all of them is the mini-batch loss
+    # megatron divides each micro-batch loss by the micro-batch count (and multiplies it by CP)
+    # and DDP averages over DP x CP; with a global denominator the sum over all of them is the
+    # mini-batch loss (each CP rank's loss covers the tokens it scores)
     scale = len(pieces) * dp_rank_size()[1]
-    stats = engine.run(pieces, make_loss(denominator, scale), False)
+    stats = engine.run(pieces, cp_loss_fn(make_loss(denominator, scale)), False)
     step = engine.step()
-    totals = {k: all_reduce_dp(sum(s[k] for s in stats)) for k in stats[0]}
+    totals = {k: all_reduce_cp(all_reduce_dp(sum(s[k] for s in stats))) for k in stats[0]}
     tokens = totals.pop("tokens").clamp(min=1)
     metrics = {k.removesuffix("_sum"): float(v / tokens) for k, v in totals.items() if k.endswith("_sum")}
     metrics.update({k: float(v) for k, v in totals.items() if not k.endswith("_sum")})

@@ -1,0 +1,72 @@
+"""What a context-parallel rank computes of a micro-batch's response tokens.
+
+Under CP a rank's outputs cover its s/cp columns only (``models.context_parallel``). Output
+column p predicts token p+1, so response token j (column s-r+j) is scored at column s-r-1+j,
+which may sit in another chunk (another CP rank) than the token itself; the labels come from
+the full ``responses`` every rank has. ``cp_view`` gives the loss function the owned response
+tokens as [b, R_local] tensors (every [b, R] key sliced, plus the index into the local output);
+each response token is owned by exactly one CP rank, so per-token results are scattered back to
+[b, R] and summed over the CP group, and loss sums over DP x CP give the whole batch's loss.
+"""
+from __future__ import annotations
+
+import torch
+
+from mcore_rl.models.context_parallel import cp_columns, cp_rank_size
+from mcore_rl.models.forward import LossFn
+from mcore_rl.rl.batch import SEQ_KEYS, attended_responses, response_mask
+
+Tensor = torch.Tensor
+OUT_INDEX, RESP_INDEX = "_cp_out_index", "_cp_resp_index"
+ATTENDED, ROW_TOKENS = "_attended", "_row_tokens"  # [b, R_local]; [b] full-row loss tokens
+
+
+def cp_view(mb: dict) -> dict:
+    """``mb`` as this CP rank sees it: [b, R] keys -> [b, R_local] (the responses it scores),
+    ``_cp_out_index`` [R_local] (their local output columns), ``_row_tokens`` [b] (loss tokens
+    of each whole row, for per-sequence means) and ``_attended``; ``mb`` itself when cp = 1."""
+    rank, size = cp_rank_size()
+    if size == 1:
+        return mb
+    ids = mb["input_ids"]
+    s, r = ids.shape[1], mb["responses"].shape[1]
+    cols = cp_columns(s, rank, size, ids.device)
+    local_of = torch.full((s,), -1, dtype=torch.long, device=ids.device)
+    local_of[cols] = torch.arange(cols.numel(), device=ids.device)
+    scored_at = local_of[torch.arange(s - r - 1, s - 1, device=ids.device)]
+    resp = (scored_at >= 0).nonzero().squeeze(-1)
+    view = {k: v if k in SEQ_KEYS or v.dim() < 2 or v.shape[1] != r else v[:, resp] for k, v in mb.items()}
+    view.update({OUT_INDEX: scored_at[resp], RESP_INDEX: resp, ATTENDED: attended_responses(mb)[:, resp],
+                 ROW_TOKENS: response_mask(mb).sum(-1)})
+    return view
+
+
+def cp_loss_fn(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` run on ``cp_view(mb)``; its [b, R_local] results come back as [b, R] with zeros
+    at the tokens other CP ranks own (sum over the CP group to complete them)."""
+    if cp_rank_size()[1] == 1:
+        return loss_fn
+
+    def wrapped(mb: dict, output: Tensor):
+        view = cp_view(mb)
+        loss, stats = loss_fn(view, output)
+        r = mb["responses"].shape[1]
+        return loss, {k: _scatter(v, view[RESP_INDEX], r) if v.dim() == 2 else v for k, v in stats.items()}
+
+    return wrapped
+
+
+def _scatter(value: Tensor, resp: Tensor, r: int) -> Tensor:
+    out = value.new_zeros(value.shape[0], r)
+    out[:, resp] = value
+    return out
+
+
+def all_reduce_cp(value: Tensor) -> Tensor:
+    """Sum over the context-parallel group (completes per-token results of ``cp_loss_fn``)."""
+    from megatron.core import parallel_state
+
+    if cp_rank_size()[1] > 1:
+        value = value.clone()
+        torch.distributed.all_reduce(value, group=parallel_state.get_context_parallel_group())
+    return value

@@ -1,0 +1,131 @@
+"""Context parallelism on padded batches: log-probs, entropy, values, one update of the actor
+and of the critic (parameters after the optimizer step, grad norms, loss metrics) with CP=2,
+CP=2 x TP=2 + SP, CP=2 x PP=2 and CP=2 x EP=2 (MoE) equal CP=1 within 1e-5; sequence lengths
+not divisible by 2 * cp and sequences shorter than 2 * cp work; no decoder layer ever sees the
+whole sequence under CP."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.tiny import rl_batch, tiny_config, tiny_hf_model
+
+TOL = 1e-5
+DENSE = {  # name -> layout (world 4; CP=1 reference first)
+    "ref": dict(),
+    "cp2": dict(cp=2),
+    "cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True),
+    "cp2_pp2": dict(cp=2, pp=2),
+}
+MOE = {"moe_ref": dict(), "moe_cp2_ep2": dict(cp=2, ep=2)}
+
+
+def _batches(vocab: int, prompt: int, response: int) -> dict:
+    """An update batch: rows with left-padded prompts and right-padded responses, random
+    old log-probs, advantages, values and returns (different per token)."""
+    batch = rl_batch(vocab, batch=8, prompt=prompt, response=response, seed=prompt)
+    g = torch.Generator().manual_seed(7)
+    shape = batch["responses"].shape
+    batch.update(old_log_probs=-torch.rand(shape, generator=g) * 3, advantages=torch.randn(shape, generator=g),
+                 values=torch.randn(shape, generator=g), returns=torch.randn(shape, generator=g))
+    return batch
+
+
+def _run_layout(hf_dir: str, layout_kwargs: dict, batches: list[dict]) -> dict:
+    # the critic loads a *ForTokenClassification model (``hf_dir``_critic): a fresh value head
+    # would be initialised differently at each layout
+    """Actor and critic at ``layout_kwargs``: scores of every batch, then one update each on the
+    first; the largest sequence dim any decoder layer saw; full HF parameters after the updates."""
+    from mcore_rl.models.builder import BuildOptions
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.hf_weights import export_hf
+    from mcore_rl.models.moe import MoEOptions
+    from mcore_rl.parallel import ParallelLayout, destroy_parallel_state, initialize_parallel_state
+    from mcore_rl.platform import active_platform
+    from mcore_rl.rl.actor import Actor, ActorConfig
+    from mcore_rl.rl.critic import Critic, CriticConfig
+    from mcore_rl.rl.engine import ModelEngine, OptimConfig
+
+    destroy_parallel_state()
+    layout = ParallelLayout(**layout_kwargs)
+    initialize_parallel_state(layout, seed=1)
+    args = model_args_from_hf(hf_dir)
+    options = BuildOptions(moe=MoEOptions(router_dtype="fp64", load_balancing="none", aux_loss_coeff=0.0))
+    # eps = 1: Adam's first step lr * g / (|g| + eps) is smooth in g, so parameters differ by about
+    # the gradient difference (with a small eps it is lr * sign(g): rounding -> lr-sized jumps)
+    optim = OptimConfig(lr=1.0, eps=1.0, clip_grad=1.0)
+    actor = Actor(ModelEngine(args, layout, "actor", active_platform(), options, optim, hf_dir),
+                  ActorConfig(micro_batch_size=2, ppo_mini_batch_size=8, loss_agg_mode="seq-mean-token-mean",
+                              entropy_coeff=0.01, clip_ratio_low=0.1))
+    critic = Critic(ModelEngine(args, layout, "critic", active_platform(), options, optim, hf_dir + "_critic"),
+                    CriticConfig(micro_batch_size=4, ppo_mini_batch_size=8, cliprange_value=0.2))
+    seen = []
+    for engine in (actor.engine, critic.engine):
+        for chunk in engine.model:
+            for layer in chunk.module.decoder.layers:
+                layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("hidden_states", a[0] if a else None).shape[0]),
+                                                with_kwargs=True)
+    out = {"scores": []}
+    for batch in batches:
+        lp = actor.compute_log_prob(batch, with_entropy=True)
+        out["scores"].append({**lp, "values": critic.compute_values(batch)})
+    out["actor_metrics"] = actor.update_policy(batches[0])
+    out["critic_metrics"] = critic.update_critic(batches[0])
+    out["seen"] = max(seen)
+    out["params"] = {**export_hf(actor.engine.model, args, "actor"),
+                     **{f"critic.{k}": v for k, v in export_hf(critic.engine.model, args, "critic").items()}}
+    return out if torch.distributed.get_rank() == 0 else {"seen": out["seen"]}
+
+
+def _run_all(hf_dirs: dict, layouts: dict, batches: list[dict]) -> dict:
+    return {name: _run_layout(hf_dirs[name.startswith("moe")], kw, batches) for name, kw in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cp")
+    dense, moe = base / "llama", base / "qwen3_moe"
+    for path, model_type in ((dense, "llama"), (moe, "qwen3_moe")):
+        tiny_hf_model(tiny_config(model_type, num_hidden_layers=2)).save_pretrained(path)
+        tiny_hf_model(tiny_config(model_type, num_hidden_layers=2), role="critic").save_pretrained(f"{path}_critic")
+    # s = 15 (not a multiple of 2 * cp = 4: padded), and s = 3 (< 2 * cp tokens)
+    batches = [_batches(200, 9, 6), _batches(200, 2, 1)]
+    ranks = run_ranks(4, _run_all, {False: str(dense), True: str(moe)}, {**DENSE, **MOE}, batches)
+    return ranks, batches
+
+
+def _max_diff(a, b) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+@pytest.mark.parametrize("name", [n for n in {**DENSE, **MOE} if not n.endswith("ref")])
+def test_cp_equals_cp1(results, name):
+    ranks, batches = results
+    out = ranks[0]
+    ref = out["moe_ref" if name.startswith("moe") else "ref"]
+    got = out[name]
+    for i, (a, b) in enumerate(zip(got["scores"], ref["scores"])):
+        for key in ("log_probs", "entropy", "values"):
+            assert a[key].shape == batches[i]["responses"].shape
+            assert _max_diff(a[key], b[key]) <= TOL, f"{name} batch {i} {key}: {_max_diff(a[key], b[key]):.3g}"
+        assert (b["log_probs"] != 0).any()
+    for role in ("actor", "critic"):
+        m, r = got[f"{role}_metrics"], ref[f"{role}_metrics"]
+        assert set(m) == set(r)
+        for k in r:
+            assert abs(m[k] - r[k]) <= TOL * max(1.0, abs(r[k])), f"{name} {k}: {m[k]} vs {r[k]}"
+    moved = [k for k in ref["params"] if not torch.equal(ref["params"][k], got["params"][k])]
+    assert moved, "identical parameters: the comparison would not see an update"
+    for k, v in ref["params"].items():
+        assert _max_diff(got["params"][k], v) <= TOL, f"{name} {k}: {_max_diff(got['params'][k], v):.3g}"
+
+
+def test_no_rank_holds_the_whole_sequence(results):
+    ranks, _ = results
+    s = 16  # the longest batch padded to a multiple of 2 * cp (x tp with sequence parallel)
+    for rank in ranks:
+        for name, out in rank.items():
+            want = s if name.endswith("ref") else s // 2
+            assert out["seen"] <= want, f"{name}: a decoder layer saw {out['seen']} > {want} tokens"
+    assert ranks[0]["cp2_tp2_sp"]["seen"] == s // 4  # CP and sequence parallel both split
