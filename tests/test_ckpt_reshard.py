@@ -18,6 +18,7 @@ TP2 = dict(tp=2, sequence_parallel=True)
 PP2 = dict(pp=2)
 EP2 = dict(ep=2)
 EP1: dict = {}
+CP2 = dict(cp=2)
 
 
 def _roots(tmp_path, name: str) -> dict[str, str]:
@@ -106,3 +107,23 @@ def test_dp2_to_dp1_either_sharding(tmp_path):
     shared = out[2]["next_adam_steps"]
     assert shared == [float(SAVED_STEPS + out[2]["adam_params"])], shared  # one tensor, += once per param
     assert out[3].get("error") == "KeyError: 'step'", out[3]
+
+
+def test_cp2_to_cp1_and_back_as_a_dp_reshard(tmp_path):
+    """The distributed optimizer shards over DP x CP, so a CP change is a DP reshard, allowed
+    for both sharding types: llama saved at CP=2 (DP 1) resumes at CP=1 x DP=2 and at DP=1
+    (world 1), and saved at DP=2 resumes at CP=2; each load is bit-exact and the next update
+    matches the saving layout's."""
+    dense = hf_dir(str(tmp_path), "llama")
+    cp2, dp2 = _roots(tmp_path, "cp2"), _roots(tmp_path, "dp2")
+    saved = run_ranks(2, save_worlds, [(dense, CP2, cp2), (dense, {}, dp2)], daemon=False)[0]
+    jobs = [("load", dense, {}, cp2[DP]), ("load", dense, {}, cp2[FULLY]),
+            ("load", dense, CP2, dp2[DP]), ("load", dense, CP2, dp2[FULLY])]
+    out = run_ranks(2, load_worlds, jobs, daemon=False)[0]
+    cp_layout, dp_layout = "tp=1,pp=1,vpp=None,cp=2,ep=1,etp=1,dp=1", "tp=1,pp=1,vpp=None,cp=1,ep=1,etp=1,dp=2"
+    for i in (0, 1):
+        _check_loaded(saved[0], out[i], cp_layout, dp_layout)
+    for i in (2, 3):
+        _check_loaded(saved[1], out[i], dp_layout, cp_layout)
+    one = run_ranks(1, load_worlds, [("load", dense, {}, cp2[DP])], daemon=False)[0]
+    _check_loaded(saved[0], one[0], cp_layout, "tp=1,pp=1,vpp=None,cp=1,ep=1,etp=1,dp=1")

@@ -21,7 +21,7 @@ DENSE = {  # name -> layout (world 4; CP=1 reference first)
 MOE = {"moe_ref": dict(), "moe_cp2_ep2": dict(cp=2, ep=2)}
 
 
-def _batches(vocab: int, prompt: int, response: int) -> dict:
+def make_batch(vocab: int, prompt: int, response: int) -> dict:
     """An update batch: rows with left-padded prompts and right-padded responses, random
     old log-probs, advantages, values and returns (different per token)."""
     batch = rl_batch(vocab, batch=8, prompt=prompt, response=response, seed=prompt)
@@ -32,7 +32,7 @@ def _batches(vocab: int, prompt: int, response: int) -> dict:
     return batch
 
 
-def _run_layout(hf_dir: str, layout_kwargs: dict, batches: list[dict]) -> dict:
+def _run_layout(hf_dir: str, layout_kwargs: dict, batches: list[dict], batching: dict | None = None) -> dict:
     # the critic loads a *ForTokenClassification model (``hf_dir``_critic): a fresh value head
     # would be initialised differently at each layout
     """Actor and critic at ``layout_kwargs``: scores of every batch, then one update each on the
@@ -57,9 +57,9 @@ def _run_layout(hf_dir: str, layout_kwargs: dict, batches: list[dict]) -> dict:
     optim = OptimConfig(lr=1.0, eps=1.0, clip_grad=1.0)
     actor = Actor(ModelEngine(args, layout, "actor", active_platform(), options, optim, hf_dir),
                   ActorConfig(micro_batch_size=2, ppo_mini_batch_size=8, loss_agg_mode="seq-mean-token-mean",
-                              entropy_coeff=0.01, clip_ratio_low=0.1))
+                              entropy_coeff=0.01, clip_ratio_low=0.1, **(batching or {})))
     critic = Critic(ModelEngine(args, layout, "critic", active_platform(), options, optim, hf_dir + "_critic"),
-                    CriticConfig(micro_batch_size=4, ppo_mini_batch_size=8, cliprange_value=0.2))
+                    CriticConfig(micro_batch_size=4, ppo_mini_batch_size=8, cliprange_value=0.2, **(batching or {})))
     seen = []
     for engine in (actor.engine, critic.engine):
         for chunk in engine.model:
@@ -78,20 +78,51 @@ def _run_layout(hf_dir: str, layout_kwargs: dict, batches: list[dict]) -> dict:
     return out if torch.distributed.get_rank() == 0 else {"seen": out["seen"]}
 
 
-def _run_all(hf_dirs: dict, layouts: dict, batches: list[dict]) -> dict:
-    return {name: _run_layout(hf_dirs[name.startswith("moe")], kw, batches) for name, kw in layouts.items()}
+def run_all(hf_dirs: dict, layouts: dict, batches: list[dict]) -> dict:
+    """``_run_layout`` per name -> layout kwargs or (layout kwargs, batching overrides); names
+    starting with "moe" use the MoE model."""
+    out = {}
+    for name, spec in layouts.items():
+        layout, batching = spec if isinstance(spec, tuple) else (spec, None)
+        out[name] = _run_layout(hf_dirs[name.startswith("moe")], layout, batches, batching)
+    return out
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    base = tmp_path_factory.mktemp("cp")
+def save_models(base) -> dict:
+    """A llama and a qwen3_moe (causal LM + token-classification critic each); {is_moe: dir}."""
     dense, moe = base / "llama", base / "qwen3_moe"
     for path, model_type in ((dense, "llama"), (moe, "qwen3_moe")):
         tiny_hf_model(tiny_config(model_type, num_hidden_layers=2)).save_pretrained(path)
         tiny_hf_model(tiny_config(model_type, num_hidden_layers=2), role="critic").save_pretrained(f"{path}_critic")
+    return {False: str(dense), True: str(moe)}
+
+
+def check_equal(out: dict, name: str, ref: str, batches: list[dict]) -> None:
+    """Scores, update metrics and parameters after the update of ``name`` equal ``ref``'s."""
+    got, ref_out = out[name], out[ref]
+    for i, (a, b) in enumerate(zip(got["scores"], ref_out["scores"])):
+        for key in ("log_probs", "entropy", "values"):
+            assert a[key].shape == batches[i]["responses"].shape
+            assert _max_diff(a[key], b[key]) <= TOL, f"{name} batch {i} {key}: {_max_diff(a[key], b[key]):.3g}"
+        assert (b["log_probs"] != 0).any()
+    for role in ("actor", "critic"):
+        m, r = got[f"{role}_metrics"], ref_out[f"{role}_metrics"]
+        assert set(m) == set(r)
+        for k in r:
+            assert abs(m[k] - r[k]) <= TOL * max(1.0, abs(r[k])), f"{name} {k}: {m[k]} vs {r[k]}"
+    params = ref_out["params"]
+    moved = [k for k in params if not torch.equal(params[k], got["params"][k])]
+    assert moved, "identical parameters: the comparison would not see an update"
+    for k, v in params.items():
+        assert _max_diff(got["params"][k], v) <= TOL, f"{name} {k}: {_max_diff(got['params'][k], v):.3g}"
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    dirs = save_models(tmp_path_factory.mktemp("cp"))
     # s = 15 (not a multiple of 2 * cp = 4: padded), and s = 3 (< 2 * cp tokens)
-    batches = [_batches(200, 9, 6), _batches(200, 2, 1)]
-    ranks = run_ranks(4, _run_all, {False: str(dense), True: str(moe)}, {**DENSE, **MOE}, batches)
+    batches = [make_batch(200, 9, 6), make_batch(200, 2, 1)]
+    ranks = run_ranks(4, run_all, dirs, {**DENSE, **MOE}, batches)
     return ranks, batches
 
 
@@ -102,23 +133,7 @@ def _max_diff(a, b) -> float:
 @pytest.mark.parametrize("name", [n for n in {**DENSE, **MOE} if not n.endswith("ref")])
 def test_cp_equals_cp1(results, name):
     ranks, batches = results
-    out = ranks[0]
-    ref = out["moe_ref" if name.startswith("moe") else "ref"]
-    got = out[name]
-    for i, (a, b) in enumerate(zip(got["scores"], ref["scores"])):
-        for key in ("log_probs", "entropy", "values"):
-            assert a[key].shape == batches[i]["responses"].shape
-            assert _max_diff(a[key], b[key]) <= TOL, f"{name} batch {i} {key}: {_max_diff(a[key], b[key]):.3g}"
-        assert (b["log_probs"] != 0).any()
-    for role in ("actor", "critic"):
-        m, r = got[f"{role}_metrics"], ref[f"{role}_metrics"]
-        assert set(m) == set(r)
-        for k in r:
-            assert abs(m[k] - r[k]) <= TOL * max(1.0, abs(r[k])), f"{name} {k}: {m[k]} vs {r[k]}"
-    moved = [k for k in ref["params"] if not torch.equal(ref["params"][k], got["params"][k])]
-    assert moved, "identical parameters: the comparison would not see an update"
-    for k, v in ref["params"].items():
-        assert _max_diff(got["params"][k], v) <= TOL, f"{name} {k}: {_max_diff(got['params'][k], v):.3g}"
+    check_equal(ranks[0], name, "moe_ref" if name.startswith("moe") else "ref", batches)
 
 
 def test_no_rank_holds_the_whole_sequence(results):

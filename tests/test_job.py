@@ -30,9 +30,12 @@ def _short(name: str, tmp_path, *overrides: str) -> JobConfig:
     return load_job_config(path, [f"output_dir={tmp_path}", "progress_bar=false", *overrides])
 
 
-@pytest.mark.parametrize("name,steps", [("grpo_demo", 60), ("ppo_demo", 60)])
-def test_demo_learns(name, steps, tmp_path):
-    cfg = _short(name, tmp_path, f"steps={steps}")
+@pytest.mark.parametrize("name,steps,layout", [("grpo_demo", 60, ()), ("ppo_demo", 60, ()),
+                                               ("ppo_demo", 60, ("layout.tp=1", "layout.cp=2")),
+                                               ("ppo_demo", 60, ("actor.use_remove_padding=true",
+                                                                 "critic.use_remove_padding=true"))])
+def test_demo_learns(name, steps, layout, tmp_path):
+    cfg = _short(name, tmp_path, f"steps={steps}", *layout)
     history = run_ranks(2, _run, cfg)[0]
     rewards = [m["reward"] for m in history]
     assert rewards[0] <= 0.1  # a random policy: chance is 1/16

@@ -20,7 +20,7 @@ from mcore_rl.mapping.weights import unwrap
 
 SCHEMA_VERSION = 1
 # layout sizes a dp_reshardable optimizer state is tied to (only DP may change)
-_DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "cp", "ep", "etp")
+_DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "ep", "etp")  # CP is not: the optimizer shards over DP x CP
 
 
 def _safe_loading():

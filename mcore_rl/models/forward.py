@@ -14,6 +14,7 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mcore_rl.models.context_parallel import split_for_cp
+from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, packed_params, stream_positions
 
 Tensor = torch.Tensor
 LossFn = Callable[[dict, Tensor], tuple[Tensor, dict]]
@@ -29,6 +30,10 @@ def chunk_forward(chunk: torch.nn.Module, batch: dict) -> Tensor:
     With context parallelism each rank feeds its s/cp columns (``split_for_cp``; megatron's RoPE
     follows the same split) and gets outputs [b, s/cp, ...] for them; the padding mask stays
     whole (attention sees every key)."""
+    if PACKED_IDS in batch:  # one stream [1, T] of the rows' real tokens (models/packing.py)
+        cu = batch[CU_SEQLENS]
+        return chunk(batch[PACKED_IDS], stream_positions(cu), attention_mask=None,
+                     packed_seq_params=packed_params(cu))
     input_ids = batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return chunk(split_for_cp(input_ids), split_for_cp(positions),
@@ -44,9 +49,9 @@ def run_schedule(
     """Forward (and backward unless ``forward_only``) over all micro-batches with megatron's
     schedule for the current PP/VPP layout; returns loss_fn's metrics on the last stage, [] else.
 
-    All micro-batches must share one shape [b, s].
+    All micro-batches must share one shape [b, s] (packed: one stream length [1, T]).
     """
-    b, s = micro_batches[0]["input_ids"].shape
+    b, s = micro_batches[0].get(PACKED_IDS, micro_batches[0]["input_ids"]).shape
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)

@@ -1,7 +1,7 @@
 """Modules mcore_rl plugs into megatron-core's layer specs where its local modules fall short.
 
 - ``TorchCoreAttention``: core attention for the CPU spec (causal + key padding, GQA, context
-  parallelism) through torch SDPA; megatron's local DotProductAttention has no padding mask and
+  parallelism, packed sequences attended one by one) through torch SDPA; megatron's local DotProductAttention has no padding mask and
   no CP.
 - ``RMSNorm``: HF-exact RMSNorm that supports sequence parallel (megatron's WrappedTorchNorm
   refuses it); its weight is marked so ``finalize_model_grads`` sums its grads over TP.
@@ -20,6 +20,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mcore_rl.models.context_parallel import cp_attention_mask, gather_cp
+from mcore_rl.models.packing import packed_attention
 from mcore_rl.parallel.layout import LayoutError
 
 Tensor = torch.Tensor
@@ -61,11 +62,15 @@ class TorchCoreAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise LayoutError(
-                "packed sequences and attention bias are not supported by TorchCoreAttention yet; "
-                "pass padded batches without attention_bias."
-            )
+        if attention_bias is not None:
+            raise LayoutError("attention bias is not supported by TorchCoreAttention; pass attention_bias=None.")
+        dropout = self.dropout_p if self.training else 0.0
+        if packed_seq_params is not None:  # THD: [t, heads, d], attention within each sequence
+            if self.cp > 1:
+                raise LayoutError(f"packed sequences with context parallelism (cp={self.cp}) are not "
+                                  "implemented yet; turn packing off (use_remove_padding=False) or use cp=1.")
+            with self._dropout_rng(dropout):
+                return packed_attention(query, key, value, packed_seq_params.cu_seqlens_q, self.scale, dropout)
         s_q, b, heads, d = query.shape
         if self.cp > 1:  # keys and values of the whole sequence, masked by global position
             key, value = gather_cp(key), gather_cp(value)
@@ -73,7 +78,6 @@ class TorchCoreAttention(MegatronModule):
         else:
             allowed = self._mask(s_q, key.shape[0], attention_mask, query.device)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
-        dropout = self.dropout_p if self.training else 0.0
         with self._dropout_rng(dropout):
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, dropout_p=dropout, scale=self.scale,

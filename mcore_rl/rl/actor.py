@@ -35,6 +35,8 @@ class ActorConfig:
     grouped by length up to this many padded tokens per micro-batch on each DP rank (verl's
     ``ppo_max_token_len_per_gpu``); replaces micro_batch_size when set. ``dispatch``: 'global'
     (every rank passes the whole batch) or 'sharded' (each DP rank passes its own rows).
+    ``use_remove_padding`` (verl's name): each micro-batch's real tokens packed into one stream
+    (no compute on padding; with max_tokens_per_micro_batch rows are packed by real tokens).
     """
 
     temperature: float = 1.0
@@ -51,6 +53,7 @@ class ActorConfig:
     kl_loss_coeff: float = 0.0
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
     dispatch: Literal["global", "sharded"] = "global"
+    use_remove_padding: bool = False  # verl's name: packed (padding-free) micro-batches
 
 
 class Actor:

@@ -26,7 +26,8 @@ class CriticConfig:
     """Batching and value loss of the critic. Batch sizes count rows (samples), as in
     ActorConfig: ``ppo_mini_batch_size`` global rows per optimizer step, ``micro_batch_size``
     rows per micro-batch on each DP rank, ``max_tokens_per_micro_batch`` padded tokens per
-    micro-batch on each DP rank (dynamic batching), ``dispatch`` 'global' or 'sharded'."""
+    micro-batch on each DP rank (dynamic batching), ``dispatch`` 'global' or 'sharded',
+    ``use_remove_padding`` packed micro-batches (as the actor's)."""
 
     micro_batch_size: int = 4  # rows per micro-batch on each DP rank
     max_tokens_per_micro_batch: int | None = None  # dynamic batching by padded tokens per DP rank
@@ -35,6 +36,7 @@ class CriticConfig:
     cliprange_value: float | None = 0.5
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     dispatch: Literal["global", "sharded"] = "global"
+    use_remove_padding: bool = False  # verl's name: packed (padding-free) micro-batches
 
 
 class Critic:

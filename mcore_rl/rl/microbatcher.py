@@ -11,7 +11,10 @@ Collate
            multiple of ``seq_multiple`` (TP with sequence parallel; context parallelism will
            need 2 * cp * tp) through ``pad_sequence_to_multiple``. Left padding moves every
            position by the same amount, which RoPE (relative) does not see, and the response
-           columns stay the last ones, so results need no stripping. ("packing" comes later.)
+           columns stay the last ones, so results need no stripping.
+  packed   each micro-batch's real tokens in one stream [1, T] (models/packing.py), T the same
+           for all (the largest group's tokens); dynamic grouping then packs rows by real
+           tokens up to ``max_tokens`` (first fit, longest first).
 Pipeline rules: with ``uniform_shape`` (PP > 1: variable_seq_lengths is off; MoE's allgather
 dispatcher across DP ranks) every micro-batch gets one [b, s] (at least min_rows x min_width,
 agreed across DP ranks for the allgather dispatcher); the count is raised to ``min_count`` (agreed across DP ranks, so MoE's
@@ -25,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from mcore_rl.models.packing import pack, packed_tokens
 from mcore_rl.rl.batch import SEQ_KEYS, BatchError
 
 Tensor = torch.Tensor
@@ -42,7 +46,7 @@ class MicroBatchSpec:
     min_count: int = 1  # at least this many micro-batches (agreed over DP)
     min_rows: int = 1  # uniform_shape: at least this many rows (agreed over DP for MoE allgather)
     min_width: int = 1  # uniform_shape: at least this many columns (likewise)
-    collate: Literal["padding"] = "padding"
+    collate: Literal["padding", "packed"] = "padding"
 
 
 @dataclass
@@ -86,8 +90,10 @@ def _left_pad_to(batch: dict, width: int) -> dict:
 
 def plan_micro_batches(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
     """Cuts ``batch`` (this rank's rows) into micro-batches following ``spec`` (module doc)."""
+    if spec.collate == "packed":
+        return _plan_packed(batch, spec)
     if spec.collate != "padding":
-        raise BatchError(f"collate={spec.collate!r} is not available yet; use 'padding'.")
+        raise BatchError(f"collate={spec.collate!r} is not a mode; use 'padding' or 'packed'.")
     b, s = batch["input_ids"].shape
     r = batch["responses"].shape[1]
     if spec.max_tokens:
@@ -209,3 +215,42 @@ def _collate(batch: dict, rows: list[int], lo: int, hi: int, rows_per: int | Non
     piece["responses"] = piece["responses"].masked_fill(piece["attention_mask"][:, -keep_r:] == 0, 0)
     piece.pop("position_ids", None)  # validated already; RoPE uses the sequence index
     return _left_pad_to(piece, width) if width else pad_sequence_to_multiple(piece, multiple)
+
+
+def _plan_packed(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
+    """Packed collate: groups of rows (fixed, or by real tokens up to ``max_tokens``), each
+    trimmed to its columns and packed into one stream; all streams one length T (the largest
+    group's tokens, at least ``min_width``, a multiple of ``seq_multiple``)."""
+    b, s = batch["input_ids"].shape
+    r = batch["responses"].shape[1]
+    cols = _row_columns(batch)
+    groups = _packed_groups(batch, spec, cols) if spec.max_tokens else _fixed_groups(b, s, r, spec)
+    groups = _meet_count(groups, spec)
+    pieces = [_collate(batch, g, *_span(cols, g, s, r), None, None, 1) for g in groups]
+    tokens = max(packed_tokens(p["attention_mask"]) for p in pieces)
+    length = _round(max(tokens, spec.min_width, 1), spec.seq_multiple)
+    for p in pieces:
+        p.update(pack(p["input_ids"], p["attention_mask"], length))
+    return MicroBatches(pieces, groups, b, r)
+
+
+def _packed_groups(batch: dict, spec: MicroBatchSpec, cols: tuple) -> list[list[int]]:
+    """Rows sorted by real length, longest first, each into the first group it fits in
+    (at most ``max_tokens`` real tokens per group)."""
+    first, last = cols
+    lengths = [max(hi - lo + 1, 0) for lo, hi in zip(first, last)]
+    budget = spec.max_tokens
+    if max(lengths) > budget:
+        raise BatchError(f"max_tokens_per_micro_batch={budget} is below one row's length ({max(lengths)} "
+                         f"tokens, row {lengths.index(max(lengths))}); raise it.")
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        k = next((k for k, free in enumerate(room) if free >= lengths[i]), None)
+        if k is None:
+            groups.append([])
+            room.append(budget)
+            k = len(groups) - 1
+        groups[k].append(i)
+        room[k] -= lengths[i]
+    return groups

@@ -20,6 +20,7 @@ import torch
 from megatron.core import parallel_state
 
 from mcore_rl.models.forward import LossFn
+from mcore_rl.models.packing import PACKED_IDS, STREAM_INDEX
 from mcore_rl.rl.batch import BatchError, response_mask, select_rows, split_rows
 from mcore_rl.rl.cp_view import OUT_INDEX, all_reduce_cp, cp_loss_fn
 from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size, gather_dp
@@ -35,6 +36,7 @@ class BatchingConfig(Protocol):
     ppo_epochs: int
     loss_agg_mode: str
     dispatch: str
+    use_remove_padding: bool
 
 
 class BatchMismatchError(BatchError):
@@ -102,7 +104,12 @@ def dispatch_rows(batch: dict, config: BatchingConfig) -> dict:
 def spec_for(config: BatchingConfig, engine: ModelEngine) -> MicroBatchSpec:
     """The micro-batcher's settings for this engine's layout."""
     layout = engine.layout
+    packed = config.use_remove_padding
+    if packed and layout.cp > 1:
+        raise BatchError(f"use_remove_padding=True with cp={layout.cp}: packed sequences under context "
+                         "parallelism are not implemented yet; turn packing off or use cp=1.")
     return MicroBatchSpec(
+        collate="packed" if packed else "padding",
         micro_batch_size=config.micro_batch_size,
         max_tokens=config.max_tokens_per_micro_batch,
         seq_multiple=engine.seq_multiple,
@@ -119,7 +126,8 @@ def micro_batch_plan(batch: dict, config: BatchingConfig, engine: ModelEngine) -
     # expert group spans DP ranks run collectives in every forward (allgather: equal shapes too)
     if dp_rank_size()[1] == 1 or not (config.max_tokens_per_micro_batch or engine.experts_span_dp):
         return plan
-    b, s = plan.batches[0]["input_ids"].shape  # uniform_shape: every piece has this shape
+    first = plan.batches[0]  # uniform_shape: every piece has this shape (packed: this stream length)
+    b, s = first["input_ids"].shape[0], first.get(PACKED_IDS, first["input_ids"]).shape[1]
     agreed = all_reduce_dp(torch.tensor([len(plan.batches), b, s], device=active_device()),
                            torch.distributed.ReduceOp.MAX).tolist()
     new = replace(spec, min_count=agreed[0])
@@ -159,6 +167,8 @@ def response_logits(output: Tensor, batch: dict) -> Tensor:
     if OUT_INDEX in batch:
         return output.index_select(1, batch[OUT_INDEX])
     s, r = batch["input_ids"].shape[1], batch["responses"].shape[1]
+    if STREAM_INDEX in batch:  # packed: output [1, T, ...]; padding positions read token 0 (masked later)
+        return output[0][batch[STREAM_INDEX][:, s - r - 1 : s - 1].clamp(min=0)]
     return output[:, s - r - 1 : s - 1]
 
 

@@ -73,7 +73,7 @@ def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: f
     )
     engine.train(False)
     # fixed micro-batches: dynamic ones would trim the empty response columns sampled next
-    config = replace(actor.config, max_tokens_per_micro_batch=None)
+    config = replace(actor.config, max_tokens_per_micro_batch=None, use_remove_padding=False)
     for step in range(response_length):
         # counted from the end: the micro-batcher may left-pad columns (sequence parallel)
         from_end = p + step - 1 - ids.shape[1]  # these logits predict the next token
