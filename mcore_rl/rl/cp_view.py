@@ -41,6 +41,16 @@ def cp_view(mb: dict) -> dict:
     return view
 
 
+def local_column(s: int, column: int) -> int | None:
+    """Where global ``column`` (of s) sits in this CP rank's outputs; None when another CP rank
+    holds it (always the column itself when cp = 1)."""
+    rank, size = cp_rank_size()
+    if size == 1:
+        return column
+    hit = (cp_columns(s, rank, size) == column).nonzero()
+    return int(hit[0, 0]) if hit.numel() else None
+
+
 def cp_loss_fn(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` run on ``cp_view(mb)``; its [b, R_local] results come back as [b, R] with zeros
     at the tokens other CP ranks own (sum over the CP group to complete them)."""

@@ -14,6 +14,7 @@ import torch
 from megatron.core import parallel_state
 
 from mcore_rl.rl.actor import Actor
+from mcore_rl.rl.cp_view import all_reduce_cp, local_column
 from mcore_rl.rl.minibatch import local_rows, micro_batch_plan
 from mcore_rl.rl.engine import gather_dp
 from mcore_rl.errors import McoreRLError
@@ -79,13 +80,17 @@ def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: f
         from_end = p + step - 1 - ids.shape[1]  # these logits predict the next token
 
         def loss_fn(mb: dict, output: Tensor):
-            token = sample_vocab_parallel(output[:, from_end], vocab, temperature, generator)
+            # under CP one rank holds the column; the others draw on zeros to keep their noise in
+            # step and contribute 0 to the CP sum below
+            at = local_column(mb["input_ids"].shape[1], mb["input_ids"].shape[1] + from_end)
+            logits = output[:, at] if at is not None else torch.zeros_like(output[:, 0])
+            token = sample_vocab_parallel(logits, vocab, temperature, generator) * (at is not None)
             return output.sum() * 0.0, {"token": token.unsqueeze(1)}
 
         batch = {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:]}
         plan = micro_batch_plan(local_rows(batch), config, engine)
         pieces = engine.run(plan.batches, loss_fn, True)
-        tokens = gather_dp(plan.restore([piece["token"] for piece in pieces])[:, 0])
+        tokens = gather_dp(all_reduce_cp(plan.restore([piece["token"] for piece in pieces]))[:, 0])
         ids[:, p + step] = tokens
         mask[:, p + step] = 1
     return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:].clone()}
