@@ -1,4 +1,4 @@
-"""Context parallelism on padded batches: log-probs, entropy, values, one update of the actor
+"""Context parallelism on padded batches: logits, log-probs, entropy, values, one update of the actor
 and of the critic (parameters after the optimizer step, grad norms, loss metrics) with CP=2,
 CP=2 x TP=2 + SP, CP=2 x PP=2 and CP=2 x EP=2 (MoE) equal CP=1 within 1e-5; sequence lengths
 not divisible by 2 * cp and sequences shorter than 2 * cp work; no decoder layer ever sees the
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
 from tests.dist import run_ranks
-from tests.tiny import rl_batch, tiny_config, tiny_hf_model
+from tests.tiny import padded_batch, rl_batch, tiny_config, tiny_hf_model
 
 TOL = 1e-5
 DENSE = {  # name -> layout (world 4; CP=1 reference first)
@@ -66,7 +67,7 @@ def _run_layout(hf_dir: str, layout_kwargs: dict, batches: list[dict], batching:
             for layer in chunk.module.decoder.layers:
                 layer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("hidden_states", a[0] if a else None).shape[0]),
                                                 with_kwargs=True)
-    out = {"scores": []}
+    out = {"scores": [], "logits": _full_logits(actor.engine, padded_batch(200, batch=4, seq=16))}
     for batch in batches:
         lp = actor.compute_log_prob(batch, with_entropy=True)
         out["scores"].append({**lp, "values": critic.compute_values(batch)})
@@ -76,6 +77,27 @@ def _run_layout(hf_dir: str, layout_kwargs: dict, batches: list[dict], batching:
     out["params"] = {**export_hf(actor.engine.model, args, "actor"),
                      **{f"critic.{k}": v for k, v in export_hf(critic.engine.model, args, "critic").items()}}
     return out if torch.distributed.get_rank() == 0 else {"seen": out["seen"]}
+
+
+def _full_logits(engine, batch: dict) -> torch.Tensor:
+    """[b, s, vocab] logits of every position (TP-gathered, CP pieces put back in column order)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from mcore_rl.models.context_parallel import cp_columns, cp_rank_size
+
+    def loss_fn(mb: dict, out: torch.Tensor):
+        out = gather_from_tensor_model_parallel_region(out)[..., :engine.args.vocab_size].contiguous()
+        rank, size = cp_rank_size()
+        s = mb["input_ids"].shape[1]
+        full = out.new_zeros(out.shape[0], s, out.shape[2])
+        parts = [torch.empty_like(out) for _ in range(size)]
+        torch.distributed.all_gather(parts, out, group=parallel_state.get_context_parallel_group())
+        for r, part in enumerate(parts):
+            full[:, cp_columns(s, r, size)] = part
+        return out.sum() * 0.0, {"logits": full}
+
+    engine.train(False)
+    return engine.run([batch], loss_fn, True)[0]["logits"]
 
 
 def run_all(hf_dirs: dict, layouts: dict, batches: list[dict]) -> dict:
@@ -100,6 +122,9 @@ def save_models(base) -> dict:
 def check_equal(out: dict, name: str, ref: str, batches: list[dict]) -> None:
     """Scores, update metrics and parameters after the update of ``name`` equal ``ref``'s."""
     got, ref_out = out[name], out[ref]
+    real = padded_batch(200, batch=4, seq=16)["attention_mask"].bool()
+    diff = _max_diff(got["logits"][real], ref_out["logits"][real])
+    assert diff <= TOL, f"{name} logits: {diff:.3g}"
     for i, (a, b) in enumerate(zip(got["scores"], ref_out["scores"])):
         for key in ("log_probs", "entropy", "values"):
             assert a[key].shape == batches[i]["responses"].shape
@@ -144,3 +169,19 @@ def test_no_rank_holds_the_whole_sequence(results):
             want = s if name.endswith("ref") else s // 2
             assert out["seen"] <= want, f"{name}: a decoder layer saw {out['seen']} > {want} tokens"
     assert ranks[0]["cp2_tp2_sp"]["seen"] == s // 4  # CP and sequence parallel both split
+
+
+def test_impossible_layouts_and_packing_with_cp_are_refused():
+    from mcore_rl.parallel import LayoutError, ParallelLayout
+    from mcore_rl.rl.actor import ActorConfig
+    from mcore_rl.rl.minibatch import BatchError, spec_for
+
+    with pytest.raises(LayoutError, match=r"tp\(1\) \* pp\(1\) \* cp\(3\) = 3 does not divide"):
+        ParallelLayout(cp=3).validate(4)
+
+    class Engine:  # spec_for reads only the layout
+        layout = ParallelLayout(cp=2)
+
+    with pytest.raises(BatchError, match="use_remove_padding=True with cp=2: packed sequences under context "
+                                         "parallelism are not implemented yet"):
+        spec_for(ActorConfig(use_remove_padding=True), Engine())
