@@ -16,14 +16,14 @@ def start(layout: ParallelLayout):
     return platform
 
 
-def tiny_llama(vocab_size: int, layers: int = 2, hidden: int = 128):
+def tiny_llama(vocab_size: int, layers: int = 2, hidden: int = 128, max_positions: int = 512):
     """ModelArgs and HF-named random weights of a llama built from a config."""
     from mcore_rl.job.loop import tiny_model
     from mcore_rl.job.schema import TinyModelConfig
 
     return tiny_model(TinyModelConfig(vocab_size=vocab_size, hidden_size=hidden,
                                       intermediate_size=2 * hidden, num_hidden_layers=layers,
-                                      max_position_embeddings=512))
+                                      max_position_embeddings=max_positions))
 
 
 def rank0_print(*args) -> None:
