@@ -171,17 +171,8 @@ def test_no_rank_holds_the_whole_sequence(results):
     assert ranks[0]["cp2_tp2_sp"]["seen"] == s // 4  # CP and sequence parallel both split
 
 
-def test_impossible_layouts_and_packing_with_cp_are_refused():
+def test_impossible_layouts_are_refused():
     from mcore_rl.parallel import LayoutError, ParallelLayout
-    from mcore_rl.rl.actor import ActorConfig
-    from mcore_rl.rl.minibatch import BatchError, spec_for
 
     with pytest.raises(LayoutError, match=r"tp\(1\) \* pp\(1\) \* cp\(3\) = 3 does not divide"):
         ParallelLayout(cp=3).validate(4)
-
-    class Engine:  # spec_for reads only the layout
-        layout = ParallelLayout(cp=2)
-
-    with pytest.raises(BatchError, match="use_remove_padding=True with cp=2: packed sequences under context "
-                                         "parallelism are not implemented yet"):
-        spec_for(ActorConfig(use_remove_padding=True), Engine())

@@ -32,7 +32,8 @@ def _short(name: str, tmp_path, *overrides: str) -> JobConfig:
 
 @pytest.mark.parametrize("name,steps,layout", [("grpo_demo", 60, ()), ("ppo_demo", 60, ()),
                                                ("ppo_demo", 60, ("layout.tp=1", "layout.cp=2")),
-                                               ("ppo_demo", 60, ("actor.use_remove_padding=true",
+                                               ("ppo_demo", 60, ("layout.tp=1", "layout.cp=2",
+                                                                 "actor.use_remove_padding=true",
                                                                  "critic.use_remove_padding=true"))])
 def test_demo_learns(name, steps, layout, tmp_path):
     cfg = _short(name, tmp_path, f"steps={steps}", *layout)

@@ -17,8 +17,11 @@ LAYOUTS = {  # name -> (layout, batching); world 4; padded references end with "
     "packed_dynamic": ({}, dict(PACKED, max_tokens_per_micro_batch=24)),
     "packed_tp2_sp": (dict(tp=2, sequence_parallel=True), PACKED),
     "packed_pp2": (dict(pp=2), dict(PACKED, max_tokens_per_micro_batch=24)),
+    "packed_cp2": (dict(cp=2), PACKED),
+    "packed_cp2_tp2_sp": (dict(cp=2, tp=2, sequence_parallel=True), dict(PACKED, max_tokens_per_micro_batch=24)),
     "moe_ref": ({}, None),
     "moe_packed_ep2": (dict(ep=2), PACKED),
+    "moe_packed_cp2_ep2": (dict(cp=2, ep=2), PACKED),
 }
 
 
@@ -51,6 +54,11 @@ def _boundary(hf_dir: str) -> dict:
     changed["input_ids"][0] = torch.where(changed["attention_mask"][0].bool(), (changed["input_ids"][0] + 1) % 200, 0)
     changed["responses"] = changed["input_ids"][:, -6:].clone()
     return {"a": actor.compute_log_prob(batch)["log_probs"], "b": actor.compute_log_prob(changed)["log_probs"]}
+
+
+def test_packed_at_cp2_equals_packed_at_cp1(results):
+    ranks, batches = results
+    check_equal(ranks[0], "packed_cp2", "packed", batches)
 
 
 def test_attention_stays_inside_each_sequence(results, tmp_path):

@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from mcore_rl.models.context_parallel import split_for_cp
-from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, packed_params, stream_positions
+from mcore_rl.models.context_parallel import cp_rank_size, split_for_cp
+from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, cp_stream_columns, packed_params, stream_positions
 
 Tensor = torch.Tensor
 LossFn = Callable[[dict, Tensor], tuple[Tensor, dict]]
@@ -32,8 +32,12 @@ def chunk_forward(chunk: torch.nn.Module, batch: dict) -> Tensor:
     whole (attention sees every key)."""
     if PACKED_IDS in batch:  # one stream [1, T] of the rows' real tokens (models/packing.py)
         cu = batch[CU_SEQLENS]
-        return chunk(batch[PACKED_IDS], stream_positions(cu), attention_mask=None,
-                     packed_seq_params=packed_params(cu))
+        ids, positions = batch[PACKED_IDS], stream_positions(cu)
+        rank, size = cp_rank_size()
+        if size > 1:  # two chunks of every sequence; megatron's THD RoPE follows the same split
+            cols = cp_stream_columns(cu, rank, size)
+            ids, positions = ids[:, cols], positions[:, cols]
+        return chunk(ids, positions, attention_mask=None, packed_seq_params=packed_params(cu))
     input_ids = batch["input_ids"]
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return chunk(split_for_cp(input_ids), split_for_cp(positions),

@@ -20,7 +20,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from mcore_rl.models.context_parallel import cp_attention_mask, gather_cp
-from mcore_rl.models.packing import packed_attention
+from mcore_rl.models.packing import packed_attention, packed_attention_cp
 from mcore_rl.parallel.layout import LayoutError
 
 Tensor = torch.Tensor
@@ -66,11 +66,11 @@ class TorchCoreAttention(MegatronModule):
             raise LayoutError("attention bias is not supported by TorchCoreAttention; pass attention_bias=None.")
         dropout = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None:  # THD: [t, heads, d], attention within each sequence
-            if self.cp > 1:
-                raise LayoutError(f"packed sequences with context parallelism (cp={self.cp}) are not "
-                                  "implemented yet; turn packing off (use_remove_padding=False) or use cp=1.")
+            cu = packed_seq_params.cu_seqlens_q
             with self._dropout_rng(dropout):
-                return packed_attention(query, key, value, packed_seq_params.cu_seqlens_q, self.scale, dropout)
+                if self.cp > 1:
+                    return packed_attention_cp(query, key, value, cu, self.scale, dropout, gather_cp)
+                return packed_attention(query, key, value, cu, self.scale, dropout)
         s_q, b, heads, d = query.shape
         if self.cp > 1:  # keys and values of the whole sequence, masked by global position
             key, value = gather_cp(key), gather_cp(value)

@@ -14,30 +14,49 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from mcore_rl.models.context_parallel import cp_rank_size
+
 Tensor = torch.Tensor
 PACKED_IDS, CU_SEQLENS, STREAM_INDEX = "_packed_ids", "_cu_seqlens", "_stream_index"
 
 
-def packed_tokens(attention_mask: Tensor) -> int:
-    """Real tokens of a [b, s] micro-batch (what its stream holds before the filler)."""
-    return int(attention_mask.sum())
+def padded_lengths(attention_mask: Tensor, multiple: int = 1) -> Tensor:
+    """[b] stream length of each row: its real tokens rounded up to ``multiple`` (2 * cp under
+    context parallelism: every sequence splits into 2 * cp chunks)."""
+    return -(-attention_mask.sum(dim=1) // multiple) * multiple
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor, budget: int) -> dict[str, Tensor]:
+def pack(input_ids: Tensor, attention_mask: Tensor, budget: int, multiple: int = 1) -> dict[str, Tensor]:
     """The packed keys of rows ``input_ids`` [b, s] (real tokens where ``attention_mask`` is 1,
-    contiguous in each row) in a stream of ``budget`` tokens."""
+    contiguous in each row) in a stream of ``budget`` tokens; each row takes
+    ``padded_lengths(mask, multiple)`` places (real tokens first: causal attention keeps the
+    padding after them out of their results)."""
     real = attention_mask.bool()
-    lengths = real.sum(dim=1)
+    lengths = padded_lengths(attention_mask, multiple)
     total = int(lengths.sum())
     if total > budget:
-        raise ValueError(f"{total} real tokens do not fit a packed stream of {budget}")
+        raise ValueError(f"{total} packed tokens do not fit a stream of {budget}")
+    starts = torch.cumsum(lengths, 0) - lengths
+    offset = torch.cumsum(real.long(), dim=1) - 1  # a real token's place in its row's tokens
+    where = (starts[:, None] + offset)[real]
     stream = input_ids.new_zeros(1, budget)
-    stream[0, :total] = input_ids[real]  # row-major: each row's tokens in order, row after row
+    stream[0, where] = input_ids[real]
     index = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
-    index[real] = torch.arange(total, device=input_ids.device)
+    index[real] = where
     bounds = [0] + torch.cumsum(lengths, 0).tolist() + ([budget] if budget > total else [])
     cu = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
     return {PACKED_IDS: stream, CU_SEQLENS: cu, STREAM_INDEX: index}
+
+
+def cp_stream_columns(cu_seqlens: Tensor, rank: int, size: int) -> Tensor:
+    """Stream positions held by CP ``rank`` of ``size``: of every sequence (each a multiple of
+    2 * size long) its chunks rank and 2 * size - 1 - rank, sequence after sequence."""
+    parts = []
+    for lo, hi in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        c = (hi - lo) // (2 * size)
+        first = torch.arange(lo + rank * c, lo + (rank + 1) * c, device=cu_seqlens.device)
+        parts += [first, first + (2 * size - 1 - 2 * rank) * c]
+    return torch.cat(parts)
 
 
 def packed_params(cu_seqlens: Tensor) -> PackedSeqParams:
@@ -68,4 +87,30 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale,
                                            enable_gqa=heads != k.shape[1])
         out[lo:hi] = o[0].transpose(0, 1)
+    return out.reshape(t, heads * d)
+
+
+def packed_attention_cp(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float,
+                        dropout: float, gather) -> Tensor:
+    """``packed_attention`` under context parallelism: this rank holds two chunks of every
+    sequence (``cp_stream_columns``); ``gather`` all-gathers K/V over the CP group (rank order,
+    differentiable). query [t/cp, heads, d], key/value [t/cp, groups, d] -> [t/cp, heads * d]."""
+    rank, size = cp_rank_size()
+    t, heads, d = query.shape
+    keys, values = (gather(x).reshape(size, t, *x.shape[1:]) for x in (key, value))
+    out = query.new_empty(t, heads, d)
+    bounds = cu_seqlens.tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi == lo:
+            continue
+        c, a = (hi - lo) // (2 * size), lo // size  # chunk length; the sequence's local offset
+        pos = [torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * size - 1 - r) * c, (2 * size - r) * c)])
+               for r in range(size)]
+        k_pos = torch.cat(pos).to(query.device)
+        allowed = k_pos[None, :] <= pos[rank].to(query.device)[:, None]
+        q = query[a : a + 2 * c].transpose(0, 1)[None]
+        k, v = (x[:, a : a + 2 * c].reshape(size * 2 * c, *x.shape[2:]).transpose(0, 1)[None] for x in (keys, values))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale,
+                                           enable_gqa=heads != k.shape[1])
+        out[a : a + 2 * c] = o[0].transpose(0, 1)
     return out.reshape(t, heads * d)

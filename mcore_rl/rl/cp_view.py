@@ -13,11 +13,12 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.models.context_parallel import cp_columns, cp_rank_size
+from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, STREAM_INDEX, cp_stream_columns
 from mcore_rl.models.forward import LossFn
 from mcore_rl.rl.batch import SEQ_KEYS, attended_responses, response_mask
 
 Tensor = torch.Tensor
-OUT_INDEX, RESP_INDEX = "_cp_out_index", "_cp_resp_index"
+OUT_INDEX, RESP_INDEX, PACKED_OUT = "_cp_out_index", "_cp_resp_index", "_cp_packed_out"
 ATTENDED, ROW_TOKENS = "_attended", "_row_tokens"  # [b, R_local]; [b] full-row loss tokens
 
 
@@ -28,6 +29,8 @@ def cp_view(mb: dict) -> dict:
     rank, size = cp_rank_size()
     if size == 1:
         return mb
+    if STREAM_INDEX in mb:
+        return _packed_view(mb, rank, size)
     ids = mb["input_ids"]
     s, r = ids.shape[1], mb["responses"].shape[1]
     cols = cp_columns(s, rank, size, ids.device)
@@ -38,6 +41,24 @@ def cp_view(mb: dict) -> dict:
     view = {k: v if k in SEQ_KEYS or v.dim() < 2 or v.shape[1] != r else v[:, resp] for k, v in mb.items()}
     view.update({OUT_INDEX: scored_at[resp], RESP_INDEX: resp, ATTENDED: attended_responses(mb)[:, resp],
                  ROW_TOKENS: response_mask(mb).sum(-1)})
+    return view
+
+
+def _packed_view(mb: dict, rank: int, size: int) -> dict:
+    """``cp_view`` of a packed micro-batch: ownership differs per row, so [b, R] stays and the
+    masks are cut to the tokens scored here; ``_packed_out`` [b, R] indexes the local stream."""
+    stream = mb[STREAM_INDEX]
+    s, r = stream.shape[1], mb["responses"].shape[1]
+    local_of = torch.full((mb[PACKED_IDS].shape[1],), -1, dtype=torch.long, device=stream.device)
+    cols = cp_stream_columns(mb[CU_SEQLENS], rank, size)
+    local_of[cols] = torch.arange(cols.numel(), device=stream.device)
+    at = stream[:, s - r - 1 : s - 1]
+    scored = torch.where(at >= 0, local_of[at.clamp(min=0)], -1)
+    owned = (scored >= 0).to(mb["attention_mask"].dtype)
+    view = {**mb, PACKED_OUT: scored.clamp(min=0), ATTENDED: attended_responses(mb) * owned,
+            ROW_TOKENS: response_mask(mb).sum(-1)}
+    if "response_mask" in mb:
+        view["response_mask"] = mb["response_mask"] * owned.to(mb["response_mask"].dtype)
     return view
 
 
@@ -60,6 +81,8 @@ def cp_loss_fn(loss_fn: LossFn) -> LossFn:
     def wrapped(mb: dict, output: Tensor):
         view = cp_view(mb)
         loss, stats = loss_fn(view, output)
+        if RESP_INDEX not in view:  # packed: results are [b, R] already, zero where not scored here
+            return loss, stats
         r = mb["responses"].shape[1]
         return loss, {k: _scatter(v, view[RESP_INDEX], r) if v.dim() == 2 else v for k, v in stats.items()}
 

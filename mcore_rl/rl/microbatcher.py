@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from mcore_rl.models.packing import pack, packed_tokens
+from mcore_rl.models.packing import pack, padded_lengths
 from mcore_rl.rl.batch import SEQ_KEYS, BatchError
 
 Tensor = torch.Tensor
@@ -47,6 +47,7 @@ class MicroBatchSpec:
     min_rows: int = 1  # uniform_shape: at least this many rows (agreed over DP for MoE allgather)
     min_width: int = 1  # uniform_shape: at least this many columns (likewise)
     collate: Literal["padding", "packed"] = "padding"
+    pack_multiple: int = 1  # packed: each sequence's stream length multiple (2 * cp under CP)
 
 
 @dataclass
@@ -227,10 +228,10 @@ def _plan_packed(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
     groups = _packed_groups(batch, spec, cols) if spec.max_tokens else _fixed_groups(b, s, r, spec)
     groups = _meet_count(groups, spec)
     pieces = [_collate(batch, g, *_span(cols, g, s, r), None, None, 1) for g in groups]
-    tokens = max(packed_tokens(p["attention_mask"]) for p in pieces)
+    tokens = max(int(padded_lengths(p["attention_mask"], spec.pack_multiple).sum()) for p in pieces)
     length = _round(max(tokens, spec.min_width, 1), spec.seq_multiple)
     for p in pieces:
-        p.update(pack(p["input_ids"], p["attention_mask"], length))
+        p.update(pack(p["input_ids"], p["attention_mask"], length, spec.pack_multiple))
     return MicroBatches(pieces, groups, b, r)
 
 
@@ -238,7 +239,7 @@ def _packed_groups(batch: dict, spec: MicroBatchSpec, cols: tuple) -> list[list[
     """Rows sorted by real length, longest first, each into the first group it fits in
     (at most ``max_tokens`` real tokens per group)."""
     first, last = cols
-    lengths = [max(hi - lo + 1, 0) for lo, hi in zip(first, last)]
+    lengths = [_round(max(hi - lo + 1, 0), spec.pack_multiple) for lo, hi in zip(first, last)]
     budget = spec.max_tokens
     if max(lengths) > budget:
         raise BatchError(f"max_tokens_per_micro_batch={budget} is below one row's length ({max(lengths)} "

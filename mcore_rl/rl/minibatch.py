@@ -22,7 +22,7 @@ from megatron.core import parallel_state
 from mcore_rl.models.forward import LossFn
 from mcore_rl.models.packing import PACKED_IDS, STREAM_INDEX
 from mcore_rl.rl.batch import BatchError, response_mask, select_rows, split_rows
-from mcore_rl.rl.cp_view import OUT_INDEX, all_reduce_cp, cp_loss_fn
+from mcore_rl.rl.cp_view import OUT_INDEX, PACKED_OUT, all_reduce_cp, cp_loss_fn
 from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size, gather_dp
 from mcore_rl.rl.microbatcher import MicroBatches, MicroBatchSpec, plan_micro_batches
 
@@ -105,11 +105,9 @@ def spec_for(config: BatchingConfig, engine: ModelEngine) -> MicroBatchSpec:
     """The micro-batcher's settings for this engine's layout."""
     layout = engine.layout
     packed = config.use_remove_padding
-    if packed and layout.cp > 1:
-        raise BatchError(f"use_remove_padding=True with cp={layout.cp}: packed sequences under context "
-                         "parallelism are not implemented yet; turn packing off or use cp=1.")
     return MicroBatchSpec(
         collate="packed" if packed else "padding",
+        pack_multiple=2 * layout.cp if layout.cp > 1 else 1,
         micro_batch_size=config.micro_batch_size,
         max_tokens=config.max_tokens_per_micro_batch,
         seq_multiple=engine.seq_multiple,
@@ -166,6 +164,8 @@ def response_logits(output: Tensor, batch: dict) -> Tensor:
     for a context-parallel view, the local output columns that score its R_local tokens."""
     if OUT_INDEX in batch:
         return output.index_select(1, batch[OUT_INDEX])
+    if PACKED_OUT in batch:  # packed under CP: the local stream positions (see rl/cp_view.py)
+        return output[0][batch[PACKED_OUT]]
     s, r = batch["input_ids"].shape[1], batch["responses"].shape[1]
     if STREAM_INDEX in batch:  # packed: output [1, T, ...]; padding positions read token 0 (masked later)
         return output[0][batch[STREAM_INDEX][:, s - r - 1 : s - 1].clamp(min=0)]
