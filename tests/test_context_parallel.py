@@ -148,6 +148,7 @@ def results(tmp_path_factory):
     # s = 15 (not a multiple of 2 * cp = 4: padded), and s = 3 (< 2 * cp tokens)
     batches = [make_batch(200, 9, 6), make_batch(200, 2, 1)]
     ranks = run_ranks(4, run_all, dirs, {**DENSE, **MOE}, batches)
+    ranks[0]["single"] = run_ranks(1, run_all, dirs, {"single": {}}, batches)[0]["single"]
     return ranks, batches
 
 
@@ -161,12 +162,17 @@ def test_cp_equals_cp1(results, name):
     check_equal(ranks[0], name, "moe_ref" if name.startswith("moe") else "ref", batches)
 
 
+def test_cp2_equals_a_single_rank(results):
+    ranks, batches = results
+    check_equal(ranks[0], "cp2", "single", batches)
+
+
 def test_no_rank_holds_the_whole_sequence(results):
     ranks, _ = results
     s = 16  # the longest batch padded to a multiple of 2 * cp (x tp with sequence parallel)
     for rank in ranks:
         for name, out in rank.items():
-            want = s if name.endswith("ref") else s // 2
+            want = s if name.endswith(("ref", "single")) else s // 2
             assert out["seen"] <= want, f"{name}: a decoder layer saw {out['seen']} > {want} tokens"
     assert ranks[0]["cp2_tp2_sp"]["seen"] == s // 4  # CP and sequence parallel both split
 

@@ -72,6 +72,7 @@ def test_attention_stays_inside_each_sequence(results, tmp_path):
 def test_packed_plan_streams():
     """The plan packs each group's real tokens row after row into streams of one length."""
     from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, STREAM_INDEX
+    from mcore_rl.rl.batch import BatchError
     from mcore_rl.rl.microbatcher import MicroBatchSpec, plan_micro_batches
 
     batch = make_batch(200, 9, 6)
@@ -90,3 +91,8 @@ def test_packed_plan_streams():
     assert sorted(seen) == list(range(8))
     padded = plan_micro_batches(batch, MicroBatchSpec(max_tokens=24, seq_multiple=4))
     assert len(plan.batches) < len(padded.batches)  # the same budget holds more rows packed
+    # under CP=2 every sequence takes a multiple of 4 places: a budget below a row's is refused
+    need = -(-max(lengths) // 4) * 4
+    with pytest.raises(BatchError, match=rf"max_tokens_per_micro_batch={need - 1} is below one row's length "
+                                         rf"\({need} tokens"):
+        plan_micro_batches(batch, MicroBatchSpec(collate="packed", max_tokens=need - 1, seq_multiple=4, pack_multiple=4))
