@@ -1,6 +1,6 @@
 """Context parallelism on padded batches: logits, log-probs, entropy, values, one update of the actor
 and of the critic (parameters after the optimizer step, grad norms, loss metrics) with CP=2,
-CP=2 x TP=2 + SP, CP=2 x PP=2 and CP=2 x EP=2 (MoE) equal CP=1 within 1e-5; sequence lengths
+CP=2 x TP=2 + SP, CP=2 x PP=2, CP=2 x PP=2 x VPP=2 and CP=2 x EP=2 (MoE) equal CP=1 within 1e-5; sequence lengths
 not divisible by 2 * cp and sequences shorter than 2 * cp work; no decoder layer ever sees the
 whole sequence under CP."""
 from __future__ import annotations
@@ -20,6 +20,7 @@ DENSE = {  # name -> layout (world 4; CP=1 reference first)
     "cp2_pp2": dict(cp=2, pp=2),
 }
 MOE = {"moe_ref": dict(), "moe_cp2_ep2": dict(cp=2, ep=2)}
+DEEP = {"deep_ref": dict(), "deep_cp2_pp2_vpp2": dict(cp=2, pp=2, vpp=2)}  # 4 layers: 2 chunks per stage
 
 
 def make_batch(vocab: int, prompt: int, response: int) -> dict:
@@ -97,26 +98,30 @@ def _full_logits(engine, batch: dict) -> torch.Tensor:
         return out.sum() * 0.0, {"logits": full}
 
     engine.train(False)
-    return engine.run([batch], loss_fn, True)[0]["logits"]
+    halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]  # VPP: >= PP micro-batches
+    return torch.cat([r["logits"] for r in engine.run(halves, loss_fn, True)])
 
 
 def run_all(hf_dirs: dict, layouts: dict, batches: list[dict]) -> dict:
-    """``_run_layout`` per name -> layout kwargs or (layout kwargs, batching overrides); names
-    starting with "moe" use the MoE model."""
+    """``_run_layout`` per name -> layout kwargs or (layout kwargs, batching overrides); the
+    name's first word picks the model ("moe", "deep"; else "dense")."""
     out = {}
     for name, spec in layouts.items():
         layout, batching = spec if isinstance(spec, tuple) else (spec, None)
-        out[name] = _run_layout(hf_dirs[name.startswith("moe")], layout, batches, batching)
+        out[name] = _run_layout(hf_dirs.get(name.split("_")[0], hf_dirs["dense"]), layout, batches, batching)
     return out
 
 
 def save_models(base) -> dict:
-    """A llama and a qwen3_moe (causal LM + token-classification critic each); {is_moe: dir}."""
-    dense, moe = base / "llama", base / "qwen3_moe"
-    for path, model_type in ((dense, "llama"), (moe, "qwen3_moe")):
-        tiny_hf_model(tiny_config(model_type, num_hidden_layers=2)).save_pretrained(path)
-        tiny_hf_model(tiny_config(model_type, num_hidden_layers=2), role="critic").save_pretrained(f"{path}_critic")
-    return {False: str(dense), True: str(moe)}
+    """A 2-layer llama, a qwen3_moe and a 4-layer llama (causal LM + token-classification critic
+    each): {"dense" | "moe" | "deep": dir}."""
+    dirs = {}
+    for name, model_type, layers in (("dense", "llama", 2), ("moe", "qwen3_moe", 2), ("deep", "llama", 4)):
+        path = base / name
+        tiny_hf_model(tiny_config(model_type, num_hidden_layers=layers)).save_pretrained(path)
+        tiny_hf_model(tiny_config(model_type, num_hidden_layers=layers), role="critic").save_pretrained(f"{path}_critic")
+        dirs[name] = str(path)
+    return dirs
 
 
 def check_equal(out: dict, name: str, ref: str, batches: list[dict]) -> None:
@@ -147,7 +152,7 @@ def results(tmp_path_factory):
     dirs = save_models(tmp_path_factory.mktemp("cp"))
     # s = 15 (not a multiple of 2 * cp = 4: padded), and s = 3 (< 2 * cp tokens)
     batches = [make_batch(200, 9, 6), make_batch(200, 2, 1)]
-    ranks = run_ranks(4, run_all, dirs, {**DENSE, **MOE}, batches)
+    ranks = run_ranks(4, run_all, dirs, {**DENSE, **MOE, **DEEP}, batches)
     ranks[0]["single"] = run_ranks(1, run_all, dirs, {"single": {}}, batches)[0]["single"]
     return ranks, batches
 
@@ -156,10 +161,11 @@ def _max_diff(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-@pytest.mark.parametrize("name", [n for n in {**DENSE, **MOE} if not n.endswith("ref")])
+@pytest.mark.parametrize("name", [n for n in {**DENSE, **MOE, **DEEP} if not n.endswith("ref")])
 def test_cp_equals_cp1(results, name):
     ranks, batches = results
-    check_equal(ranks[0], name, "moe_ref" if name.startswith("moe") else "ref", batches)
+    kind = name.split("_")[0]
+    check_equal(ranks[0], name, f"{kind}_ref" if kind in ("moe", "deep") else "ref", batches)
 
 
 def test_cp2_equals_a_single_rank(results):

@@ -64,7 +64,7 @@ def test_packed_at_cp2_equals_packed_at_cp1(results):
 def test_attention_stays_inside_each_sequence(results, tmp_path):
     """All 8 rows in one stream: changing row 0 changes row 0 only."""
     dirs = save_models(tmp_path)
-    out = run_ranks(1, _boundary, dirs[False])[0]
+    out = run_ranks(1, _boundary, dirs["dense"])[0]
     assert not torch.equal(out["a"][0], out["b"][0])
     assert torch.equal(out["a"][1:], out["b"][1:]), (out["a"][1:] - out["b"][1:]).abs().max()
 
