@@ -7,6 +7,8 @@ the full ``responses`` every rank has. ``cp_view`` gives the loss function the o
 tokens as [b, R_local] tensors (every [b, R] key sliced, plus the index into the local output);
 each response token is owned by exactly one CP rank, so per-token results are scattered back to
 [b, R] and summed over the CP group, and loss sums over DP x CP give the whole batch's loss.
+Packed micro-batches (models/packing.py) split every sequence of the stream the same way; which
+tokens a rank scores then differs per row, so their view keeps [b, R] with masks cut to them.
 """
 from __future__ import annotations
 
