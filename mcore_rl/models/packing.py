@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from mcore_rl.models.context_parallel import cp_rank_size
+from mcore_rl.models.context_parallel import cp_columns, cp_rank_size
 
 Tensor = torch.Tensor
 PACKED_IDS, CU_SEQLENS, STREAM_INDEX = "_packed_ids", "_cu_seqlens", "_stream_index"
@@ -104,10 +104,8 @@ def packed_attention_cp(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: T
         if hi == lo:
             continue
         c, a = (hi - lo) // (2 * size), lo // size  # chunk length; the sequence's local offset
-        pos = [torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * size - 1 - r) * c, (2 * size - r) * c)])
-               for r in range(size)]
-        k_pos = torch.cat(pos).to(query.device)
-        allowed = k_pos[None, :] <= pos[rank].to(query.device)[:, None]
+        pos = [cp_columns(2 * size * c, r, size, query.device) for r in range(size)]  # in-sequence positions
+        allowed = torch.cat(pos)[None, :] <= pos[rank][:, None]
         q = query[a : a + 2 * c].transpose(0, 1)[None]
         k, v = (x[:, a : a + 2 * c].reshape(size * 2 * c, *x.shape[2:]).transpose(0, 1)[None] for x in (keys, values))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale,
