@@ -1,7 +1,17 @@
-"""Test-only fault hook: ``MCORE_RL_CKPT_FAULT=<phase>`` kills this process with SIGKILL at that
-phase of a save, to prove a crash never leaves a checkpoint that looks complete."""
+"""Test-only fault hooks, read from the environment (no privilege needed, and they reach the
+writer processes an async save forks):
+
+- ``MCORE_RL_CKPT_FAULT=<phase>`` kills this process with SIGKILL at that phase of a save, to
+  prove a crash never leaves a checkpoint that looks complete.
+- ``MCORE_RL_CKPT_IO_FAULT=<point>:<ERRNO>`` makes the system call at ``point`` fail with that
+  errno (e.g. ``flush:EIO``, ``write:ENOSPC``), as a failing or full disk would: the faults a
+  kill cannot show.
+
+``MCORE_RL_CKPT_FAULT_RANK`` (optional) limits either to one global rank.
+"""
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
@@ -11,15 +21,38 @@ ENV = "MCORE_RL_CKPT_FAULT"
 RANK_ENV = "MCORE_RL_CKPT_FAULT_RANK"  # optional: only this global rank dies
 
 
+def _this_rank() -> bool:
+    only = os.environ.get(RANK_ENV)
+    return only is None or only == os.environ.get("RANK", "0")
+
+
 def fault_point(phase: str) -> None:
     """Kills this process (SIGKILL, no cleanup) when the env var names ``phase``."""
     assert phase in PHASES, phase  # a typo here would make a fault test pass vacuously
-    if os.environ.get(ENV) != phase:
-        return
-    only = os.environ.get(RANK_ENV)
-    if only is not None and only != os.environ.get("RANK", "0"):
+    if os.environ.get(ENV) != phase or not _this_rank():
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+IO_ENV = "MCORE_RL_CKPT_IO_FAULT"
+# flush: a shard's background fdatasync; write: a shard's write after its first item (a disk
+# that fills up mid-file); marker / tracker / cleanup: the manager's own writes and deletions
+IO_POINTS = ("flush", "write", "marker", "tracker", "cleanup")
+
+
+def io_fault(point: str, path: str = "") -> None:
+    """Raises ``OSError(<errno>)`` for ``path`` when ``MCORE_RL_CKPT_IO_FAULT=<point>:<ERRNO>``."""
+    assert point in IO_POINTS, point
+    spec = os.environ.get(IO_ENV)
+    if not spec or not _this_rank():
+        return
+    name, _, code = spec.partition(":")
+    if name != point:
+        return
+    number = getattr(errno, code or "EIO", None)
+    if not isinstance(number, int):
+        raise ValueError(f"{IO_ENV}={spec!r}: {code!r} is not an errno name (e.g. EIO, ENOSPC).")
+    raise OSError(number, f"{os.strerror(number)} (injected by {IO_ENV}={spec})", path or None)
 
 
 HOLD_ENV = "MCORE_RL_CKPT_HOLD"  # test-only: a directory; the writer waits there until released

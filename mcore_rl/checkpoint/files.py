@@ -6,6 +6,9 @@ import os
 import resource
 import shutil
 import threading
+import zlib
+
+from mcore_rl.checkpoint.faults import io_fault
 
 META = "mcore_rl.json"  # schema version, role, architecture facts, layout, contents, versions
 # HF files that travel with the weights (config, generation config, tokenizer)
@@ -29,17 +32,23 @@ def peak_rss_mb() -> float:
 class Writeback:
     """Streams a file's written pages to disk while its writer goes on: ``poke()`` after each
     piece (a thread runs fdatasync, coalescing pokes), ``close()`` waits and fsyncs once more.
-    The final fsync then finds little left, so disk and CPU work overlap."""
+    The final fsync then finds little left, so disk and CPU work overlap.
+
+    An error of the background fdatasync is kept and raised by the next ``poke()`` or by
+    ``close()``: Linux reports a write-back error to one fsync only, so the final fsync may
+    succeed after pages were lost, and the file must not count as written."""
 
     def __init__(self, fileobj) -> None:
         self._file = fileobj
         self._wake = threading.Event()
         self._stop = False
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="mcore_rl-writeback", daemon=True)
         self._thread.start()
 
     def poke(self) -> None:
         """Call after writing a piece: its pages start going to disk in the background."""
+        self._raise_error()
         self._file.flush()
         self._wake.set()
 
@@ -49,7 +58,18 @@ class Writeback:
             self._wake.clear()
             if self._stop:
                 return
-            os.fdatasync(self._file.fileno())
+            try:
+                io_fault("flush", getattr(self._file, "name", ""))
+                os.fdatasync(self._file.fileno())
+            except BaseException as e:  # noqa: BLE001 - handed to the writer, which fails the file
+                self._error = e
+                return
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            name = getattr(self._file, "name", "the file")
+            raise OSError(getattr(self._error, "errno", None),
+                          f"background flush of {name} failed: {self._error}") from self._error
 
     def stop(self) -> None:
         """Ends the background thread (after a failed write: no final fsync)."""
@@ -58,7 +78,60 @@ class Writeback:
         self._thread.join()
 
     def close(self) -> None:
-        """Stops the thread, then flush + fsync: the file is durable when this returns."""
+        """Stops the thread, then flush + fsync: the file is durable when this returns; raises
+        when any flush of the file failed."""
         self.stop()
+        self._raise_error()
         self._file.flush()
         os.fsync(self._file.fileno())
+
+
+class Crc32Stream:
+    """A binary file wrapper that keeps the CRC-32 and size of everything written through it
+    (the content checksum a checkpoint's marker records; computed while writing, never by
+    reading the file back)."""
+
+    def __init__(self, fileobj) -> None:
+        self._file = fileobj
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = self._file.write(view)
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += len(view)
+        return n
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    @property
+    def name(self) -> str:
+        return self._file.name
+
+
+def crc32_hex(crc: int) -> str:
+    """The checksum as recorded in markers: 8 lower-case hex digits."""
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def file_crc32(path: str, chunk_bytes: int = 8 << 20) -> tuple[int, str]:
+    """(size, CRC-32 hex) of the file at ``path``, read in chunks (zlib releases the GIL)."""
+    crc, size = 0, 0
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc32_hex(crc)

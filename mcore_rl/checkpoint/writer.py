@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.api import _wrap_exception
 
-from mcore_rl.checkpoint.faults import hold_point
-from mcore_rl.checkpoint.files import Writeback
+from mcore_rl.checkpoint.faults import hold_point, io_fault
+from mcore_rl.checkpoint.files import Crc32Stream, Writeback, crc32_hex
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ERROR_BYTES = 4096
@@ -57,31 +57,42 @@ class LazyResolver(Protocol):
 
 
 class _SharedResults:
-    """Per-item (offset, length) of the written bytes plus a status word and an error text, in an
-    anonymous shared mapping: a forked writer fills it, the rank reads it (nothing unpickled)."""
+    """Per-item (offset, length) of the written bytes, the file's size and CRC-32, a status word
+    and an error text, in an anonymous shared mapping: a forked writer fills it, the rank reads
+    it (nothing unpickled)."""
+
+    _HEAD = 3  # status, file size, file crc32
 
     def __init__(self, n_items: int) -> None:
         self.n_items = n_items
-        self._buf = mmap.mmap(-1, 8 * (1 + 2 * n_items) + _ERROR_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
-        self.words = np.frombuffer(self._buf, dtype=np.int64, count=1 + 2 * n_items)
+        self._words = self._HEAD + 2 * n_items
+        self._buf = mmap.mmap(-1, 8 * self._words + _ERROR_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
+        self.words = np.frombuffer(self._buf, dtype=np.int64, count=self._words)
 
     def record(self, i: int, offset: int, length: int) -> None:
-        self.words[1 + 2 * i: 3 + 2 * i] = (offset, length)
+        at = self._HEAD + 2 * i
+        self.words[at: at + 2] = (offset, length)
 
-    def finish(self, error: str | None) -> None:
+    def finish(self, error: str | None, size: int = 0, crc: int = 0) -> None:
         if error is not None:
             raw = error.encode()[: _ERROR_BYTES - 1]
-            start = 8 * (1 + 2 * self.n_items)
+            start = 8 * self._words
             self._buf[start: start + len(raw)] = raw
+        self.words[1:3] = (size, crc)
         self.words[0] = _DONE if error is None else _FAILED
 
     def status(self) -> tuple[int, str]:
-        start = 8 * (1 + 2 * self.n_items)
+        start = 8 * self._words
         text = bytes(self._buf[start: start + _ERROR_BYTES]).split(b"\0", 1)[0].decode(errors="replace")
         return int(self.words[0]), text
 
+    def digest(self) -> tuple[int, int]:
+        """(size, crc32) of the written file."""
+        return int(self.words[1]), int(self.words[2])
+
     def span(self, i: int) -> tuple[int, int]:
-        return int(self.words[1 + 2 * i]), int(self.words[2 + 2 * i])
+        at = self._HEAD + 2 * i
+        return int(self.words[at]), int(self.words[at + 1])
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -112,14 +123,16 @@ def write_rank_file(parent_pid: int, transforms, rank: int, buckets: list, resul
         _die_with_parent(parent_pid)
         gc.disable()  # a collection here could free the parent's device tensors (CUDA after fork)
         torch.set_num_threads(1)  # the parent's OpenMP pool does not exist in a forked child
-    error = None
+    error, size, crc = None, 0, 0
     try:
         hold_point("writer")
         (path, storage_key, items), = buckets
-        with open(path, "wb") as stream:
-            writeback = Writeback(stream)
+        with open(path, "wb") as raw:
+            stream, writeback = Crc32Stream(raw), Writeback(raw)
             try:
                 for i, (item, data) in enumerate(items):
+                    if i:
+                        io_fault("write", path)  # test-only: a disk that fills up mid-file
                     if item.type != WriteItemType.BYTE_IO:
                         data = _host_copy(resolve(data) if resolve is not None else data)
                     result = _write_item(transforms, stream, data, item, storage_key,
@@ -130,10 +143,11 @@ def write_rank_file(parent_pid: int, transforms, rank: int, buckets: list, resul
             except BaseException:
                 writeback.stop()
                 raise
-            writeback.close()  # flush + fsync
+            writeback.close()  # flush + fsync; raises if any background flush failed
+            size, crc = stream.size, stream.crc
     except BaseException as e:  # reported to the rank at finalize, which raises it
         error = f"rank {rank} writer: {type(e).__name__}: {e}"
-    results.finish(error)
+    results.finish(error, size, crc)
     if forked:
         os._exit(0 if error is None else 1)
 
@@ -157,6 +171,10 @@ class ItemWriter(FileSystemWriterAsync):
                 data = data.detach()
                 if self.stage and data.device.type != "cpu":
                     data = data.to("cpu")
+                elif self.stage and data.untyped_storage().is_shared():
+                    # the forked writer's copy-on-write snapshot does not cover shared memory:
+                    # such a tensor would be written live, so it is copied at the save call
+                    data = data.clone()
             items.append((item, data))
         name = f"{plan.storage_data.prefix}0.distcp"
         self.write_buckets = [(os.path.join(self.checkpoint_dir, name), name, items)] if items else []
@@ -186,6 +204,13 @@ class ItemWriter(FileSystemWriterAsync):
                                    storage_data=_StorageInfo(storage_key, offset, length)))
         return out
 
+    def written_files(self) -> dict[str, tuple[int, str]]:
+        """File name -> (size, CRC-32 hex) of what this rank's writer wrote (after it finished)."""
+        if not self.write_buckets or self.results.status()[0] != _DONE:
+            return {}
+        size, crc = self.results.digest()
+        return {self.write_buckets[0][1]: (size, crc32_hex(crc))}
+
 
 class ItemSaveStrategy(TorchDistSaveShardedStrategy):
     """torch_dist format (readable by megatron's own loader) written by ``ItemWriter``.
@@ -195,10 +220,12 @@ class ItemSaveStrategy(TorchDistSaveShardedStrategy):
     def __init__(self, stage_device_tensors: bool = False, resolve: LazyResolver | None = None) -> None:
         super().__init__("torch_dist", 1, thread_count=1)
         self.stage, self.resolve = stage_device_tensors, resolve
+        self.writer: ItemWriter | None = None
 
     def async_save(self, sharded_state_dict, checkpoint_dir: Path) -> AsyncRequest:
         state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
         writer = ItemWriter(checkpoint_dir, self.stage, self.resolve)
+        self.writer = writer  # what it wrote (file digests) is read after the request ran
         planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
                                    flatten_state_dict=False)
         planned = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,
