@@ -1,10 +1,15 @@
 """The actor/critic batch contract: bad input fails with a message naming the key and the fix."""
 from __future__ import annotations
 
+import re
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from mcore_rl.rl.actor import Actor, ActorConfig
 from mcore_rl.rl.batch import BatchError, split_rows, validate_batch
+from mcore_rl.rl.critic import Critic, CriticConfig
 from mcore_rl.rl.microbatcher import MicroBatchSpec, plan_micro_batches, pad_sequence_to_multiple
 from tests.tiny import rl_batch
 
@@ -71,9 +76,9 @@ def test_out_of_vocab_and_negative_ids():
     with pytest.raises(BatchError, match=r"input_ids\[2, 12\] = 50 is a real token .* outside the model's vocabulary \[0, 50\)"):
         validate_batch(batch, vocab_size=50)
     batch = rl_batch(50, batch=4)
-    batch["input_ids"][1, 3] = -7
-    batch["attention_mask"][1, 3] = 1
-    with pytest.raises(BatchError, match=r"input_ids\[1, 3\] = -7 is a real token"):
+    batch["input_ids"][1, 4] = -7
+    batch["attention_mask"][1, 4] = 1  # extends row 1's tokens (columns 5..12) on the left
+    with pytest.raises(BatchError, match=r"input_ids\[1, 4\] = -7 is a real token"):
         validate_batch(batch, vocab_size=50)
     batch = rl_batch(50, batch=4)
     batch["input_ids"][batch["attention_mask"] == 0] = -100  # padding may hold anything
@@ -119,3 +124,70 @@ def test_response_without_prompt():
         validate_batch(batch)
     batch["attention_mask"][1, 9] = 1  # one prompt token is enough
     validate_batch(batch)
+
+
+PROMPT = 6  # _rows: S = 10, R = 4; the prompt is columns 0..5, the response 6..9
+
+
+def _rows(*masks: str) -> dict:
+    """A batch whose rows have the attention masks ``masks`` ('0011111100'), random real ids."""
+    mask = torch.tensor([[int(c) for c in m] for m in masks])
+    ids = torch.randint(1, 50, mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, PROMPT:].clone()}
+
+
+CONTIGUOUS = ("0011111111", "1111111100", "0001111110", "1111111111")  # left, right, both, none
+GAP = r"real tokens must be contiguous \(left-padded prompt, then right-padded response\)"
+
+
+def test_gap_inside_the_prompt():
+    validate_batch(_rows(*CONTIGUOUS))
+    with pytest.raises(BatchError, match=r"row 1 has padding between its tokens: attention_mask\[1, 2:4\] is 0 "
+                                         r"\(inside the prompt; real tokens span columns 0\.\.8\)") as err:
+        validate_batch(_rows("0011111111", "1100111110"))
+    assert "Remove the padding inside the row" in str(err.value) and re.search(GAP, str(err.value))
+    assert "drop the hole from the prompt" in str(err.value)
+
+
+def test_gap_inside_the_response():
+    with pytest.raises(BatchError, match=r"row 0 has padding between its tokens: attention_mask\[0, 8:9\] is 0 "
+                                         r"\(inside the response; real tokens span columns 2\.\.9\)") as err:
+        validate_batch(_rows("0011111101", *CONTIGUOUS))
+    assert re.search(GAP, str(err.value))
+    assert "set response_mask to 0 there, not attention_mask" in str(err.value)  # the tool-output case
+
+
+@pytest.mark.parametrize("mask,hole", [("0011110111", "6:7"),  # the response starts with padding
+                                       ("1111001111", "4:6"),  # the prompt is right-padded
+                                       ("0111100011", "5:8")])  # both
+def test_gap_between_prompt_and_response(mask, hole):
+    with pytest.raises(BatchError, match=rf"row 2 has padding between its tokens: attention_mask\[2, {hole}\] is 0 "
+                                         r"\(between the prompt and the response;") as err:
+        validate_batch(_rows("0011111111", "1111111100", mask))
+    assert re.search(GAP, str(err.value))
+    assert "left-pad the prompt so it ends at column 5 and start the response at column 6" in str(err.value)
+
+
+def test_first_gapped_row_is_named_and_fillers_stay_legal():
+    masks = ["0000000000", "0011111111", "1111111100", "0110111100", "0001111110", "0011111010"]
+    with pytest.raises(BatchError, match=r"row 3 has padding between its tokens: attention_mask\[3, 3:4\]"):
+        validate_batch(_rows(*masks))
+    masks[3] = "0001111100"
+    with pytest.raises(BatchError, match=r"row 5 has padding between its tokens: attention_mask\[5, 7:8\]"):
+        validate_batch(_rows(*masks))
+    masks[5] = "0011111000"
+    validate_batch(_rows(*masks))  # the all-padding row 0 (a filler) is legal
+
+
+def test_every_entry_refuses_gapped_rows():
+    """The actor's and critic's entries validate before touching the engine (a stub here)."""
+    batch = _rows("0011111111", "1111011100")
+    shape = batch["responses"].shape
+    batch.update(old_log_probs=torch.zeros(shape), advantages=torch.zeros(shape), values=torch.zeros(shape),
+                 returns=torch.zeros(shape))
+    engine = SimpleNamespace(args=SimpleNamespace(vocab_size=50), role="critic")
+    actor, critic = Actor(engine, ActorConfig(), ref=engine), Critic(engine, CriticConfig())
+    for entry in (actor.compute_log_prob, actor.compute_ref_log_prob, actor.update_policy,
+                  critic.compute_values, critic.update_critic):
+        with pytest.raises(BatchError, match=r"row 1 has padding between its tokens: attention_mask\[1, 4:5\]"):
+            entry(batch)

@@ -2,7 +2,8 @@
 
 A batch is a dict of tensors (see ``dispatch`` in the actor/critic configs for whose rows):
   input_ids [B, S]        prompt (left-padded) followed by response (right-padded)
-  attention_mask [B, S]   1 = token, 0 = padding
+  attention_mask [B, S]   1 = token, 0 = padding; a row's tokens are one contiguous span
+                          (no padding between them) or none at all (a filler row)
   responses [B, R]        the last R columns of input_ids (R < S), equal on real tokens
   response_mask [B, R]    optional loss mask (verl's name): 1 = token in the loss and metrics;
                           default = attention_mask[:, -R:]; must be 0 where attention is 0
@@ -28,8 +29,9 @@ class BatchError(McoreRLError, ValueError):
 
 
 def validate_batch(batch: dict, required: Iterable[str] = (), vocab_size: int | None = None) -> None:
-    """Checks keys, shapes, token ids (in [0, vocab_size) on real tokens), that responses are
-    the tail of input_ids, the loss mask and position ids; raises BatchError naming the fix."""
+    """Checks keys, shapes, that each row's real tokens are one contiguous span, token ids (in
+    [0, vocab_size) on real tokens), that responses are the tail of input_ids, the loss mask and
+    position ids; raises BatchError naming the row, the value and the fix."""
     missing = [k for k in (*BASE_KEYS, *required) if k not in batch]
     if missing:
         raise BatchError(f"batch is missing keys {missing}; it has {sorted(batch)}.")
@@ -52,13 +54,49 @@ def validate_batch(batch: dict, required: Iterable[str] = (), vocab_size: int | 
     for key in (*required, *(("response_mask",) if "response_mask" in batch else ())):
         if batch[key].shape != (b, r):
             raise BatchError(f"{key} has shape {tuple(batch[key].shape)}; expected [B, R] = [{b}, {r}].")
-    _check_token_ids(ids, mask.bool(), vocab_size)
-    _check_responses_are_tail(ids, mask.bool(), resp)
-    _check_prompts(mask.bool(), r)
+    real = mask.bool()
+    _check_contiguous(real, r)
+    _check_token_ids(ids, real, vocab_size)
+    _check_responses_are_tail(ids, real, resp)
+    _check_prompts(real, r)
     if "response_mask" in batch:
         _check_loss_mask(batch["response_mask"], mask[:, -r:])
     if "position_ids" in batch:
         _check_positions(batch["position_ids"], mask)
+
+
+def _check_contiguous(real: Tensor, r: int) -> None:
+    # padded rows place token k at column lo + k, packed rows at stream place k: only without
+    # holes do the two give every token the same RoPE position (and the same scored columns)
+    runs = torch.count_nonzero(real[:, 1:] > real[:, :-1], dim=1) + real[:, 0]  # runs of real tokens
+    gapped = runs > 1
+    if not bool(gapped.any()):
+        return
+    row = int(gapped.nonzero()[0])
+    s = real.shape[1]
+    cols = real[row].nonzero().squeeze(-1)
+    first, last = int(cols[0]), int(cols[-1])
+    hole = (~real[row, first : last + 1]).nonzero().squeeze(-1) + first
+    lo = int(hole[0])
+    hi = lo + int(real[row, lo:].int().argmax()) - 1  # the hole ends before the next real token
+    boundary = s - r  # the first response column
+    if hi < boundary - 1:
+        where = "inside the prompt"
+        fix = "drop the hole from the prompt (shift its earlier tokens right) so it stays left-padded"
+    elif lo > boundary:
+        where = "inside the response"
+        fix = ("a response is right-padded after its last token only; to keep tokens in context "
+               "but out of the loss (e.g. tool outputs) set response_mask to 0 there, not attention_mask")
+    else:
+        where = "between the prompt and the response"
+        fix = (f"left-pad the prompt so it ends at column {boundary - 1} and start the response at "
+               f"column {boundary} (right-pad it)")
+    raise BatchError(
+        f"row {row} has padding between its tokens: attention_mask[{row}, {lo}:{hi + 1}] is 0 "
+        f"({where}; real tokens span columns {first}..{last}), so padded and packed micro-batches "
+        "would give its tokens different positions. Remove the padding inside the row: real tokens "
+        f"must be contiguous (left-padded prompt, then right-padded response); {fix}."
+    )
 
 
 def _check_token_ids(ids: Tensor, real: Tensor, vocab_size: int | None) -> None:
