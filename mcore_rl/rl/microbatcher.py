@@ -225,7 +225,7 @@ def _plan_packed(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
     b, s = batch["input_ids"].shape
     r = batch["responses"].shape[1]
     cols = _row_columns(batch)
-    groups = _packed_groups(batch, spec, cols) if spec.max_tokens else _fixed_groups(b, s, r, spec)
+    groups = _packed_groups(batch, spec) if spec.max_tokens else _fixed_groups(b, s, r, spec)
     groups = _meet_count(groups, spec)
     pieces = [_collate(batch, g, *_span(cols, g, s, r), None, None, 1) for g in groups]
     tokens = max(int(padded_lengths(p["attention_mask"], spec.pack_multiple).sum()) for p in pieces)
@@ -235,11 +235,12 @@ def _plan_packed(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
     return MicroBatches(pieces, groups, b, r)
 
 
-def _packed_groups(batch: dict, spec: MicroBatchSpec, cols: tuple) -> list[list[int]]:
+def _packed_groups(batch: dict, spec: MicroBatchSpec) -> list[list[int]]:
     """Rows sorted by real length, longest first, each into the first group it fits in
-    (at most ``max_tokens`` real tokens per group)."""
-    first, last = cols
-    lengths = [_round(max(hi - lo + 1, 0), spec.pack_multiple) for lo, hi in zip(first, last)]
+    (at most ``max_tokens`` stream places per group: real tokens, each row's rounded up to
+    ``pack_multiple``)."""
+    # the places pack() gives each row, so the budget and the streams count the same tokens
+    lengths = padded_lengths(batch["attention_mask"], spec.pack_multiple).tolist()
     budget = spec.max_tokens
     if max(lengths) > budget:
         raise BatchError(f"max_tokens_per_micro_batch={budget} is below one row's length ({max(lengths)} "
