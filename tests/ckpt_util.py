@@ -84,3 +84,27 @@ def flat_tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
     for k, v in items:
         out.update(flat_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
     return out
+
+
+def reseal(step_dir: str) -> None:
+    """Rewrites the step's COMPLETE marker so its file list (sizes, CRC-32) matches what is on
+    disk now: a tampered checkpoint whose attacker also rewrote the marker, so that the checks
+    behind the marker (the unpickler's allowlists, path containment) are what must refuse it."""
+    import json
+    import os
+
+    from mcore_rl.checkpoint.files import file_crc32
+
+    path = os.path.join(step_dir, "COMPLETE")
+    with open(path) as f:
+        marker = json.load(f)
+    files = {}
+    for d, _, names in os.walk(step_dir):
+        for name in names:
+            rel = os.path.relpath(os.path.join(d, name), step_dir)
+            if rel != "COMPLETE":
+                size, crc = file_crc32(os.path.join(d, name))
+                files[rel] = {"size": size, "crc32": crc}
+    marker["files"] = files
+    with open(path, "w") as f:
+        json.dump(marker, f)

@@ -1,9 +1,10 @@
 """The main job through torchrun (launch/run.sh) killed with SIGKILL at every save phase
-(MCORE_RL_CKPT_FAULT=shards|metadata|marker|tracker|retention, one rank via
+(MCORE_RL_CKPT_FAULT=shards|metadata|marker|swap|tracker|retention, one rank via
 MCORE_RL_CKPT_FAULT_RANK), saving every 2 steps with max_ckpt_to_keep=2. After every kill the
-tracker names a complete step, no complete step is gone, and the next run of the same command
-resumes from the newest complete step; every run's metrics.jsonl equals the prefix of one
-uninterrupted 10-step run (lines identical but for time_s). One shared sequence of runs keeps the
+tracker names a complete step, no complete step is gone (a replaced step sits beside its root
+until the next start finishes the swap), and the next run of the same command resumes from the
+step the tracker names; every run's metrics.jsonl equals the prefix of one uninterrupted 10-step
+run (lines identical but for time_s, keys in the order written). One shared sequence of runs keeps the
 suite small: each kill run is itself the resume check of the kill before it."""
 from __future__ import annotations
 
@@ -82,6 +83,11 @@ def _lines(out) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "time_s"} for m in lines]
 
 
+def _key_orders(out) -> list[list[str]]:
+    """Each metrics line's keys in the order written (a resume rewrites the lines up to its step)."""
+    return [list(json.loads(x)) for x in open(os.path.join(out, "metrics.jsonl"))]
+
+
 def _state(out) -> tuple[int | None, list[int], list[int]]:
     """(tracker's step or None, step dirs, step dirs with a COMPLETE marker)."""
     root = os.path.join(out, "checkpoints")
@@ -103,6 +109,11 @@ def _killed(out, steps: int, fault: str, rank: int, before: list[int], straight:
     assert set(before) <= set(marked), f"{fault}: complete steps {before} -> {marked}"
     assert _lines(out) == straight[:steps], f"{fault}: metrics differ from the straight run"
     return tracker, dirs, marked
+
+
+def _side_dirs(out) -> list[str]:
+    root = os.path.join(out, "checkpoints")
+    return sorted(d for d in os.listdir(root) if d.startswith(".global_step_"))
 
 
 def test_job_resumes_through_kills(tmp_path):
@@ -131,17 +142,28 @@ def test_job_resumes_through_kills(tmp_path):
     assert _lines(out) == reference[:4]
     assert _state(out) == (4, [2, 4], [2, 4])
 
-    # marker of step 6 written, tracker not yet: 6 counts (newest marker), the tracker names 4
+    # marker of step 6 written, tracker not yet: the tracker (authoritative) still names 4
     assert _killed(out, 6, "tracker", 0, [2, 4], reference) == (4, [2, 4, 6], [2, 4, 6])
-    # step 8 complete and tracked, killed before retention deletes the two oldest: nothing gone
-    assert _killed(out, 8, "retention", 0, [2, 4, 6], reference) == (8, [2, 4, 6, 8], [2, 4, 6, 8])
-    assert "resumed from step 6" in open(f"{out}.retention8.log").read()
+    # the same command resumes from 4 and saves step 6 again: the complete step 6 is replaced,
+    # killed between the two renames of the swap (the old copy set aside, the new one not yet in)
+    assert _killed(out, 6, "swap", 0, [2, 4], reference) == (4, [2, 4], [2, 4])
+    assert "resumed from step 4" in open(f"{out}.swap6.log").read()
+    assert _side_dirs(out) == [".global_step_6.incoming", ".global_step_6.outgoing"]
+    # the next run finishes the swap, resumes the tracked step 4 (warning that step 6 completed
+    # later) and replaces step 6 once more, killed before its retention: nothing gone
+    assert _killed(out, 6, "retention", 0, [2, 4], reference) == (6, [2, 4, 6], [2, 4, 6])
+    log = open(f"{out}.retention6.log").read()
+    assert "finishing an interrupted replacement" in log and "resumed from step 4" in log, log[-3000:]
+    assert "steps [6] completed after the tracked step 4" in log, log[-3000:]
+    assert _side_dirs(out) == [".global_step_6.outgoing"]  # the replaced copy, removed at retention
 
     done = _job(out, 10)
     assert done.returncode == 0, done.stdout[-3000:]
-    assert "resumed from step 8" in done.stdout
+    assert "resumed from step 6" in done.stdout
     assert _lines(out) == reference
+    assert _key_orders(out) == _key_orders(straight)  # rewritten lines keep their key order
     assert _state(out) == (10, [8, 10], [8, 10])  # retention caught up: max_ckpt_to_keep=2
+    assert _side_dirs(out) == []
 
     # async save through two fresh torchruns: 4 steps (saves at 2 and 4), then the same command
     # with steps=6 resumes from 4; metrics equal the uninterrupted run's

@@ -8,8 +8,9 @@
 - planted pickles (``os.system`` through ``__reduce__``) in the saved ``.metadata``, in the RNG
   ShardedObject payloads and in ``common.pt`` of a manager checkpoint make ``manager.resume``
   raise UnsafeCheckpointError naming the file and the refused global; the planted command never
-  runs (its marker files do not exist). The plants keep every file at least its expected size,
-  so the manager's own file checks pass and the unpickler is what refuses.
+  runs (its marker files do not exist). After planting, the step's COMPLETE marker is rewritten
+  to the planted files' sizes and checksums (an attacker who rewrote the marker too), so the
+  manager's own file checks pass and the unpickler is what refuses.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from tests.ckpt_util import engine, train_step, writer_processes_allowed
+from tests.ckpt_util import engine, reseal, train_step, writer_processes_allowed
 from tests.dist import run_ranks
 from tests.test_ckpt_safe_load import PLANTS
 from tests.tiny import hf_log_probs, rl_batch
@@ -51,6 +52,7 @@ def _resume_planted(eng, base: str, step_dir: str, name: str) -> dict:
         shutil.copytree(step_dir, os.path.join(root, "global_step_1"))
         shutil.copy(os.path.join(os.path.dirname(step_dir), TRACKER), root)
         PLANTS[name](os.path.join(root, "global_step_1", "actor", "dist_ckpt"), marker)
+        reseal(os.path.join(root, "global_step_1"))  # the marker agrees: the unpickler must refuse
     torch.distributed.barrier()
     if name == "common":  # torch's own weights_only default is off: only the guard may refuse
         os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
@@ -157,6 +159,6 @@ def test_manager_resume_refuses_planted_pickles(saved, name, file):
         error = r[name]["error"]
         assert error is not None and error.startswith("UnsafeCheckpointError"), (rank, error)
         assert file in error and "'posix.system'" in error and "not run" in error, (rank, error)
-    if name == "payload":  # each rank reads its own RNG payload: the error names that rank's shard
+    if name == "payload":  # refused before any engine is loaded, the same error on every rank
         assert "rng_state/shard_0_2" in saved[0][name]["error"], saved[0][name]["error"]
-        assert "rng_state/shard_1_2" in saved[1][name]["error"], saved[1][name]["error"]
+        assert saved[0][name]["error"] == saved[1][name]["error"]

@@ -7,6 +7,7 @@ import glob
 import os
 import shutil
 
+from mcore_rl.checkpoint.errors import CheckpointError
 from tests.ckpt_bodies import build_engine, hf_dir_for, manager, train
 from tests.dist import run_ranks
 
@@ -28,7 +29,7 @@ def _crash_in_retention(hf_dir: str, root: str) -> dict:
         train(model, range(2, 3))
         mgr.save(3, {"actor": engine}, {"step": 3})
         raised = None
-    except RuntimeError as e:
+    except CheckpointError as e:  # agreed: every rank raises it, naming the failed rank's error
         raised = str(e)
     finally:
         shutil.rmtree = real_rmtree
@@ -42,7 +43,7 @@ def _crash_in_retention(hf_dir: str, root: str) -> dict:
 def test_crash_inside_retention_leaves_no_complete_step_with_missing_files(tmp_path):
     hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
     out = run_ranks(1, _crash_in_retention, hf_dir, str(tmp_path / "ckpt"), daemon=False)[0]
-    assert out["raised"] == "crash inside retention's rmtree"  # the crash happened mid-delete
+    assert "RuntimeError: crash inside retention's rmtree" in out["raised"]  # the crash happened mid-delete
     # step 1, half deleted, is no longer complete (it was: a marker naming a missing shard)
     assert out["after_crash"] == ([2, 3], [1])
     assert out["dirs"] == ["global_step_3", "global_step_4"]  # debris removed at the next save

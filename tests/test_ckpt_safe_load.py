@@ -74,11 +74,14 @@ PLANTS = {"metadata": _plant_metadata, "payload": _plant_payloads, "common": _pl
 
 
 def _rng_state() -> dict:
+    """RNG state as mcore_rl saves it: tensors and plain values (numpy's state as a tensor)."""
     import random
 
     import numpy as np
 
-    return {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"random": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
 
 
 def _template(eng, rng, loading: bool) -> dict:
@@ -116,11 +119,9 @@ def _load(eng, ckpt: str, guarded: bool, force_no_weights_only: bool = False):
 
 
 def _rng_equal(a: dict, b: dict) -> bool:
-    import numpy as np
-
     na, nb = a["numpy"], b["numpy"]
     return (a["random"] == b["random"] and torch.equal(a["torch"], b["torch"])
-            and na[0] == nb[0] and np.array_equal(na[1], nb[1]) and tuple(na[2:]) == tuple(nb[2:]))
+            and na[0] == nb[0] and torch.equal(na[1], nb[1]) and tuple(na[2:]) == tuple(nb[2:]))
 
 
 def _save_then_attack(root: str) -> dict:

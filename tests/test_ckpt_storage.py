@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.integrity import FileEntry, gather_manifest
+from mcore_rl.checkpoint.peer_sync import sync_step_to_all_nodes, transfer_plan
 from mcore_rl.checkpoint.storage import (
-    TMP_SUFFIX, _transfer_plan, check_files, detect_storage, expected_files, fsync_tree, read_json,
-    sync_step_to_all_nodes, write_json_atomic,
+    TMP_SUFFIX, check_files, detect_storage, expected_files, fsync_dirs, read_json, write_json_atomic,
 )
 from mcore_rl.errors import McoreRLError
 from tests.dist import run_ranks
@@ -67,16 +68,17 @@ def test_read_json_errors_name_the_file(tmp_path):
     assert issubclass(CheckpointError, McoreRLError)
 
 
-def test_fsync_tree_walks_nested_dirs_and_skips_links(tmp_path, monkeypatch):
+def test_fsync_dirs_walks_nested_dirs_and_skips_files_and_links(tmp_path, monkeypatch):
     (tmp_path / "a" / "b").mkdir(parents=True)
-    (tmp_path / "a" / "b" / "x.distcp").write_bytes(b"123")
-    (tmp_path / "a" / "dangling").symlink_to(tmp_path / "gone")  # must not be opened
+    (tmp_path / "a" / "b" / "x.distcp").write_bytes(b"123")  # its writer fsyncs it: not again
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "a" / "link").symlink_to(tmp_path / "elsewhere")  # must not be followed
     synced = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
-    fsync_tree(str(tmp_path / "a"))
+    fsync_dirs(str(tmp_path / "a"))
     a = str(tmp_path / "a")
-    assert synced == [f"{a}/b/x.distcp", f"{a}/b", a], synced  # files, then dirs bottom-up
+    assert synced == [f"{a}/b", a], synced  # dirs bottom-up, once each
 
 
 # ----------------------------------------------------------------------------- torch_dist inventory
@@ -171,14 +173,17 @@ def test_check_files_names_truncated_and_missing_shards(saved_ckpt, tmp_path):
 def _shared_root_two_nodes(root: str, nodes: list[tuple[int, int]]) -> dict:
     """Rank r plays (node, local rank) ``nodes[r]`` on one shared file system: detect + sync must
     see 'shared' and move nothing."""
+    from mcore_rl.checkpoint.files import file_crc32
+
     rank = torch.distributed.get_rank()
     os.environ.update(GROUP_RANK=str(nodes[rank][0]), LOCAL_RANK=str(nodes[rank][1]))
     mode = detect_storage(root)
     step = os.path.join(root, "global_step_1")
-    write_json_atomic(os.path.join(step, f"from_node{rank}", "state.json"), {"node": rank})
-    torch.distributed.barrier()
+    rel = f"from_node{rank}/state.json"
+    write_json_atomic(os.path.join(step, rel), {"node": rank})
+    manifest = gather_manifest({rel: file_crc32(os.path.join(step, rel))}, step)
     before = {rel: os.stat(os.path.join(step, rel)).st_ino for rel in _on_disk(step)}
-    sync_step_to_all_nodes(step, chunk_bytes=7)
+    sync_step_to_all_nodes(step, manifest, chunk_bytes=7)
     after = {rel: os.stat(os.path.join(step, rel)).st_ino for rel in _on_disk(step)}
     return {"mode": mode, "before": before, "after": after, "left": sorted(os.listdir(root))}
 
@@ -195,15 +200,28 @@ def test_detect_storage_shared_root(tmp_path, nodes):
 
 
 def test_transfer_plan():
-    step = "/ckpt/global_step_3"
-    listings = {0: {"a.distcp": 10, "common.pt": 5}, 1: {"b.distcp": 7}, 2: {"a.distcp": 10}}
-    assert _transfer_plan(listings, step) == [
+    manifest = {"a.distcp": FileEntry(10, "0000000a", 0), "b.distcp": FileEntry(7, "0000000b", 1),
+                "common.pt": FileEntry(5, "0000000c", 0)}
+    needs = {0: ["b.distcp"], 1: ["a.distcp", "common.pt"], 2: ["b.distcp", "common.pt"]}
+    assert transfer_plan(manifest, needs) == [
         ("a.distcp", 10, 0, [1]), ("b.distcp", 7, 1, [0, 2]), ("common.pt", 5, 0, [1, 2])]
-    assert _transfer_plan({0: {"x": 1}, 1: {"x": 1}}, step) == []  # a shared root moves nothing
-    with pytest.raises(CheckpointError, match=r"global_step_3/x differs between nodes .*\{0: 1, 1: 2\}"):
-        _transfer_plan({0: {"x": 1}, 1: {"x": 2}}, step)
-    with pytest.raises(CheckpointError, match="refusing to sync '../evil'"):
-        _transfer_plan({0: {"../evil": 1}, 1: {}}, step)
+    assert transfer_plan(manifest, {0: [], 1: []}) == []  # a shared root moves nothing
+    with pytest.raises(CheckpointError, match="its writing node 0 lacks it"):
+        transfer_plan(manifest, {0: ["a.distcp"], 1: []})
+
+
+def _report_same_name(crcs: list[str]) -> str:
+    try:
+        gather_manifest({"actor/x.distcp": (3, crcs[torch.distributed.get_rank()])}, "/ckpt/global_step_1")
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_manifest_refuses_one_file_written_twice_differently():
+    for msg in run_ranks(2, _report_same_name, ["00000001", "00000002"]):  # every rank refuses
+        assert "global_step_1/actor/x.distcp was written twice with different content" in msg, msg
+    assert run_ranks(2, _report_same_name, ["00000001", "00000001"]) == ["no error"] * 2
 
 
 def _detect_expect_error(root: str, env: dict) -> str:

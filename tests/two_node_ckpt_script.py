@@ -18,6 +18,8 @@ import os
 
 def file_digests(base: str) -> dict[str, str]:
     out = {}
+    if not os.path.isdir(base):
+        return out
     for d, _, names in os.walk(base):
         for n in names:
             with open(os.path.join(d, n), "rb") as f:
@@ -77,9 +79,10 @@ def main() -> None:
     import torch
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.checkpoint.storage import (
-        detect_storage, node_id, node_leader, sync_step_to_all_nodes, write_json_atomic,
-    )
+    from mcore_rl.checkpoint.files import file_crc32
+    from mcore_rl.checkpoint.integrity import gather_manifest
+    from mcore_rl.checkpoint.peer_sync import sync_step_to_all_nodes
+    from mcore_rl.checkpoint.storage import detect_storage, node_id, node_leader, write_json_atomic
     from mcore_rl.models.builder import build_model
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.parallel.layout import ParallelLayout, initialize_parallel_state
@@ -110,8 +113,12 @@ def main() -> None:
 
     mode = detect_storage(a.root)
     before = _check(ckpt_dir)
-    sync_step_to_all_nodes(step, chunk_bytes=4096)  # small chunks: shards go in many pieces
-    sync_step_to_all_nodes(step2, chunk_bytes=4096)
+    manifests = []
+    for d in (step, step2):  # each node's leader records what its node wrote
+        written = {rel: file_crc32(os.path.join(d, rel)) for rel in file_digests(d)} if node_leader() else {}
+        manifests.append(gather_manifest(written, d))
+    sync_step_to_all_nodes(step, manifests[0], chunk_bytes=4096)  # small chunks: shards go in many pieces
+    sync_step_to_all_nodes(step2, manifests[1], chunk_bytes=4096)
     after = _check(ckpt_dir)
     incomplete = torch.tensor([int(after != "ok")])
     torch.distributed.all_reduce(incomplete)  # a load on an incomplete node would crash, not report

@@ -16,7 +16,7 @@ import os
 import signal
 import time
 
-PHASES = ("shards", "metadata", "marker", "tracker", "retention")
+PHASES = ("shards", "metadata", "marker", "swap", "tracker", "retention")
 ENV = "MCORE_RL_CKPT_FAULT"
 RANK_ENV = "MCORE_RL_CKPT_FAULT_RANK"  # optional: only this global rank dies
 

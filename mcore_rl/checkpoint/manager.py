@@ -1,47 +1,60 @@
 """CheckpointManager: save / resume / load of ModelEngines (actor, critic) plus the trainer's
-JSON state, complete-or-nothing (marker after every rank's files are durable, then the tracker),
-retention and crash-debris cleanup. Layout: see the package docs (``global_step_<N>/<role>/``)."""
+JSON state, complete-or-nothing, on a shared root or on node-local disks.
+
+A save writes ``global_step_<N>/`` (beside an existing complete step of that number, swapped in
+after its marker), records every file with its size and CRC-32, copies the files between nodes
+on node-local disks, checks each node's copy, then writes marker, tracker and retention, in
+that order. Every decision taken from the disk comes from one agreed ``inventory.Survey``, and
+every step that some ranks take alone is ``agreed``: a failure anywhere fails the save on every
+rank, and nothing complete is deleted before its successor is. A load checks everything for
+every role (marker, metadata, layout, every file's size and content, the pickled parts) before
+the first engine is touched. Layout: see the package docs.
+"""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import re
 import shutil
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from megatron.core import dist_checkpointing
 
-from mcore_rl.checkpoint import storage
+from mcore_rl.checkpoint import integrity, inventory, peer_sync, storage
+from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.faults import fault_point
-from mcore_rl.checkpoint.files import META, copy_hf_files
+from mcore_rl.checkpoint.faults import fault_point, io_fault
+from mcore_rl.checkpoint.files import META, copy_hf_files, file_crc32
+from mcore_rl.checkpoint.inventory import MARKER, TRACKER, TRAINER_STATE, Marker
+from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
 from mcore_rl.checkpoint.model_dir import load_planned
+from mcore_rl.checkpoint.paths import is_real_dir
 from mcore_rl.checkpoint.safetensors_write import parse_size, write_bucket_shards
-from mcore_rl.checkpoint.state import build_metadata, plan_load, sharded_state
-from mcore_rl.checkpoint.writer import ItemSaveStrategy
+from mcore_rl.checkpoint.state import build_metadata, sharded_state
+from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
 
 log = logging.getLogger("mcore_rl.checkpoint")
-TRACKER = "latest_checkpointed_iteration.txt"
-MARKER = "COMPLETE"
-TRAINER_STATE = "trainer_state.json"
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
-def _all_ranks_ok(ok: bool) -> bool:
-    """Collective: True when ``ok`` holds on every rank."""
-    return storage.any_rank([0 if ok else 1]) == [0]
+@dataclass
+class _Pending:
+    """A save between its call and its marker."""
 
-
-def _gather_strings(text: str) -> list[str]:
-    """Collective: every rank's ``text`` (bytes over torch.distributed, no pickling)."""
-    return [raw.decode() for raw in storage.all_gather_bytes(text.encode())]
+    step: int
+    final_dir: str  # global_step_<N>
+    write_dir: str  # final_dir, or its incoming side dir when step N exists complete
+    order: int  # the completion order its marker records
+    mode: storage.Mode
+    roles: list[str] = field(default_factory=list)
+    strategies: list[ItemSaveStrategy] = field(default_factory=list)
 
 
 class CheckpointManager:
-    """Saves and restores ``{role: ModelEngine}`` under ``cfg.root`` (collective: every rank).
+    """Saves and restores ``{role: ModelEngine}`` under ``cfg.root``. Every method is
+    collective: all ranks call it.
 
     ``hf_sources``: per role, a HF model directory (its config, tokenizer and generation config
     are copied) or a transformers config object, written to ``<role>/huggingface/``.
@@ -54,8 +67,8 @@ class CheckpointManager:
             raise CheckpointError("checkpoint.root is not set; set checkpoint.root=/path/to/checkpoints.")
         self.cfg, self.root, self.hf_sources = cfg, os.path.abspath(chosen), dict(hf_sources or {})
         self._queue, self._in_flight = None, None  # megatron's async calls queue, step being written
-        self._mode: str | None = None  # storage mode found by the last save (shared / node_local)
-        roots = _gather_strings(self.root)
+        self._mode: storage.Mode | None = None  # shared / node_local, found by the last save or resume
+        roots = [raw.decode() for raw in all_gather_bytes(self.root.encode())]
         if len(set(roots)) > 1:
             bad = next(r for r, x in enumerate(roots) if x != roots[0])
             raise CheckpointError(
@@ -64,43 +77,37 @@ class CheckpointManager:
 
     # ---- listing -------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.root, f"global_step_{step}")
-
-    def _step_dirs(self) -> dict[int, str]:
-        if not os.path.isdir(self.root):
-            return {}
-        found = {}
-        for name in os.listdir(self.root):
-            m = _STEP_DIR.match(name)
-            if m and os.path.isdir(os.path.join(self.root, name)):
-                found[int(m.group(1))] = os.path.join(self.root, name)
-        return found
+        return os.path.join(self.root, inventory.step_name(step))
 
     def complete_steps(self) -> list[int]:
-        """Steps whose completion marker exists, ascending."""
-        return sorted(s for s, d in self._step_dirs().items() if os.path.isfile(os.path.join(d, MARKER)))
+        """Steps complete on every node, ascending (collective)."""
+        return inventory.survey(self.root).in_state("complete")
 
     def incomplete_steps(self) -> list[int]:
-        return sorted(s for s, d in self._step_dirs().items() if not os.path.isfile(os.path.join(d, MARKER)))
+        """Step dirs without a marker on every node, ascending (collective)."""
+        found = inventory.survey(self.root)
+        return sorted(found.in_state("torn") + found.in_state("partial"))
 
-    # ---- save: snapshot -> write -> finalize ---------------------------------------------
+    # ---- save: prepare -> write -> finish -------------------------------------------------
     def save(self, step: int, engines: dict[str, Any], trainer_state: dict) -> str:
         """Saves every engine and ``trainer_state`` (JSON-able) as ``global_step_<step>``.
 
         Sync: returns once the step is complete (marker and tracker written). Async
         (``cfg.async_save``): returns once the shard writers are started (each holds the state as
         of this call); the step is finalized by ``poll()`` once every rank's writer is done, or by
-        ``wait()``, which the next save, a load, an engine's offload/onload and ``close()`` call."""
+        ``wait()``, which the next save, a load, an engine's offload/onload and ``close()`` call.
+        A step number that exists complete is replaced atomically (the old one stays whole until
+        the new one is complete)."""
         self.wait()
-        step_dir = self._prepare(step)
-        requests, roles = self._write(step_dir, self._snapshot(engines), engines, trainer_state)
-        finish = partial(self._finish, step, step_dir, roles)
+        pending = self._prepare(step)
+        requests = self._write(pending, self._snapshot(engines), engines, trainer_state)
+        finish = partial(self._finish, pending)
         if not self.cfg.async_save:
             for request in requests:
                 fault_point("shards")
                 request.execute_sync()  # what megatron's sync save does with the same request
             finish()
-            return step_dir
+            return pending.final_dir
         for engine in engines.values():  # offload/onload wait for the write in flight
             if self.wait not in engine.before_state_moves:
                 engine.before_state_moves.append(self.wait)
@@ -109,7 +116,7 @@ class CheckpointManager:
         for request in requests:
             self._async_queue().schedule_async_request(request)
         self._in_flight = step
-        return step_dir
+        return pending.final_dir
 
     def _async_queue(self):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -138,11 +145,11 @@ class CheckpointManager:
         step = self._in_flight
         try:
             self._queue.maybe_finalize_async_calls(blocking=blocking)
-        except CheckpointError:
+        except Exception as e:  # the failure is agreed: every rank is here
             self._in_flight = None
-            raise
-        except Exception as e:  # megatron's CheckpointException names the failed ranks
-            self._in_flight = None
+            self._abandon_queue()
+            if isinstance(e, CheckpointError):
+                raise
             raise CheckpointError(f"async save of {self.step_dir(step)} failed: {e}; the step is not "
                                   "marked complete and resume skips it.") from e
         if self._queue.get_num_unfinalized_calls():
@@ -150,32 +157,60 @@ class CheckpointManager:
         self._in_flight = None
         return step
 
-    def _prepare(self, step: int) -> str:
-        ok = True
+    def _abandon_queue(self) -> None:
+        """After a failed finalize: the save's other requests (another role's writer) are waited
+        for but never finalized (their last finalize would mark the step complete)."""
+        for call in list(self._queue.async_calls):
+            call.async_caller.is_current_async_call_done(blocking=True)
+        self._queue.async_calls.clear()
+        self._queue = None
+
+    def _prepare(self, step: int) -> _Pending:
+        """Mode, interrupted replacements finished, the agreed survey; removes a torn or partial
+        step of this number on every node; a complete one is replaced via its incoming dir."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"save(step={step!r}): the step must be an integer >= 0.")
+        agreed(lambda: self._check_root(), f"preparing checkpoint root {self.root}")
+        mode = storage.detect_storage(self.root, announce=self._mode is None)
+        if self._mode not in (None, mode) and torch.distributed.get_rank() == 0:
+            log.warning("checkpoint root %s is now %s storage (was %s)", self.root, mode, self._mode)
+        self._mode = mode
+        self._recover(mode)
+        found = inventory.survey(self.root)
+        final = self.step_dir(step)
+        if step in found.links:
+            raise CheckpointError(f"{final} is a symlink; mcore_rl never writes or deletes through links: "
+                                  "remove the link, or save to another checkpoint.root.")
+        state = found.steps[step].state(found.nodes) if step in found.steps else None
+        write_dir = os.path.join(self.root, inventory.incoming_name(step)) if state == "complete" else final
+        if torch.distributed.get_rank() == 0 and state is not None:
+            log.warning("%s exists (%s): %s", final, state,
+                        "the new save is written beside it and replaces it once complete" if state == "complete"
+                        else "removing it before saving it again")
+        stale = storage.is_writer(mode) and state in ("torn", "partial")
+        agreed(partial(_remove_step_dir, final) if stale else None, f"removing the incomplete {final}")
+        return _Pending(step, final, write_dir, found.next_order(), mode)
+
+    def _check_root(self) -> None:
         try:
             os.makedirs(self.root, exist_ok=True)
-            ok = os.access(self.root, os.W_OK | os.X_OK)
-        except OSError:
-            ok = False
-        if not _all_ranks_ok(ok):
-            raise CheckpointError(f"checkpoint root {self.root!r} is not writable on every rank; "
-                                  "choose a writable checkpoint.root (check permissions and mounts).")
-        step_dir = self.step_dir(step)
-        if os.path.isfile(os.path.join(step_dir, MARKER)):
-            raise CheckpointError(f"{step_dir} is already a complete checkpoint; resume from it "
-                                  "(resume_mode=auto) or save to another checkpoint.root.")
-        torch.distributed.barrier()
-        if os.path.isdir(step_dir) and storage.node_leader() and self._is_writer():
-            log.warning("removing incomplete %s before saving it again", step_dir)
-            shutil.rmtree(step_dir)
-        torch.distributed.barrier()
-        return step_dir
+            problem = None if os.access(self.root, os.W_OK | os.X_OK) else "no write permission"
+        except OSError as e:
+            problem = f"{type(e).__name__}: {e}"
+        if problem:
+            raise CheckpointError(f"checkpoint root {self.root!r} is not writable ({problem}); choose a "
+                                  "writable checkpoint.root (check permissions and mounts).")
 
-    def _is_writer(self) -> bool:
-        return torch.distributed.get_rank() == 0 or self._mode == "node_local"
+    def _recover(self, mode: storage.Mode) -> None:
+        """Finishes or undoes replacements a crash cut short (writers of ``mode``)."""
+        agreed(partial(_recover_side_dirs, self.root) if storage.is_writer(mode) else None,
+               f"finishing interrupted replacements under {self.root}")
 
     def _snapshot(self, engines: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], dict]]:
-        """Per role: (contents, sharded state dict). The async path copies tensors here."""
+        """Per role: (contents, sharded state dict). No tensor is copied here: a sync save writes
+        the engines' tensors before it returns; an async save's writer (a forked process) sees a
+        copy-on-write image of host memory as of the save call, and the writer's plan copies what
+        that image would not freeze (device tensors, tensors in shared memory)."""
         out = {}
         for role, engine in engines.items():
             contents = tuple(c for c in self.cfg.save_contents
@@ -184,214 +219,299 @@ class CheckpointManager:
             out[role] = (contents, sharded_state(engine, dist, self.cfg.optimizer_sharding, is_loading=False))
         return out
 
-    def _write(self, step_dir: str, snapshot: dict, engines: dict[str, Any],
-               trainer_state: dict) -> tuple[list, list[str]]:
-        """Plans every role's shards (megatron requests, not run yet) and writes the small files
-        (metadata, HF files, trainer state); returns the requests and the roles."""
-        mode = storage.detect_storage(self.root, announce=self._mode is None)
-        if self._mode not in (None, mode):
-            log.warning("checkpoint root %s is now %s storage (was %s)", self.root, mode, self._mode)
-        self._mode = mode
+    def _write(self, p: _Pending, snapshot: dict, engines: dict[str, Any], trainer_state: dict) -> list:
+        """Plans every role's shards (requests, not run yet) and writes the small files (metadata,
+        HF files, trainer state); every rank-0 write is agreed."""
         rank0 = torch.distributed.get_rank() == 0
-        requests, roles = [], []
+        requests = []
         for role, (contents, state) in snapshot.items():
-            role_dir = os.path.join(step_dir, role)
+            role_dir = os.path.join(p.write_dir, role)
             dist_dir = os.path.join(role_dir, "dist_ckpt")
-            os.makedirs(dist_dir, exist_ok=True)  # every writer makes its own dirs
-            torch.distributed.barrier()
-            requests.append(_plan_dist(state, dist_dir, stage=self.cfg.async_save))
-            engine = engines[role]
+            agreed(partial(os.makedirs, dist_dir, exist_ok=True), f"creating {dist_dir}")  # each writer its own
+            strategy = ItemSaveStrategy(stage_device_tensors=self.cfg.async_save)
+            request = plan_item_save(state, dist_dir, strategy)
+            request.finalize_fns.insert(0, lambda: fault_point("metadata"))  # after every rank's shards
+            p.roles.append(role)
+            p.strategies.append(strategy)
+            requests.append(request)
             if "hf_model" in contents:
-                self._write_hf_weights(engine, role, os.path.join(role_dir, "huggingface"), rank0)
-            if rank0:
-                storage.write_json_atomic(os.path.join(role_dir, META),
-                                          build_metadata(engine, role, contents, self.cfg.optimizer_sharding))
-                self._write_hf_files(role, os.path.join(role_dir, "huggingface"))
-            roles.append(role)
-        if rank0:
-            storage.write_json_atomic(os.path.join(step_dir, TRAINER_STATE), trainer_state)
-        return requests, roles
+                self._write_hf_weights(engines[role], role, os.path.join(role_dir, "huggingface"), rank0)
+            meta = build_metadata(engines[role], role, contents, self.cfg.optimizer_sharding)
+            agreed(partial(self._write_role_files, role, role_dir, meta) if rank0 else None, f"writing {role_dir}")
+        agreed(partial(storage.write_json_atomic, os.path.join(p.write_dir, TRAINER_STATE), trainer_state)
+               if rank0 else None, f"writing {TRAINER_STATE}")
+        return requests
 
-    def _finish(self, step: int, step_dir: str, roles: list[str]) -> None:
-        """Once every rank's shards are written: fsync, node-local copy, verify, marker, tracker."""
-        # rank 0's writes done first: a walk beside them lists its temp files, renamed away before
-        # the open (FileNotFoundError on rank 1, seen in the fault test)
-        torch.distributed.barrier()
-        storage.fsync_tree(step_dir)
-        torch.distributed.barrier()
-        if self._mode == "node_local":
-            log.info("checkpoint root %s is node-local: copying missing files between nodes", self.root)
-            storage.sync_step_to_all_nodes(step_dir)
-        self._finalize(step, step_dir, roles)
-
-    def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
-        """HF safetensors shards of at most ``hf_max_shard_size`` (+ index), streamed bucket by
-        bucket (collective: every rank gathers each bucket; rank 0 writes it)."""
-        from mcore_rl.models.hf_weights import export_hf_buckets
-
-        buckets = export_hf_buckets(engine.model, engine.args, role, parse_size(self.cfg.hf_max_shard_size))
-        if rank0:
-            write_bucket_shards(hf_dir, buckets)
-        else:
-            for _ in buckets:
-                pass
-
-    def _write_hf_files(self, role: str, hf_dir: str) -> None:
-        source = self.hf_sources.get(role)
-        if source is None:
-            return
+    def _write_role_files(self, role: str, role_dir: str, meta: dict) -> None:
+        storage.write_json_atomic(os.path.join(role_dir, META), meta)
+        source, hf_dir = self.hf_sources.get(role), os.path.join(role_dir, "huggingface")
         if isinstance(source, (str, os.PathLike)):
             copy_hf_files(os.fspath(source), hf_dir)
-        else:
+        elif source is not None:
             os.makedirs(hf_dir, exist_ok=True)
             source.to_json_file(os.path.join(hf_dir, "config.json"))
 
-    def _finalize(self, step: int, step_dir: str, roles: list[str]) -> None:
-        """Verify every expected file, then marker, then tracker, then cleanup (writer ranks)."""
-        writer = self._is_writer() and (self._mode == "shared" or storage.node_leader())
-        problem = self._verify(step_dir, roles) if writer else None
-        if not _all_ranks_ok(problem is None):
-            raise CheckpointError(problem or f"{step_dir}: another rank found missing or short files; "
-                                  "see its error; the step is not marked complete.")
-        if writer:
-            fault_point("marker")
-            files = self._inventory(step_dir)
-            storage.write_json_atomic(os.path.join(step_dir, MARKER),
-                                      {"step": step, "roles": sorted(roles), "files": files})
-            fault_point("tracker")
-            storage.write_json_atomic(os.path.join(self.root, TRACKER), step)
-            fault_point("retention")
-            self._cleanup(step)
-        torch.distributed.barrier()
+    def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
+        """HF safetensors shards of at most ``hf_max_shard_size`` (+ index), streamed bucket by
+        bucket (collective: every rank gathers each bucket; rank 0 writes it; a failed write
+        still takes part in every gather, then fails the save on every rank)."""
+        from mcore_rl.models.hf_weights import export_hf_buckets
 
-    def _verify(self, step_dir: str, roles: list[str]) -> str | None:
-        required = {TRAINER_STATE: 1}
-        for role in roles:
-            required[os.path.join(role, META)] = 1
-            for rel, size in storage.expected_files(os.path.join(step_dir, role, "dist_ckpt")).items():
-                required[os.path.join(role, "dist_ckpt", rel)] = size
-        return _missing_or_short(step_dir, required)
+        buckets = export_hf_buckets(engine.model, engine.args, role, parse_size(self.cfg.hf_max_shard_size))
 
-    @staticmethod
-    def _inventory(step_dir: str) -> dict[str, int]:
-        files = {}
-        for dirpath, _, names in os.walk(step_dir):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                files[os.path.relpath(path, step_dir)] = os.path.getsize(path)
-        return files
+        def write() -> None:
+            try:
+                write_bucket_shards(hf_dir, buckets)
+            finally:
+                for _ in buckets:  # the others keep gathering
+                    pass
 
-    def _cleanup(self, newest: int) -> None:
-        """Crash debris (incomplete dirs older than ``newest``) and retention beyond the limit."""
-        for step in self.incomplete_steps():
-            if step < newest:
-                log.warning("removing crash debris %s (incomplete, older than step %d)", self.step_dir(step), newest)
-                shutil.rmtree(self.step_dir(step), ignore_errors=True)
-        keep = self.cfg.max_ckpt_to_keep
-        complete = self.complete_steps()
-        if keep is not None and len(complete) > keep:
-            for step in complete[:-keep]:
-                if step != complete[-1]:  # never the newest complete one
-                    log.info("retention: removing %s (max_ckpt_to_keep=%d)", self.step_dir(step), keep)
-                    # marker first: a crash inside rmtree leaves debris, never a "complete" step missing files
-                    os.remove(os.path.join(self.step_dir(step), MARKER))
-                    storage.fsync_path(self.step_dir(step))
-                    shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        agreed(write if rank0 else partial(_drain, buckets), f"writing the HF weights of {role}")
+
+    # ---- finish: manifest -> copies between nodes -> checks -> marker -> tracker -> retention --
+    def _finish(self, p: _Pending) -> None:
+        """Once every rank's shards are written (and ``.metadata``): the step's manifest, the
+        node-local copy, each node's check, then marker, replacement swap, tracker, retention."""
+        manifest = self._manifest(p)
+        if p.mode == "node_local":
+            log.info("checkpoint root %s is node-local: copying missing files between nodes", self.root)
+            peer_sync.sync_step_to_all_nodes(p.write_dir, manifest)
+        writer = storage.is_writer(p.mode)
+        agreed(partial(_check_written, p, manifest) if writer else None, f"checking {p.write_dir} "
+               "(the step is not marked complete)")
+        marker = Marker(p.step, tuple(sorted(p.roles)), p.order,
+                        {rel: (e.size, e.crc32) for rel, e in manifest.items()})
+        marker_path = os.path.join(p.write_dir, MARKER)
+        _phase(writer, partial(_write_marker, marker_path, marker), partial(_remove_file, marker_path),
+               f"writing the {MARKER} marker of {p.final_dir}")
+        if p.write_dir != p.final_dir:
+            _phase(writer, partial(_swap_in, p.write_dir, p.final_dir), partial(_swap_out, p.write_dir, p.final_dir),
+                   f"replacing {p.final_dir} with the new save")
+        agreed(partial(_write_tracker, self.root, p.step) if writer else None,
+               f"writing {TRACKER} (step {p.step} is complete; the tracker still names the step before it)")
+        self._retention(p, writer)
+
+    def _manifest(self, p: _Pending) -> integrity.Manifest:
+        """Every file of the step with size, CRC-32 and writing node: each rank's shards from
+        its writer; rank 0's other files (megatron's metadata, JSON, HF) fsynced and read back."""
+        mine: dict[str, tuple[int, str]] = {}
+        for role, strategy in zip(p.roles, p.strategies):
+            for name, digest in (strategy.writer.written_files() if strategy.writer else {}).items():
+                mine[f"{role}/dist_ckpt/{name}"] = digest
+        own = agreed(partial(_digest_rank0_files, p.write_dir) if torch.distributed.get_rank() == 0 else None,
+                     f"recording the files of {p.write_dir}")
+        return integrity.gather_manifest({**mine, **(own or {})}, p.write_dir)
+
+    def _retention(self, p: _Pending, writer: bool) -> None:
+        """Removes crash debris (torn steps numbered below the new one), finished replacements'
+        old copies and, by completion order, complete steps beyond ``max_ckpt_to_keep``."""
+        found = inventory.survey(self.root)
+        old, debris, abandoned = found.retention(p.step, self.cfg.max_ckpt_to_keep)
+        if torch.distributed.get_rank() == 0:
+            if abandoned:
+                log.warning("steps %s are numbered above the step just saved (%d): treated as an abandoned "
+                            "branch, ranked by completion order (kept while max_ckpt_to_keep allows)",
+                            abandoned, p.step)
+            for step in debris:
+                log.warning("removing crash debris %s (incomplete, numbered below step %d)", self.step_dir(step), p.step)
+            for step in old:
+                log.info("retention: removing %s (max_ckpt_to_keep=%s)", self.step_dir(step), self.cfg.max_ckpt_to_keep)
+        dirs = [self.step_dir(s) for s in debris + old]
+        agreed(partial(_clean, self.root, dirs) if writer else None,
+               f"removing old checkpoints under {self.root} (step {p.step} is complete and tracked)")
 
     # ---- resume / load ---------------------------------------------------------------------
     def resume(self, engines: dict[str, Any]) -> dict | None:
-        """Loads by ``resume_mode``; returns the trainer state, or None when starting fresh."""
+        """Loads by ``resume_mode``; returns the trainer state, or None when starting fresh.
+        ``auto``: the step the tracker names when complete, else the step completed last."""
         mode = self.cfg.resume_mode
         if mode == "disable":
             return None
         if mode == "path":
-            step_dir = os.path.abspath(self.cfg.resume_path)
-            if not os.path.isfile(os.path.join(step_dir, MARKER)):
-                raise CheckpointError(f"checkpoint.resume_path={step_dir!r} is not a complete checkpoint "
-                                      f"(no {MARKER}); {self._choices()}")
-            return self.load(step_dir, engines, self.cfg.load_contents)
-        step = self._auto_step()
+            return self.load(os.path.abspath(self.cfg.resume_path), engines, self.cfg.load_contents)
+        found_mode = storage.detect_storage(self.root, announce=self._mode is None, required=False)
+        if found_mode is not None:  # None: a read-only root, nothing to finish there
+            self._mode = found_mode
+            self._recover(found_mode)
+        step, notes = inventory.survey(self.root).resume_step()
+        if torch.distributed.get_rank() == 0:
+            for note in notes:
+                log.warning(note)
         if step is None:
             return None
         return self.load(self.step_dir(step), engines, self.cfg.load_contents)
 
+    def load(self, step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]) -> dict:
+        """Loads ``contents`` of every engine from ``step_dir``. Everything is checked first for
+        every role — marker, metadata, layout, each file's size and CRC-32 on every node, the
+        pickled parts — so a refusal touches no state. Returns the trainer state."""
+        self.wait()
+        step_dir = os.path.abspath(step_dir)
+        checked = agreed(partial(check_step, step_dir, engines, tuple(contents), self._choices),
+                         f"checking {step_dir}")
+        plans, trainer_state, marker = checked
+        self._verify_content(step_dir, marker, list(engines))
+        preread_pickles(step_dir, list(engines))
+        for role, engine in engines.items():
+            load_planned(os.path.join(step_dir, role), engine, plans[role])
+        return trainer_state
+
+    def _verify_content(self, step_dir: str, marker: Marker, roles: list[str]) -> None:
+        """Every node's copy of the files the load reads has the recorded CRC-32, and every node
+        holds the same marker. The work is split by size over the ranks that share a disk."""
+        crcs = {raw for raw in all_gather_bytes(file_crc32(os.path.join(step_dir, MARKER))[1].encode())}
+        if len(crcs) > 1:
+            raise CheckpointError(f"the nodes hold different versions of {step_dir} (their {MARKER} markers "
+                                  "differ); resume another step with checkpoint.resume_mode=path.")
+        files = {rel: v for rel, v in marker.files.items()
+                 if rel == TRAINER_STATE or (rel.split("/")[0] in roles and rel.split("/")[1] != "huggingface")}
+        if all(crc is None for _, crc in files.values()):
+            if torch.distributed.get_rank() == 0:
+                log.warning("%s was written before checkpoints recorded checksums: sizes checked, content not", step_dir)
+            return
+        parent = os.path.dirname(step_dir)
+        mode = self._mode if parent == self.root and self._mode else \
+            storage.detect_storage(parent, announce=False, required=False)
+        group = list(range(torch.distributed.get_world_size())) if mode == "shared" else storage.node_ranks()
+        mine = integrity.share(sorted(files), {r: files[r][0] for r in files},
+                               group.index(torch.distributed.get_rank()), len(group))
+        agreed(partial(integrity.check_content, step_dir, files, mine), f"verifying the content of {step_dir}")
+
     def _choices(self) -> str:
-        steps = self.complete_steps()
+        """This node's complete steps and how to pick one (for error messages)."""
+        scan = inventory.scan_root(self.root)
+        steps = sorted(int(s) for s, v in scan["steps"].items() if v["marker"] == "ok")
         if not steps:
             return f"there is no complete checkpoint under {self.root}."
         return (f"complete steps under {self.root}: {steps}; pick one with checkpoint.resume_mode=path "
                 f"checkpoint.resume_path={self.step_dir(steps[-1])}")
 
-    def _auto_step(self) -> int | None:
-        """The newest complete step; the tracker, when present, must name a complete step."""
-        tracker = os.path.join(self.root, TRACKER)
-        if os.path.exists(tracker):
-            with open(tracker) as f:
-                text = f.read().strip()
-            if not text.isdigit():
-                raise CheckpointError(f"{tracker} holds {text[:60]!r}, not a step number; {self._choices()}")
-            if int(text) not in self.complete_steps():
-                state = "missing" if not os.path.isdir(self.step_dir(int(text))) else "incomplete"
-                raise CheckpointError(f"{tracker} names step {int(text)}, whose directory is {state}; "
-                                      f"{self._choices()}")
-        for step in self.incomplete_steps():
-            log.warning("skipping incomplete checkpoint %s (no %s marker)", self.step_dir(step), MARKER)
-        steps = self.complete_steps()
-        return steps[-1] if steps else None
 
-    def load(self, step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]) -> dict:
-        """Loads ``contents`` of every engine from ``step_dir``; everything is validated first
-        (files, metadata, layout), so a refusal touches no state. Returns the trainer state."""
-        self.wait()
-        if not os.path.isfile(os.path.join(step_dir, MARKER)):
-            raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {MARKER}); {self._choices()}")
-        marker = storage.read_json(os.path.join(step_dir, MARKER))
-        plans = {}
-        for role, engine in engines.items():
-            if role not in marker["roles"]:
-                raise CheckpointError(f"{step_dir} holds roles {marker['roles']}, not {role!r}; "
-                                      "load only the roles it saved.")
-            role_dir = os.path.join(step_dir, role)
-            problem = _missing_or_short(step_dir, self._required(role_dir, role))
-            if problem:
-                raise CheckpointError(problem)
-            meta = storage.read_json(os.path.join(role_dir, META))
-            plans[role] = plan_load(meta, engine, role, tuple(contents), role_dir)
-        for role, engine in engines.items():
-            load_planned(os.path.join(step_dir, role), engine, plans[role])
-        return storage.read_json(os.path.join(step_dir, TRAINER_STATE))
-
-    @staticmethod
-    def _required(role_dir: str, role: str) -> dict[str, int]:
-        dist_dir = os.path.join(role_dir, "dist_ckpt")
-        required = {os.path.join(role, META): 1, os.path.join(role, "dist_ckpt", ".metadata"): 1}
-        if os.path.isfile(os.path.join(dist_dir, ".metadata")):
-            for rel, size in storage.expected_files(dist_dir).items():
-                required[os.path.join(role, "dist_ckpt", rel)] = size
-        return required
+# ---- what writers do on their disk ----------------------------------------------------------------
+def _phase(writer: bool, do: Callable[[], None], undo: Callable[[], None], what: str) -> None:
+    """An agreed step of the writers; when it failed anywhere, writers that did it undo it."""
+    done = []
+    try:
+        agreed((lambda: (do(), done.append(True))) if writer else None, what)
+    except CheckpointError:
+        if done:
+            with contextlib.suppress(OSError):
+                undo()
+        raise
 
 
-def _plan_dist(state: dict, dist_dir: str, stage: bool):
-    """megatron's torch_dist save of ``state`` as an unscheduled request (plan done, common.pt
-    written; the request writes this rank's shard file, its finalize writes ``.metadata`` and
-    ``metadata.json`` on rank 0). The fault hook ``metadata`` fires after every rank's shards,
-    before any metadata. ``stage``: copy device tensors to host now (async save)."""
-    request = dist_checkpointing.save(state, dist_dir, sharded_strategy=ItemSaveStrategy(stage),
-                                      async_sharded_save=True)
-    request.finalize_fns.insert(0, lambda: fault_point("metadata"))
-    return request
+def _drain(items) -> None:
+    for _ in items:
+        pass
 
 
-def _missing_or_short(step_dir: str, required: dict[str, int]) -> str | None:
-    """A message naming every missing or truncated file (expected vs actual size), or None."""
-    bad = []
-    for rel, size in sorted(required.items()):
-        path = os.path.join(step_dir, rel)
-        if not os.path.isfile(path):
-            bad.append(f"{rel} missing")
-        elif os.path.getsize(path) < size:
-            bad.append(f"{rel} truncated ({os.path.getsize(path)} bytes, expected >= {size})")
-    if not bad:
-        return None
-    return (f"checkpoint {step_dir} is damaged: {'; '.join(bad)}; restore the files, or resume from "
-            "another step with checkpoint.resume_mode=path checkpoint.resume_path=<root>/global_step_<N>.")
+def _digest_rank0_files(write_dir: str) -> dict[str, tuple[int, str]]:
+    """Rank 0's files of a step (all but the shards, which their writers record): fsynced, then
+    read back for their CRC-32 (megatron's ``.metadata``/``common.pt`` are not fsynced by it)."""
+    rels = []
+    for dirpath, _, names in os.walk(write_dir):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            if not name.endswith(".distcp") and not name.endswith(storage.TMP_SUFFIX) and not os.path.islink(path):
+                rels.append(os.path.relpath(path, write_dir))
+    return integrity.digest_files(write_dir, sorted(rels))
+
+
+def _check_written(p: _Pending, manifest: integrity.Manifest) -> None:
+    """This node holds every file of the manifest with its size, the files every role's
+    ``.metadata`` names are in it, and the step's directories are durable."""
+    integrity.check_sizes(p.write_dir, {rel: (e.size, e.crc32) for rel, e in manifest.items()})
+    missing = [r for r in (TRAINER_STATE, *(f"{role}/{META}" for role in p.roles)) if r not in manifest]
+    for role in p.roles:
+        for rel, size in storage.expected_files(os.path.join(p.write_dir, role, "dist_ckpt")).items():
+            entry = manifest.get(f"{role}/dist_ckpt/{rel}")
+            if entry is None or entry.size < size:
+                missing.append(f"{role}/dist_ckpt/{rel}")
+    if missing:
+        raise CheckpointError(f"{p.write_dir}: {missing[:8]} not written (a writer reported no file, or a "
+                              "shorter one than .metadata needs); the step is not marked complete.")
+    storage.fsync_dirs(p.write_dir)
+
+
+def _write_marker(path: str, marker: Marker) -> None:
+    fault_point("marker")
+    io_fault("marker", path)
+    storage.write_json_atomic(path, marker.payload())
+
+
+def _write_tracker(root: str, step: int) -> None:
+    fault_point("tracker")
+    path = os.path.join(root, TRACKER)
+    io_fault("tracker", path)
+    storage.write_json_atomic(path, step)
+
+
+def _remove_file(path: str) -> None:
+    os.remove(path)
+    storage.fsync_path(os.path.dirname(path))
+
+
+def _remove_step_dir(path: str) -> None:
+    """Marker first (a crash part-way leaves debris, never a "complete" step missing files),
+    then the tree; a link is never followed, a missing dir is fine."""
+    if not is_real_dir(path):
+        return
+    if os.path.isfile(os.path.join(path, MARKER)):
+        _remove_file(os.path.join(path, MARKER))
+    shutil.rmtree(path)
+
+
+def _swap_in(incoming: str, final: str) -> None:
+    """The old complete step steps aside, the new one takes its name (a crash in between is
+    finished by ``_recover_side_dirs``); the old copy is removed at retention."""
+    root = os.path.dirname(final)
+    step, _ = inventory.side_dir(os.path.basename(incoming))
+    os.rename(final, os.path.join(root, inventory.outgoing_name(step)))
+    storage.fsync_path(root)
+    fault_point("swap")  # the step's name is free: the next start finishes the swap
+    os.rename(incoming, final)
+    storage.fsync_path(root)
+
+
+def _swap_out(incoming: str, final: str) -> None:
+    """Undoes ``_swap_in`` on a writer that did it when another failed."""
+    root = os.path.dirname(final)
+    step, _ = inventory.side_dir(os.path.basename(incoming))
+    outgoing = os.path.join(root, inventory.outgoing_name(step))
+    if os.path.isdir(outgoing):
+        if os.path.isdir(final):
+            os.rename(final, incoming)
+        os.rename(outgoing, final)
+        storage.fsync_path(root)
+
+
+def _recover_side_dirs(root: str) -> None:
+    """Per side dir on this disk: the step's dir exists -> the side dir is left over (removed);
+    else an incoming copy with a marker takes the name (the swap was cut after its first
+    rename), or the outgoing copy goes back; an incoming copy without marker is removed."""
+    if not os.path.isdir(root):
+        return
+    for name in sorted(os.listdir(root)):  # .incoming sorts before .outgoing
+        found, path = inventory.side_dir(name), os.path.join(root, name)
+        if found is None or not is_real_dir(path):
+            continue
+        final = os.path.join(root, inventory.step_name(found[0]))
+        if os.path.lexists(final):
+            log.warning("removing %s, left over from a replacement of %s", path, final)
+            _remove_step_dir(path)
+        elif found[1] == "outgoing" or os.path.isfile(os.path.join(path, MARKER)):
+            log.warning("finishing an interrupted replacement: %s -> %s", path, final)
+            os.rename(path, final)
+            storage.fsync_path(root)
+        else:
+            log.warning("removing %s, an unfinished replacement of %s", path, final)
+            _remove_step_dir(path)
+
+
+def _clean(root: str, dirs: list[str]) -> None:
+    """Retention and debris on this disk: each dir marker-first; replacements' leftovers."""
+    fault_point("retention")
+    io_fault("cleanup", root)
+    for path in dirs:
+        _remove_step_dir(path)
+    _recover_side_dirs(root)

@@ -17,18 +17,19 @@ Where megatron-core 0.16.1 (torch_dist format) and torch.distributed.checkpoint 
 ``restricted_unpickling()`` routes all of these through allowlists for the duration of a load:
 the ``.metadata`` pickle through ``RestrictedUnpickler`` (explicit class allowlist), every
 ``torch.load`` through torch's own weights_only unpickler (forced, so the environment variable
-cannot turn it off) plus ``SAFE_TORCH_GLOBALS`` for numpy RNG state.
+cannot turn it off) with nothing admitted beyond torch's own allowlist (``SAFE_TORCH_GLOBALS`` is
+empty: mcore_rl's RNG payloads hold tensors and plain values, no numpy objects).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
 import re
 import threading
-from typing import Any
+from typing import Any, Iterator
 
-import numpy
 import torch
 
 from mcore_rl.errors import McoreRLError
@@ -80,9 +81,30 @@ METADATA_GLOBALS: frozenset[str] = frozenset(
         *_torch_dtype_globals(),
     }
 )
-# beyond torch's weights_only defaults: numpy arrays/dtypes in RNG state (numpy.random.get_state())
-_multiarray = getattr(numpy, "_core", None) or numpy.core  # numpy 2 / numpy 1
-SAFE_TORCH_GLOBALS: list[Any] = [numpy.ndarray, numpy.dtype, _multiarray.multiarray._reconstruct]
+# beyond torch's weights_only defaults: nothing. Every pickled part mcore_rl writes holds tensors,
+# strings, numbers and containers; an admitted class is attack surface no file needs.
+SAFE_TORCH_GLOBALS: list[Any] = []
+
+
+def _registered_by_torch(entry: Any) -> bool:
+    obj = entry[0] if isinstance(entry, tuple) else entry
+    return (getattr(obj, "__module__", "") or "").split(".")[0] == "torch"
+
+
+@contextlib.contextmanager
+def torch_globals_only() -> Iterator[None]:
+    """torch's weights_only allowlist cut to torch's own entries (+ ``SAFE_TORCH_GLOBALS``) for
+    the block: megatron-core registers numpy, pathlib, argparse, BytesIO and its config classes
+    process-wide when it is imported, none of which a checkpoint of mcore_rl needs. The full
+    list is restored on exit."""
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals([g for g in saved if _registered_by_torch(g)] + SAFE_TORCH_GLOBALS)
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -140,18 +162,40 @@ def _make_safe_torch_load(original_load):
         source = _source_of(f)
         if pickle_module is not None:
             raise _refusal(source, f"pickle_module={getattr(pickle_module, '__name__', pickle_module)}")
-        try:
-            with torch.serialization.safe_globals(SAFE_TORCH_GLOBALS):
-                return original_load(f, map_location=map_location, weights_only=True, mmap=mmap, **kwargs)
+        try:  # inside restricted_unpickling: torch's allowlist is already cut to torch's own entries
+            return original_load(f, map_location=map_location, weights_only=True, mmap=mmap, **kwargs)
         except UnsafeCheckpointError:
             raise
         except pickle.UnpicklingError as e:
-            found = _REFUSED.search(str(e))
-            refused = found.group(1) if found else str(e).strip().splitlines()[0]
-            raise _refusal(source, refused) from None
+            raise _unpickling_error(e, source) from None
 
     safe_torch_load.__wrapped__ = original_load
     return safe_torch_load
+
+
+class DamagedPickleError(McoreRLError, pickle.UnpicklingError):
+    """A pickled checkpoint part that cannot be read (truncated, corrupt); nothing of it ran."""
+
+
+def _unpickling_error(e: pickle.UnpicklingError, source: str) -> Exception:
+    """torch's weights_only refusal: a refused global is UnsafeCheckpointError; anything else
+    (a truncated or corrupt payload) is damage, not malice."""
+    found = _REFUSED.search(str(e))
+    if found:
+        return _refusal(source, found.group(1))
+    first = (str(e).strip().splitlines() or ["unreadable"])[0]
+    return DamagedPickleError(f"{source} cannot be read ({first[:200]}); the file is damaged or "
+                              "truncated: restore it, or load another checkpoint.")
+
+
+def load_payload(data: bytes, source: str) -> Any:
+    """A ShardedObject payload (``torch.save`` bytes) through torch's weights_only unpickler:
+    a refused global is UnsafeCheckpointError naming ``source``, damage DamagedPickleError."""
+    try:
+        with _lock, torch_globals_only():  # the original, not a patched torch.load
+            return torch.serialization.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise _unpickling_error(e, source) from None
 
 
 def _make_read_data(original):
@@ -220,8 +264,9 @@ def _patches() -> list[tuple[Any, str, Any]]:
     ]
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _depth = 0
+_outer: list = []  # the allowlist cut of the outermost block
 _saved: list[tuple[Any, str, Any, bool]] = []
 
 
@@ -243,6 +288,9 @@ class restricted_unpickling:
                 for obj, attr, new in _patches():
                     _saved.append((obj, attr, obj.__dict__.get(attr), attr in obj.__dict__))
                     setattr(obj, attr, new)
+                self._globals = torch_globals_only()
+                self._globals.__enter__()
+                _outer.append(self._globals)
             _depth += 1
         self._refusals_before = len(getattr(_local, "refusals", []))
         return self
@@ -252,6 +300,7 @@ class restricted_unpickling:
         with _lock:
             _depth -= 1
             if _depth == 0:
+                _outer.pop().__exit__(None, None, None)
                 while _saved:
                     obj, attr, old, had = _saved.pop()
                     if had:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.safe_load import SAFE_TORCH_GLOBALS, restricted_pickle_load
+from mcore_rl.checkpoint.safe_load import load_payload, restricted_pickle_load
 
 METADATA_FILE = ".metadata"
 
@@ -122,8 +122,7 @@ class TorchDistReader:
         if key not in self.objects:
             raise TorchDistReadError(f"{self.path}: no ShardedObject key {key!r} in the checkpoint.")
         data = self._read_bytes(key, None)
-        with torch.serialization.safe_globals(SAFE_TORCH_GLOBALS):
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return load_payload(data, f"ShardedObject payload {key!r} in {self._locate(key, None)[0]}")
 
     def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
         file, info = self._locate(key, offsets)

@@ -25,7 +25,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
 from megatron.core.dist_checkpointing.strategies.torch import (
@@ -35,6 +38,9 @@ from torch.distributed.checkpoint.filesystem import SerializationFormat, _Storag
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.api import _wrap_exception
+from torch.distributed.checkpoint.utils import _get_failure_dict
+
+from mcore_rl.checkpoint.collective import agreed, gather_errors, raise_if_any
 
 from mcore_rl.checkpoint.faults import hold_point, io_fault
 from mcore_rl.checkpoint.files import Crc32Stream, Writeback, crc32_hex
@@ -231,3 +237,43 @@ class ItemSaveStrategy(TorchDistSaveShardedStrategy):
         planned = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,
                                              planner=planner)
         return self._get_save_and_finalize_callbacks(writer, planned[0])
+
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
+        save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+        return AsyncRequest(save_fn, save_args, [partial(_finalize_agreed, *save_state_dict_ret)],
+                            preload_fn=preload_fn)
+
+
+def _finalize_agreed(storage_writer, global_metadata, dist_wrapper) -> None:
+    """megatron's finalize (gather every rank's write results; the coordinator writes
+    ``.metadata``), except that an error of the coordinator's own write reaches every rank:
+    megatron's raises it on the coordinator alone, leaving the others in the next collective."""
+    all_results = dist_wrapper.gather_object(storage_writer.retrieve_write_results())
+    error = None
+    if dist_wrapper.is_coordinator:
+        failures = _get_failure_dict(all_results)
+        if failures:
+            error = "; ".join(f"rank {r}: {failure[0]}" for r, failure in sorted(failures.items()))
+        else:
+            try:
+                storage_writer.finish(global_metadata, all_results)
+            except Exception as e:  # noqa: BLE001 - reported on every rank
+                error = f"writing .metadata: {type(e).__name__}: {e}"
+    raise_if_any(gather_errors(error), "writing the checkpoint shards")
+
+
+def plan_item_save(state: dict, checkpoint_dir: str, strategy: ItemSaveStrategy) -> AsyncRequest:
+    """megatron's ``dist_checkpointing.save(..., async_sharded_save=True)`` for an
+    ``ItemSaveStrategy``, with every step that runs on rank 0 alone (``common.pt``,
+    ``.metadata``, ``metadata.json``) agreed: a failure there fails the save on every rank
+    instead of leaving the others waiting. Returns the unscheduled request (plan done,
+    ``common.pt`` written); its finalize writes the metadata files."""
+    sharded, common = save_preprocess(state, True, None)
+    rank0 = torch.distributed.get_rank() == 0
+    common_path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
+    agreed((lambda: torch.save(common, common_path)) if rank0 else None, f"writing {common_path}")
+    request = strategy.async_save(sharded, Path(checkpoint_dir))
+    config = CheckpointingConfig(strategy.backend, strategy.version)
+    request.finalize_fns.append(lambda: agreed((lambda: save_config(config, checkpoint_dir)) if rank0 else None,
+                                               f"writing {checkpoint_dir}/metadata.json"))
+    return request

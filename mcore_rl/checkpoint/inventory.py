@@ -1,0 +1,292 @@
+"""What a checkpoint root holds, surveyed once from every node and agreed by all ranks.
+
+Every decision that depends on the disk — the step to resume, whether a step is complete, what
+retention deletes — is taken from one ``Survey``: each node's leader scans its view of the root
+(on node-local disks every node has its own), the scans are exchanged over torch.distributed,
+and every rank merges them the same way. A step is complete only when its marker is valid on
+every node. On a shared root all scans agree.
+
+Completion order: each marker records ``completed``, a sequence number one above every number
+already on disk, so a rollback's new steps rank after the abandoned branch whatever their step
+numbers. Markers written before it was recorded rank by step number, below all recorded ones.
+The tracker (``latest_checkpointed_iteration.txt``) is authoritative for ``auto`` resume, as in
+Megatron-LM and verl.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcore_rl.checkpoint import storage
+from mcore_rl.checkpoint.collective import all_gather_bytes, distributed
+from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import file_crc32
+
+MARKER = "COMPLETE"
+TRACKER = "latest_checkpointed_iteration.txt"
+TRAINER_STATE = "trainer_state.json"
+MARKER_FORMAT = 2  # 1: files with sizes; 2: + CRC-32 per file and the completion order
+_STEP_DIR = re.compile(r"^global_step_(\d{1,18})$")
+_SIDE_DIR = re.compile(r"^\.global_step_(\d{1,18})\.(incoming|outgoing)$")
+_TRACKER_TEXT = re.compile(rb"^[0-9]{1,18}$")  # ASCII digits only; at most 18 fit in int64
+
+
+def step_name(step: int) -> str:
+    return f"global_step_{step}"
+
+
+def incoming_name(step: int) -> str:
+    """A replacement of a complete step, written beside it and swapped in after its marker."""
+    return f".global_step_{step}.incoming"
+
+
+def outgoing_name(step: int) -> str:
+    """The replaced step during the swap (restored if the swap was cut short)."""
+    return f".global_step_{step}.outgoing"
+
+
+def side_dir(name: str) -> tuple[int, str] | None:
+    """(step, ``incoming`` | ``outgoing``) for a replacement's side dir name, else None."""
+    m = _SIDE_DIR.match(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+# ---- markers -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Marker:
+    """A step's completion marker: its roles, completion order and every file it holds with the
+    size (and, from format 2, the CRC-32) recorded when it was written."""
+
+    step: int
+    roles: tuple[str, ...]
+    order: int | None
+    files: dict[str, tuple[int, str | None]]
+
+    def payload(self) -> dict[str, Any]:
+        return {"format": MARKER_FORMAT, "step": self.step, "roles": list(self.roles),
+                "completed": self.order,
+                "files": {rel: {"size": size, "crc32": crc} for rel, (size, crc) in sorted(self.files.items())}}
+
+
+def read_marker(path: str) -> Marker:
+    """The marker at ``path``; a CheckpointError naming the file when it is damaged."""
+    data = storage.read_json(path)
+    try:
+        files = {}
+        for rel, entry in data["files"].items():
+            if isinstance(entry, int):  # format 1: the size only
+                files[str(rel)] = (entry, None)
+            else:
+                files[str(rel)] = (int(entry["size"]), str(entry["crc32"]))
+        order = data.get("completed")
+        if order is not None and (not isinstance(order, int) or isinstance(order, bool) or order < 0):
+            raise ValueError(f"completed={order!r}")
+        return Marker(int(data["step"]), tuple(str(r) for r in data["roles"]), order, files)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a valid completion marker ({type(e).__name__}: {e}); "
+                              "the step is damaged: resume another complete step.") from None
+
+
+def parse_tracker(raw: bytes, where: str) -> int:
+    """The step number in a tracker's bytes: ASCII digits (surrounding whitespace allowed)."""
+    text = raw.strip(b" \t\r\n")
+    if not _TRACKER_TEXT.fullmatch(text):
+        shown = raw[:60].decode("utf-8", errors="backslashreplace")
+        raise CheckpointError(
+            f"{where} holds {shown!r}, not a step number (ASCII digits, at most 18); it was not "
+            "written by a checkpoint save: remove it, or write the step to resume into it.")
+    return int(text)
+
+
+# ---- one node's scan ---------------------------------------------------------------------------
+def scan_root(root: str) -> dict[str, Any]:
+    """This node's view of ``root`` as JSON-able data: step dirs with their marker state and
+    order, symlinked step entries, side dirs of replacements, the tracker's bytes (hex)."""
+    out: dict[str, Any] = {"steps": {}, "links": [], "side": {}, "tracker": None}
+    if not os.path.isdir(root):
+        return out
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        m, side = _STEP_DIR.match(name), _SIDE_DIR.match(name)
+        if m and os.path.islink(path):
+            out["links"].append(int(m.group(1)))
+        elif m and os.path.isdir(path):
+            out["steps"][m.group(1)] = _marker_state(os.path.join(path, MARKER))
+        elif side and os.path.isdir(path) and not os.path.islink(path):
+            out["side"][name] = _marker_state(os.path.join(path, MARKER))
+    tracker = os.path.join(root, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker, "rb") as f:
+            out["tracker"] = f.read(4096).hex()
+    return out
+
+
+def _marker_state(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {"marker": "none", "order": None, "crc": None}
+    try:
+        order = read_marker(path).order
+    except CheckpointError:
+        return {"marker": "bad", "order": None, "crc": None}
+    return {"marker": "ok", "order": order, "crc": file_crc32(path)[1]}  # nodes may hold other versions
+
+
+# ---- the agreed survey -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepState:
+    """One step across nodes: which nodes hold its dir, which a valid marker, its order."""
+
+    step: int
+    present: tuple[int, ...]
+    marked: tuple[int, ...]
+    damaged: tuple[int, ...]
+    order: int | None
+    versions: int = 1  # distinct markers among the nodes (2: a replacement cut between nodes)
+
+    def state(self, nodes: tuple[int, ...]) -> str:
+        """``complete`` (the same valid marker on every node), ``torn`` (no marker anywhere) or
+        ``partial`` (a marker on some nodes only, a damaged one, or different ones)."""
+        if set(self.marked) == set(nodes) and not self.damaged and self.versions == 1:
+            return "complete"
+        return "torn" if not self.marked and not self.damaged else "partial"
+
+
+@dataclass(frozen=True)
+class Survey:
+    """The agreed view of a root (the same on every rank)."""
+
+    root: str
+    nodes: tuple[int, ...]
+    steps: dict[int, StepState]
+    trackers: dict[int, bytes | None]
+    links: tuple[int, ...] = ()
+    side: dict[str, dict[int, str]] = field(default_factory=dict)  # side dir -> node -> marker state
+
+    def in_state(self, state: str) -> list[int]:
+        return sorted(s for s, st in self.steps.items() if st.state(self.nodes) == state)
+
+    def rank_key(self, step: int) -> tuple[int, int]:
+        """Completion order: recorded orders after all unrecorded ones (those by step number)."""
+        order = self.steps[step].order
+        return (0, step) if order is None else (1, order)
+
+    def complete(self) -> list[int]:
+        """Complete steps, oldest completion first."""
+        return sorted(self.in_state("complete"), key=self.rank_key)
+
+    def next_order(self) -> int:
+        """The completion order of the next marker: above every order on disk."""
+        orders = [st.order for st in self.steps.values() if st.order is not None]
+        return max(orders, default=0) + 1
+
+    def tracked(self, notes: list[str] | None = None) -> int | None:
+        """The step the trackers name (garbage is an error). Nodes that disagree (a save cut
+        between two nodes' trackers): the named complete step completed last."""
+        named: dict[int, list[int]] = {}
+        for node, raw in sorted(self.trackers.items()):
+            if raw is not None:
+                where = os.path.join(self.root, TRACKER) + (f" (node {node})" if len(self.nodes) > 1 else "")
+                try:
+                    named.setdefault(parse_tracker(raw, where), []).append(node)
+                except CheckpointError as e:
+                    raise CheckpointError(f"{e} {self.choices()}") from None
+        if len(named) <= 1:
+            return next(iter(named), None)
+        done = [s for s in named if s in self.in_state("complete")]
+        choice = max(done, key=self.rank_key) if done else max(named)
+        if notes is not None:
+            notes.append(f"the nodes' trackers name different steps (step: nodes) {named}; using step "
+                         f"{choice}, the one completed last")
+        return choice
+
+    def resume_step(self) -> tuple[int | None, list[str]]:
+        """``auto``: the tracked step when complete; else the step completed last, with a note
+        naming both; None when nothing was ever completed. Returns (step, notes to log)."""
+        notes = [f"{os.path.join(self.root, step_name(s))} is a symlink: auto resume and retention skip "
+                 "linked steps (resume it with resume_mode=path)" for s in self.links]
+        notes += [f"skipping incomplete checkpoint {os.path.join(self.root, step_name(s))} ({self._why_incomplete(s)})"
+                  for s in self.in_state("torn") + self.in_state("partial")]
+        tracked, complete = self.tracked(notes), self.complete()
+        if tracked is not None and tracked in complete:
+            later = [s for s in complete if self.rank_key(s) > self.rank_key(tracked)]
+            if later:
+                notes.append(f"steps {later} completed after the tracked step {tracked}, but the tracker "
+                             f"names {tracked} (the tracker is authoritative); resume one of them with "
+                             "checkpoint.resume_mode=path")
+            return tracked, notes
+        if not complete:
+            if tracked is not None:
+                raise CheckpointError(
+                    f"{os.path.join(self.root, TRACKER)} names step {tracked}, but there is no complete "
+                    f"checkpoint under {self.root}; restore the checkpoints, or start fresh with "
+                    "checkpoint.resume_mode=disable (or another checkpoint.root).")
+            return None, notes
+        chosen = complete[-1]
+        if tracked is not None:
+            state = self.steps[tracked].state(self.nodes) if tracked in self.steps else "missing"
+            notes.append(f"the tracker names step {tracked}, which is {state}; resuming step {chosen}, the "
+                         "step completed last")
+        return chosen, notes
+
+    def retention(self, newest: int, keep: int | None) -> tuple[list[int], list[int], list[int]]:
+        """After ``newest`` was saved: (complete steps beyond ``keep`` by completion order, never
+        ``newest``; torn steps numbered below ``newest``, crash debris; complete steps numbered
+        above ``newest``, an abandoned branch, which retention ranks by completion like any)."""
+        complete = self.complete()
+        old = [s for s in complete[:-keep] if s != newest] if keep is not None and len(complete) > keep else []
+        debris = [s for s in self.in_state("torn") if s < newest]
+        return old, debris, [s for s in complete if s > newest]
+
+    def choices(self) -> str:
+        """The complete steps and how to pick one (for error messages)."""
+        steps = sorted(self.in_state("complete"))
+        if not steps:
+            return f"There is no complete checkpoint under {self.root}."
+        return (f"Complete steps under {self.root}: {steps}; pick one with checkpoint.resume_mode=path "
+                f"checkpoint.resume_path={os.path.join(self.root, step_name(steps[-1]))}")
+
+    def _why_incomplete(self, step: int) -> str:
+        st = self.steps[step]
+        if st.damaged:
+            return f"damaged {MARKER} marker on node(s) {list(st.damaged)}"
+        if st.versions > 1:
+            return f"the nodes hold {st.versions} different versions of it"
+        if st.marked:
+            return f"{MARKER} marker only on node(s) {list(st.marked)} of {list(self.nodes)}"
+        return f"no {MARKER} marker"
+
+
+def survey(root: str) -> Survey:
+    """Collective: every node leader scans ``root``; every rank merges the scans alike."""
+    if distributed():
+        leaders = storage.node_leaders()
+        mine = json.dumps(scan_root(root)).encode() if storage.node_leader() else b""
+        payloads = all_gather_bytes(mine)
+        scans = {node: json.loads(payloads[rank]) for node, rank in leaders.items()}
+    else:
+        scans = {0: scan_root(root)}
+    return merge_scans(root, scans)
+
+
+def merge_scans(root: str, scans: dict[int, dict[str, Any]]) -> Survey:
+    """The Survey of per-node scans (``scan_root`` outputs)."""
+    nodes = tuple(sorted(scans))
+    steps: dict[int, StepState] = {}
+    for step in sorted({int(s) for scan in scans.values() for s in scan["steps"]}):
+        views = {n: scan["steps"].get(str(step)) for n, scan in scans.items()}
+        ok = [v for v in views.values() if v and v["marker"] == "ok"]
+        orders = [v["order"] for v in ok if v["order"] is not None]
+        steps[step] = StepState(
+            step, tuple(n for n, v in views.items() if v), tuple(n for n, v in views.items() if v and v["marker"] == "ok"),
+            tuple(n for n, v in views.items() if v and v["marker"] == "bad"), max(orders, default=None),
+            max(len({v["crc"] for v in ok}), 1))
+    trackers = {n: bytes.fromhex(scan["tracker"]) if scan["tracker"] is not None else None for n, scan in scans.items()}
+    links = tuple(sorted({s for scan in scans.values() for s in scan["links"]}))
+    side: dict[str, dict[int, str]] = {}
+    for n, scan in scans.items():
+        for name, state in scan["side"].items():
+            side.setdefault(name, {})[n] = state["marker"]
+    return Survey(root, nodes, steps, trackers, links, side)

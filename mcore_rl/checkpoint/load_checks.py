@@ -1,0 +1,72 @@
+"""What a load checks before it touches any engine: the marker and every role's metadata and
+layout, the trainer state, every file's size against the marker, every file ``.metadata`` names
+being one the marker lists (and inside the step), and every pickled part read through the
+allowlists once. A refusal in any role is a refusal before the first role is loaded.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from mcore_rl.checkpoint import integrity, storage
+from mcore_rl.checkpoint.collective import agreed
+from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import META
+from mcore_rl.checkpoint.inventory import MARKER, TRAINER_STATE, Marker, read_marker
+from mcore_rl.checkpoint.safe_load import restricted_unpickling
+from mcore_rl.checkpoint.state import LoadPlan, plan_load
+from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
+
+
+def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...],
+               choices: Callable[[], str]) -> tuple[dict[str, LoadPlan], dict, Marker]:
+    """This rank's view of ``step_dir`` checked for loading ``contents`` into ``engines``:
+    (load plan per role, trainer state, marker). ``choices()`` tells the user the alternatives."""
+    marker_path = os.path.join(step_dir, MARKER)
+    if not os.path.isfile(marker_path):
+        raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {MARKER}); {choices()}")
+    marker = read_marker(marker_path)
+    plans = {}
+    for role, engine in engines.items():
+        if role not in marker.roles:
+            raise CheckpointError(f"{step_dir} holds roles {list(marker.roles)}, not {role!r}; "
+                                  "load only the roles it saved.")
+        meta = storage.read_json(os.path.join(step_dir, role, META))
+        plans[role] = plan_load(meta, engine, role, tuple(contents), os.path.join(step_dir, role))
+    trainer_state = storage.read_json(os.path.join(step_dir, TRAINER_STATE))
+    integrity.check_sizes(step_dir, marker.files)
+    for role in engines:
+        dist_dir = os.path.join(step_dir, role, "dist_ckpt")
+        for rel, size in storage.expected_files(dist_dir).items():
+            recorded = marker.files.get(f"{role}/dist_ckpt/{rel}")
+            if recorded is None or recorded[0] < size:
+                raise CheckpointError(
+                    f"{dist_dir}/.metadata names {rel} ({size} bytes or more), which the {MARKER} marker "
+                    f"{'does not list' if recorded is None else f'records with {recorded[0]} bytes'}; the "
+                    "checkpoint is damaged or was tampered with: resume another step.")
+    return plans, trainer_state, marker
+
+
+def preread_pickles(step_dir: str, roles: list[str]) -> None:
+    """Collective: every pickled part of the roles' checkpoints (``common.pt``, the ShardedObject
+    payloads) read once through the allowlists, split over the ranks; a refused global is
+    UnsafeCheckpointError on every rank, before any engine is loaded."""
+    parts: list[tuple[str, str | None]] = []
+    for role in roles:
+        dist_dir = os.path.join(step_dir, role, "dist_ckpt")
+        parts.append((dist_dir, None))
+        parts += [(dist_dir, key) for key in TorchDistReader(dist_dir).objects]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    agreed(lambda: _read(parts[rank::world]), f"reading the pickled parts of {step_dir}")
+
+
+def _read(parts: list[tuple[str, str | None]]) -> None:
+    readers: dict[str, TorchDistReader] = {}
+    for dist_dir, key in parts:
+        if key is None:
+            with restricted_unpickling():  # torch.load forced to weights_only, this file named
+                torch.load(os.path.join(dist_dir, "common.pt"), map_location="cpu")
+        else:
+            readers.setdefault(dist_dir, TorchDistReader(dist_dir)).read_object(key)
