@@ -21,24 +21,30 @@ def hf_dir_for(tmp: str, model_type: str, role: str) -> str:
     return path
 
 
+def engine_settings(bf16: bool) -> tuple:
+    """(BuildOptions, OptimConfig) of every checkpoint test engine: hidden dropout 0.1, an exact
+    MoE router, Adam with a short warmup and linear decay."""
+    from mcore_rl.models.builder import BuildOptions
+    from mcore_rl.models.moe import MoEOptions
+    from mcore_rl.rl.engine import OptimConfig
+
+    options = BuildOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32, hidden_dropout=0.1,
+                           moe=MoEOptions(**EXACT_MOE))
+    return options, OptimConfig(lr=0.02, eps=1e-3, warmup_steps=2, total_steps=6, decay_style="linear")
+
+
 def build_engine(hf_dir: str, layout_kwargs: dict, role: str, bf16: bool, seed: int):
     """A trainable engine (hidden dropout 0.1) and its Actor/Critic; ``seed`` seeds init RNGs."""
-    from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
-    from mcore_rl.models.moe import MoEOptions
     from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
     from mcore_rl.platform import active_platform
     from mcore_rl.rl.actor import Actor, ActorConfig
     from mcore_rl.rl.critic import Critic, CriticConfig
-    from mcore_rl.rl.engine import ModelEngine, OptimConfig
+    from mcore_rl.rl.engine import ModelEngine
 
     layout = ParallelLayout(**layout_kwargs)
     initialize_parallel_state(layout, seed=seed)
-    args = model_args_from_hf(hf_dir)
-    options = BuildOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32, hidden_dropout=0.1,
-                           moe=MoEOptions(**EXACT_MOE))
-    optim = OptimConfig(lr=0.02, eps=1e-3, warmup_steps=2, total_steps=6, decay_style="linear")
-    engine = ModelEngine(args, layout, role, active_platform(), options, optim, hf_dir)
+    engine = ModelEngine(model_args_from_hf(hf_dir), layout, role, active_platform(), *engine_settings(bf16), hf_dir)
     sizes = dict(micro_batch_size=2, ppo_mini_batch_size=ROWS // 2)  # 2 optimizer steps per update
     if role == "actor":
         return engine, Actor(engine, ActorConfig(**sizes))

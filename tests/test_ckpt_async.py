@@ -152,3 +152,36 @@ def test_offload_and_load_wait_for_the_write(tmp_path):
     root, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
     out = run_ranks(1, _moves_and_loads_wait, hf_dir, root, hold, daemon=False)[0]
     assert out == {"offload": [1], "load": [1, 2]}, out
+
+
+def _shared_memory_snapshot(hf_dir: str, root: str, hold: str) -> dict:
+    """Weights in shared memory (a trainer that shares them with worker processes): a fork's
+    copy-on-write image does not freeze them, so the async save must copy them at its call."""
+    os.environ[HOLD_ENV] = hold
+    engine, model = build_engine(hf_dir, {}, "actor", False, seed=1)
+    train(model, range(1))
+    params = list(engine.model[0].parameters())
+    for p in params:
+        p.data.share_memory_()  # moves DDP's whole parameter buffer to shared memory
+    shared = all(p.untyped_storage().is_shared() for p in params)
+    snap = [p.detach().clone() for p in params]
+    mgr = manager(root, async_save=True, save_contents=("model",), load_contents=("model",))
+    mgr.save(1, {"actor": engine}, {"step": 1})
+    while not _held(hold):
+        time.sleep(0.01)
+    with torch.no_grad():  # changed in place while the write is held
+        for p in params:
+            p.fill_(7.0)
+    open(os.path.join(hold, "release"), "w").close()
+    mgr.wait()
+    mgr.load(mgr.step_dir(1), {"actor": engine}, ("model",))
+    return {"shared": shared, "equal": [torch.equal(p, s) for p, s in zip(params, snap)]}
+
+
+def test_async_save_copies_weights_in_shared_memory(tmp_path):
+    hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
+    root, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
+    os.makedirs(hold)
+    out = run_ranks(1, _shared_memory_snapshot, hf_dir, root, hold, daemon=False)[0]
+    assert out["shared"], "the weights were not in shared memory: the test would prove nothing"
+    assert all(out["equal"]), "the checkpoint holds values written after its save call"

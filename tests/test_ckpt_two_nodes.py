@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import uuid
 
+from mcore_rl.checkpoint.faults import ENV, RANK_ENV
 from tests.two_node_ckpt_script import file_digests  # one hashing helper for both
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,6 +73,7 @@ def test_two_nodes_node_local_root(tmp_path):
         assert r["load"]["own_slice_equal"] and r["load"]["whole_equal_across_nodes"], r["load"]
         assert r["load"]["tp_sharded_keys"] > 0, r["load"]  # the load needed both nodes' shards
     by_node = {r["node"]: r for r in res}
+    assert by_node[1]["planted_stale"] and not by_node[0]["planted_stale"], res  # replaced by the sync
     # node 1 lacked rank 0's files before the sync (rank 0 writes .metadata and common.pt)
     assert by_node[1]["check_before_sync"].startswith("CheckpointError"), by_node[1]
     assert ".metadata does not exist" in by_node[1]["check_before_sync"], by_node[1]
@@ -148,7 +151,8 @@ def _wait_all(procs: list[subprocess.Popen], tag: str, timeout: float) -> list:
     return codes
 
 
-def _two_node_job(tmp_path, steps: int, shared: str, disks: list[str]) -> tuple[list, list[str]]:
+def _two_node_job(tmp_path, steps: int, shared: str, disks: list[str],
+                  extra_env: dict | None = None) -> tuple[list, list[str]]:
     """launch/run.sh on 2 nodes x 1 process. Node n runs in its own mount namespace where its own
     disk ``disks[n]`` is bind-mounted at the same path ``shared``: each node sees only the files
     its process wrote there, and the disks outlive the run (the second run resumes from them)."""
@@ -158,9 +162,9 @@ def _two_node_job(tmp_path, steps: int, shared: str, disks: list[str]) -> tuple[
     job = " ".join(["exec bash launch/run.sh 1", *_job_args(steps, shared)])
     procs, logs = [], []
     for n, disk in enumerate(disks):
-        logs.append(str(tmp_path / f"run{steps}_node{n}.log"))
+        logs.append(str(tmp_path / f"run{steps}{'_fault' if extra_env else ''}_node{n}.log"))
         env = _run_sh_env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                          **{TAG_ENV: tag})
+                          **{TAG_ENV: tag}, **(extra_env or {}))
         with open(logs[-1], "w") as f:
             procs.append(subprocess.Popen(
                 ["unshare", "--mount", "--propagation", "private", "sh", "-c",
@@ -209,8 +213,12 @@ def _check_full_on_both(disks: list[str], steps: list[int], text: str) -> list[d
 def test_main_job_two_nodes_node_local_disks_resume(tmp_path):
     """The main job on 2 nodes x 1 process with node-local checkpoint disks: a 4-step run saves
     steps 2 and 4 complete on BOTH nodes (the node without rank 0 receives rank 0's files,
-    trainer_state.json included, and writes its own marker and tracker); the same command with
-    steps=6 resumes from step 4 on both nodes and its metrics equal a straight 6-step run's."""
+    trainer_state.json included, and writes its own marker and tracker). The same command with
+    steps=6 is killed between the two nodes' markers of step 6 (rank 1 dies before its node's
+    marker; rank 0's node has one), and the node without the marker is also given an earlier
+    run's copy of rank 0's shard (same size, other bytes) in step 6. The rerun resumes step 4 on
+    both nodes (step 6 is complete on one node only), removes step 6 on both before writing it
+    again, and ends with identical files on both disks and the metrics of a straight run."""
     straight = str(tmp_path / "straight")  # one node, shared root; runs beside the first 2-node run
     reference_run = subprocess.Popen(["bash", "launch/run.sh", "2", *_job_args(6, straight)], cwd=ROOT_DIR,
                                      env=_run_sh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -234,16 +242,25 @@ def test_main_job_two_nodes_node_local_disks_resume(tmp_path):
     assert [s["metrics"] for s in states] == [n == first for n in range(2)], states
     assert "checkpoint root" in logs[first] and "node-local on 2 nodes" in logs[first], text
     assert "received" in logs[1 - first], text  # the node without rank 0 got files from its peer
-    assert _metrics(os.path.join(disks[first], "out", "metrics.jsonl")) == reference[:4]
-    with open(os.path.join(disks[first], "out", "metrics.jsonl"), "a") as f:
-        f.write(json.dumps({"step": 4, "reward": -1.0}) + "\n")  # logged, then crashed before the save
+
+    codes, logs = _two_node_job(tmp_path, 6, shared, disks, {ENV: "marker", RANK_ENV: "1"})
+    text = "\n".join(f"--- node {n} ---\n{log[-5000:]}" for n, log in enumerate(logs))
+    assert 0 not in codes, f"the run was not killed: {codes}\n{text}"
+    marked = [os.path.isfile(os.path.join(d, "ckpt", "global_step_6", "COMPLETE")) for d in disks]
+    assert sorted(marked) == [False, True], (marked, text)  # killed between the two nodes' markers
+    bare = disks[marked.index(False)]
+    old, stale = (os.path.join(bare, "ckpt", f"global_step_{s}", "actor", "dist_ckpt", "__0_0.distcp") for s in (4, 6))
+    with open(old, "rb") as a, open(stale, "rb") as b:  # the same size, other bytes
+        assert os.path.getsize(old) == os.path.getsize(stale) and a.read() != b.read()
+    shutil.copyfile(old, stale)
 
     codes, logs = _two_node_job(tmp_path, 6, shared, disks)
     text = "\n".join(f"--- node {n} ---\n{log[-5000:]}" for n, log in enumerate(logs))
     assert codes == [0, 0], f"exit codes {codes}\n{text}"
     lead = [n for n, log in enumerate(logs) if "grpo (fp32):" in log]  # rank 0 may change nodes
     assert len(lead) == 1 and "resumed from step 4" in logs[lead[0]], text
+    assert "skipping incomplete checkpoint" in logs[lead[0]] and "marker only on node(s)" in logs[lead[0]], text
     assert "node-local on 2 nodes" in logs[lead[0]], text
-    _check_full_on_both(disks, [2, 4, 6], text)
+    _check_full_on_both(disks, [2, 4, 6], text)  # the stale shard is gone: both disks hold the same files
     # the resumed run's metrics.jsonl (cut after step 4) equals the straight run's, steps 5-6 too
     assert _metrics(os.path.join(disks[lead[0]], "out", "metrics.jsonl")) == reference

@@ -117,13 +117,18 @@ def main() -> None:
     for d in (step, step2):  # each node's leader records what its node wrote
         written = {rel: file_crc32(os.path.join(d, rel)) for rel in file_digests(d)} if node_leader() else {}
         manifests.append(gather_manifest(written, d))
+    stale = os.path.join(ckpt_dir, "__0_0.distcp")  # rank 0's shard: node 1 gets a stale copy of it
+    planted = node_leader() and node_id() == 1 and not os.path.exists(stale)
+    if planted:  # an earlier run's file of the same size: the sync must compare content, not size
+        with open(stale, "wb") as f:
+            f.write(b"\x5a" * manifests[0]["actor/dist_ckpt/__0_0.distcp"].size)
     sync_step_to_all_nodes(step, manifests[0], chunk_bytes=4096)  # small chunks: shards go in many pieces
     sync_step_to_all_nodes(step2, manifests[1], chunk_bytes=4096)
     after = _check(ckpt_dir)
     incomplete = torch.tensor([int(after != "ok")])
     torch.distributed.all_reduce(incomplete)  # a load on an incomplete node would crash, not report
     result = {
-        "rank": rank, "node": node_id(), "tmpfs_root": tmpfs_root, "mode": mode,
+        "rank": rank, "node": node_id(), "tmpfs_root": tmpfs_root, "mode": mode, "planted_stale": planted,
         "check_before_sync": before, "check_after_sync": after,
         "step1": file_digests(step), "step2": file_digests(step2),
         "load": {} if incomplete.item() else _load_full_and_compare(sd, ckpt_dir),

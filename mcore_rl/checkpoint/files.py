@@ -56,13 +56,13 @@ class Writeback:
         while True:
             self._wake.wait()
             self._wake.clear()
-            if self._stop:
-                return
-            try:
+            try:  # also once more when stopping: what the last poke handed over is flushed here
                 io_fault("flush", getattr(self._file, "name", ""))
                 os.fdatasync(self._file.fileno())
             except BaseException as e:  # noqa: BLE001 - handed to the writer, which fails the file
                 self._error = e
+                return
+            if self._stop:
                 return
 
     def _raise_error(self) -> None:

@@ -28,6 +28,7 @@ def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]
     if not os.path.isfile(marker_path):
         raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {MARKER}); {choices()}")
     marker = read_marker(marker_path)
+    integrity.check_sizes(step_dir, marker.files)  # every file the step holds, all named at once
     plans = {}
     for role, engine in engines.items():
         if role not in marker.roles:
@@ -36,7 +37,6 @@ def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]
         meta = storage.read_json(os.path.join(step_dir, role, META))
         plans[role] = plan_load(meta, engine, role, tuple(contents), os.path.join(step_dir, role))
     trainer_state = storage.read_json(os.path.join(step_dir, TRAINER_STATE))
-    integrity.check_sizes(step_dir, marker.files)
     for role in engines:
         dist_dir = os.path.join(step_dir, role, "dist_ckpt")
         for rel, size in storage.expected_files(dist_dir).items():

@@ -15,23 +15,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable
 
 import torch
 
-from mcore_rl.checkpoint import integrity, inventory, peer_sync, storage
+from mcore_rl.checkpoint import integrity, inventory, peer_sync, step_dirs, storage
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.faults import fault_point, io_fault
+from mcore_rl.checkpoint.faults import fault_point
 from mcore_rl.checkpoint.files import META, copy_hf_files, file_crc32
 from mcore_rl.checkpoint.inventory import MARKER, TRACKER, TRAINER_STATE, Marker
 from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
 from mcore_rl.checkpoint.model_dir import load_planned
-from mcore_rl.checkpoint.paths import is_real_dir
 from mcore_rl.checkpoint.safetensors_write import parse_size, write_bucket_shards
 from mcore_rl.checkpoint.state import build_metadata, sharded_state
 from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
@@ -188,7 +186,7 @@ class CheckpointManager:
                         "the new save is written beside it and replaces it once complete" if state == "complete"
                         else "removing it before saving it again")
         stale = storage.is_writer(mode) and state in ("torn", "partial")
-        agreed(partial(_remove_step_dir, final) if stale else None, f"removing the incomplete {final}")
+        agreed(partial(step_dirs.remove_step_dir, final) if stale else None, f"removing the incomplete {final}")
         return _Pending(step, final, write_dir, found.next_order(), mode)
 
     def _check_root(self) -> None:
@@ -203,7 +201,7 @@ class CheckpointManager:
 
     def _recover(self, mode: storage.Mode) -> None:
         """Finishes or undoes replacements a crash cut short (writers of ``mode``)."""
-        agreed(partial(_recover_side_dirs, self.root) if storage.is_writer(mode) else None,
+        agreed(partial(step_dirs.recover_side_dirs, self.root) if storage.is_writer(mode) else None,
                f"finishing interrupted replacements under {self.root}")
 
     def _snapshot(self, engines: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], dict]]:
@@ -282,12 +280,12 @@ class CheckpointManager:
         marker = Marker(p.step, tuple(sorted(p.roles)), p.order,
                         {rel: (e.size, e.crc32) for rel, e in manifest.items()})
         marker_path = os.path.join(p.write_dir, MARKER)
-        _phase(writer, partial(_write_marker, marker_path, marker), partial(_remove_file, marker_path),
+        _phase(writer, partial(step_dirs.write_marker, marker_path, marker), partial(step_dirs.remove_file, marker_path),
                f"writing the {MARKER} marker of {p.final_dir}")
         if p.write_dir != p.final_dir:
-            _phase(writer, partial(_swap_in, p.write_dir, p.final_dir), partial(_swap_out, p.write_dir, p.final_dir),
+            _phase(writer, partial(step_dirs.swap_in, p.write_dir, p.final_dir), partial(step_dirs.swap_out, p.write_dir, p.final_dir),
                    f"replacing {p.final_dir} with the new save")
-        agreed(partial(_write_tracker, self.root, p.step) if writer else None,
+        agreed(partial(step_dirs.write_tracker, self.root, p.step) if writer else None,
                f"writing {TRACKER} (step {p.step} is complete; the tracker still names the step before it)")
         self._retention(p, writer)
 
@@ -317,7 +315,7 @@ class CheckpointManager:
             for step in old:
                 log.info("retention: removing %s (max_ckpt_to_keep=%s)", self.step_dir(step), self.cfg.max_ckpt_to_keep)
         dirs = [self.step_dir(s) for s in debris + old]
-        agreed(partial(_clean, self.root, dirs) if writer else None,
+        agreed(partial(step_dirs.clean, self.root, dirs) if writer else None,
                f"removing old checkpoints under {self.root} (step {p.step} is complete and tracked)")
 
     # ---- resume / load ---------------------------------------------------------------------
@@ -431,87 +429,3 @@ def _check_written(p: _Pending, manifest: integrity.Manifest) -> None:
         raise CheckpointError(f"{p.write_dir}: {missing[:8]} not written (a writer reported no file, or a "
                               "shorter one than .metadata needs); the step is not marked complete.")
     storage.fsync_dirs(p.write_dir)
-
-
-def _write_marker(path: str, marker: Marker) -> None:
-    fault_point("marker")
-    io_fault("marker", path)
-    storage.write_json_atomic(path, marker.payload())
-
-
-def _write_tracker(root: str, step: int) -> None:
-    fault_point("tracker")
-    path = os.path.join(root, TRACKER)
-    io_fault("tracker", path)
-    storage.write_json_atomic(path, step)
-
-
-def _remove_file(path: str) -> None:
-    os.remove(path)
-    storage.fsync_path(os.path.dirname(path))
-
-
-def _remove_step_dir(path: str) -> None:
-    """Marker first (a crash part-way leaves debris, never a "complete" step missing files),
-    then the tree; a link is never followed, a missing dir is fine."""
-    if not is_real_dir(path):
-        return
-    if os.path.isfile(os.path.join(path, MARKER)):
-        _remove_file(os.path.join(path, MARKER))
-    shutil.rmtree(path)
-
-
-def _swap_in(incoming: str, final: str) -> None:
-    """The old complete step steps aside, the new one takes its name (a crash in between is
-    finished by ``_recover_side_dirs``); the old copy is removed at retention."""
-    root = os.path.dirname(final)
-    step, _ = inventory.side_dir(os.path.basename(incoming))
-    os.rename(final, os.path.join(root, inventory.outgoing_name(step)))
-    storage.fsync_path(root)
-    fault_point("swap")  # the step's name is free: the next start finishes the swap
-    os.rename(incoming, final)
-    storage.fsync_path(root)
-
-
-def _swap_out(incoming: str, final: str) -> None:
-    """Undoes ``_swap_in`` on a writer that did it when another failed."""
-    root = os.path.dirname(final)
-    step, _ = inventory.side_dir(os.path.basename(incoming))
-    outgoing = os.path.join(root, inventory.outgoing_name(step))
-    if os.path.isdir(outgoing):
-        if os.path.isdir(final):
-            os.rename(final, incoming)
-        os.rename(outgoing, final)
-        storage.fsync_path(root)
-
-
-def _recover_side_dirs(root: str) -> None:
-    """Per side dir on this disk: the step's dir exists -> the side dir is left over (removed);
-    else an incoming copy with a marker takes the name (the swap was cut after its first
-    rename), or the outgoing copy goes back; an incoming copy without marker is removed."""
-    if not os.path.isdir(root):
-        return
-    for name in sorted(os.listdir(root)):  # .incoming sorts before .outgoing
-        found, path = inventory.side_dir(name), os.path.join(root, name)
-        if found is None or not is_real_dir(path):
-            continue
-        final = os.path.join(root, inventory.step_name(found[0]))
-        if os.path.lexists(final):
-            log.warning("removing %s, left over from a replacement of %s", path, final)
-            _remove_step_dir(path)
-        elif found[1] == "outgoing" or os.path.isfile(os.path.join(path, MARKER)):
-            log.warning("finishing an interrupted replacement: %s -> %s", path, final)
-            os.rename(path, final)
-            storage.fsync_path(root)
-        else:
-            log.warning("removing %s, an unfinished replacement of %s", path, final)
-            _remove_step_dir(path)
-
-
-def _clean(root: str, dirs: list[str]) -> None:
-    """Retention and debris on this disk: each dir marker-first; replacements' leftovers."""
-    fault_point("retention")
-    io_fault("cleanup", root)
-    for path in dirs:
-        _remove_step_dir(path)
-    _recover_side_dirs(root)

@@ -166,7 +166,7 @@ def _make_safe_torch_load(original_load):
             return original_load(f, map_location=map_location, weights_only=True, mmap=mmap, **kwargs)
         except UnsafeCheckpointError:
             raise
-        except pickle.UnpicklingError as e:
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
             raise _unpickling_error(e, source) from None
 
     safe_torch_load.__wrapped__ = original_load
@@ -177,15 +177,15 @@ class DamagedPickleError(McoreRLError, pickle.UnpicklingError):
     """A pickled checkpoint part that cannot be read (truncated, corrupt); nothing of it ran."""
 
 
-def _unpickling_error(e: pickle.UnpicklingError, source: str) -> Exception:
-    """torch's weights_only refusal: a refused global is UnsafeCheckpointError; anything else
-    (a truncated or corrupt payload) is damage, not malice."""
-    found = _REFUSED.search(str(e))
+def _unpickling_error(e: Exception, source: str) -> Exception:
+    """A failed weights_only load: a refused global is UnsafeCheckpointError; anything else (a
+    truncated or corrupt payload, torch's zip reader failing) is damage, not malice."""
+    found = _REFUSED.search(str(e)) if isinstance(e, pickle.UnpicklingError) else None
     if found:
         return _refusal(source, found.group(1))
     first = (str(e).strip().splitlines() or ["unreadable"])[0]
-    return DamagedPickleError(f"{source} cannot be read ({first[:200]}); the file is damaged or "
-                              "truncated: restore it, or load another checkpoint.")
+    return DamagedPickleError(f"{source} cannot be read ({type(e).__name__}: {first[:200]}); the file is "
+                              "damaged or truncated: restore it, or load another checkpoint.")
 
 
 def load_payload(data: bytes, source: str) -> Any:
@@ -194,7 +194,7 @@ def load_payload(data: bytes, source: str) -> Any:
     try:
         with _lock, torch_globals_only():  # the original, not a patched torch.load
             return torch.serialization.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
         raise _unpickling_error(e, source) from None
 
 

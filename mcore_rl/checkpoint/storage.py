@@ -283,6 +283,9 @@ def detect_storage(root: str, announce: bool = True, required: bool = True) -> M
             failed[nodes.index(node_id())], reason = 1, f" ({e})"
     failed = any_rank(failed)  # also the barrier between writing and looking
     if any(failed) and not required:
+        if node_leader():
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
         return None
     if any(failed):
         bad = [n for n, f in zip(nodes, failed) if f]
