@@ -191,3 +191,14 @@ def test_every_entry_refuses_gapped_rows():
                   critic.compute_values, critic.update_critic):
         with pytest.raises(BatchError, match=r"row 1 has padding between its tokens: attention_mask\[1, 4:5\]"):
             entry(batch)
+
+
+def test_attention_mask_must_hold_zeros_and_ones():
+    """Lengths and packed streams are sums of the mask: a 2 or a float mask would count wrong."""
+    batch = rl_batch(50, batch=3, seed=3)
+    bad = dict(batch, attention_mask=batch["attention_mask"] * 2)
+    with pytest.raises(BatchError, match=r"attention_mask\[0, \d+\] = 2; the mask holds 1 for a token and 0"):
+        validate_batch(bad)
+    with pytest.raises(BatchError, match="attention_mask has dtype torch.float32; pass integer or bool"):
+        validate_batch(dict(batch, attention_mask=batch["attention_mask"].float()))
+    validate_batch(dict(batch, attention_mask=batch["attention_mask"].bool()))  # bool is fine

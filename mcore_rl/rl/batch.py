@@ -42,6 +42,7 @@ def validate_batch(batch: dict, required: Iterable[str] = (), vocab_size: int | 
         )
     if ids.is_floating_point() or resp.is_floating_point():
         raise BatchError(f"input_ids ({ids.dtype}) and responses ({resp.dtype}) must hold integer token ids.")
+    _check_mask_values(mask)
     b, s = ids.shape
     if resp.dim() != 2 or resp.shape[0] != b:
         raise BatchError(f"responses {tuple(resp.shape)} must be [B={b}, R].")
@@ -97,6 +98,18 @@ def _check_contiguous(real: Tensor, r: int) -> None:
         "would give its tokens different positions. Remove the padding inside the row: real tokens "
         f"must be contiguous (left-padded prompt, then right-padded response); {fix}."
     )
+
+
+def _check_mask_values(mask: Tensor) -> None:
+    # sequence lengths and packed streams are sums of the mask: only 0 and 1 count tokens
+    if mask.is_floating_point() or mask.is_complex():
+        raise BatchError(f"attention_mask has dtype {mask.dtype}; pass integer or bool 0/1 values "
+                         "(e.g. attention_mask.long()).")
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        row, col = (int(x) for x in bad.nonzero()[0])
+        raise BatchError(f"attention_mask[{row}, {col}] = {int(mask[row, col])}; the mask holds 1 for a "
+                         "token and 0 for padding, nothing else: pass (mask != 0).long().")
 
 
 def _check_token_ids(ids: Tensor, real: Tensor, vocab_size: int | None) -> None:
