@@ -175,6 +175,13 @@ def _attacks(hf_actor: str, hf_critic: str, base: str) -> dict:
         after = _fingerprint(engines)
         out[name] = {"error": error, "engines_kept": all(torch.equal(before[k], after[k]) for k in before),
                      "files_kept": _digests(root) == files, "ran": os.path.exists(os.path.join(base, "ran"))}
+    from mcore_rl.checkpoint.model_dir import load_model_dir
+
+    try:  # the same model directory as a job's start (model.mcore_dir): also refused
+        load_model_dir(os.path.join(base, "metadata_dotdot", "global_step_1", "actor"), engines["actor"])
+        out["model_dir_dotdot"] = "NO ERROR"
+    except Exception as e:  # noqa: BLE001 - the test checks type and message
+        out["model_dir_dotdot"] = f"{type(e).__name__}: {e}"
     return out
 
 
@@ -199,6 +206,11 @@ EXPECT = {
     "no_trainer_state": "trainer_state.json missing",
     "no_hf_config": "actor/huggingface/config.json missing",
 }
+
+
+def test_a_model_directory_naming_files_outside_is_refused(attacked):
+    assert "UnsafePathError: " in attacked["model_dir_dotdot"], attacked["model_dir_dotdot"]
+    assert "names the file '../x.distcp', which leaves" in attacked["model_dir_dotdot"]
 
 
 @pytest.mark.parametrize("name", sorted(EXPECT))

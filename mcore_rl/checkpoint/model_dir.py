@@ -25,11 +25,12 @@ def read_plan(model_dir: str, engine, role: str, contents: tuple[str, ...]) -> L
 def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None = None) -> None:
     """Reads ``plan.contents`` from ``model_dir/dist_ckpt`` into ``engine`` (collective).
     Model keys starting with ``keep_prefix`` are not read: those parameters keep their values."""
+    dist_dir = os.path.join(model_dir, "dist_ckpt")
+    storage.check_files(dist_dir, storage.expected_files(dist_dir))  # every file there, none outside it
     state = sharded_state(engine, plan.contents, plan.sharding, is_loading=True, rng=plan.restore_rng)
     kept = _split_off(engine, state, keep_prefix) if keep_prefix else {}
     with _safe_loading():
-        loaded = dist_checkpointing.load(state, os.path.join(model_dir, "dist_ckpt"),
-                                         sharded_strategy=("torch_dist", 1))
+        loaded = dist_checkpointing.load(state, dist_dir, sharded_strategy=("torch_dist", 1))
     for key, tensors in kept.items():
         loaded[key].update(tensors)
     apply_loaded(engine, loaded, plan, model_dir)
