@@ -111,3 +111,25 @@ def reseal(step_dir: str) -> None:
     marker["files"] = files
     with open(path, "w") as f:
         json.dump(marker, f)
+
+
+def replace_rng_payloads(dist_dir: str, obj) -> None:
+    """Every RNG ShardedObject payload replaced by ``torch.save(obj)`` appended to its file."""
+    import dataclasses
+    import io
+    import os
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md, buf = FileSystemReader(dist_dir).read_metadata(), io.BytesIO()
+    torch.save(obj, buf)
+    for index, info in list(md.storage_data.items()):
+        if index.fqn.startswith("rng_state/"):
+            path = os.path.join(dist_dir, info.relative_path)
+            offset = os.path.getsize(path)
+            with open(path, "ab") as f:
+                f.write(buf.getvalue())
+            md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buf.getvalue()))
+    with open(os.path.join(dist_dir, ".metadata"), "wb") as f:
+        pickle.dump(md, f)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import os
 import pickle
 import shutil
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from tests.ckpt_bodies import build_engine, engine_settings, hf_dir_for, manager, optimizer_fingerprint, train
-from tests.ckpt_util import reseal
+from tests.ckpt_util import replace_rng_payloads, reseal
 from tests.dist import run_ranks
 
 ACTOR, CRITIC = "global_step_1/actor/dist_ckpt", "global_step_1/critic/dist_ckpt"
@@ -55,20 +54,6 @@ def _repoint(dist_dir: str, target: str) -> None:
     for index, info in list(md.storage_data.items()):
         if info.relative_path == first:
             md.storage_data[index] = dataclasses.replace(info, relative_path=target)
-    _dump(dist_dir, md)
-
-
-def _replace_payloads(dist_dir: str, obj) -> None:
-    """Every RNG ShardedObject payload replaced by ``torch.save(obj)`` appended to its file."""
-    md, buf = _metadata(dist_dir), io.BytesIO()
-    torch.save(obj, buf)
-    for index, info in list(md.storage_data.items()):
-        if index.fqn.startswith("rng_state/"):
-            path = os.path.join(dist_dir, info.relative_path)
-            offset = os.path.getsize(path)
-            with open(path, "ab") as f:
-                f.write(buf.getvalue())
-            md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buf.getvalue()))
     _dump(dist_dir, md)
 
 
@@ -112,9 +97,9 @@ def _mutations(base: str) -> dict:
         "marker_names_outside": (marker_path, False),
         "same_size_other_bytes": (lambda r: _flip_middle(_shard(r, ACTOR)), False),
         "missing_shard_with_marker": (lambda r: os.remove(_shard(r, CRITIC)), False),
-        "critic_planted_pickle": (lambda r: _replace_payloads(os.path.join(r, CRITIC), [_Run(f"touch {base}/ran")]), True),
-        "critic_numpy_payload": (lambda r: _replace_payloads(os.path.join(r, CRITIC), [np.zeros(2)]), True),
-        "critic_path_payload": (lambda r: _replace_payloads(os.path.join(r, CRITIC), [pathlib.PosixPath("/etc")]), True),
+        "critic_planted_pickle": (lambda r: replace_rng_payloads(os.path.join(r, CRITIC), [_Run(f"touch {base}/ran")]), True),
+        "critic_numpy_payload": (lambda r: replace_rng_payloads(os.path.join(r, CRITIC), [np.zeros(2)]), True),
+        "critic_path_payload": (lambda r: replace_rng_payloads(os.path.join(r, CRITIC), [pathlib.PosixPath("/etc")]), True),
         "critic_common_truncated": (lambda r: os.truncate(os.path.join(r, CRITIC, "common.pt"), 40), True),
         "no_trainer_state": (lambda r: os.remove(os.path.join(r, "global_step_1", "trainer_state.json")), False),
         "no_hf_config": (lambda r: os.remove(os.path.join(r, "global_step_1/actor/huggingface/config.json")), False),

@@ -5,7 +5,6 @@ pickles in ``.metadata``, in ShardedObject payloads and in ``common.pt`` are ref
 ``UnsafeCheckpointError`` and never run, while the same load without the guard runs them."""
 from __future__ import annotations
 
-import dataclasses
 import glob
 import io
 import os
@@ -14,7 +13,7 @@ import pickle
 import pytest
 import torch
 
-from tests.ckpt_util import engine, flat_tensors, save, train_step
+from tests.ckpt_util import engine, flat_tensors, replace_rng_payloads, save, train_step
 from tests.dist import run_ranks
 
 META = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -47,20 +46,7 @@ def _plant_metadata(ckpt: str, marker: str) -> None:
 def _plant_payloads(ckpt: str, marker: str) -> None:
     """Every rank's RNG ShardedObject payload replaced by a torch.save of the planted object,
     appended to its .distcp file (the .metadata points to it; both stay well-formed)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    md = FileSystemReader(ckpt).read_metadata()
-    buf = io.BytesIO()
-    torch.save([_touch(marker)], buf)
-    for index, info in list(md.storage_data.items()):
-        if index.fqn.startswith("rng_state/"):
-            path = os.path.join(ckpt, info.relative_path)
-            offset = os.path.getsize(path)
-            with open(path, "ab") as f:
-                f.write(buf.getvalue())
-            md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buf.getvalue()))
-    with open(os.path.join(ckpt, ".metadata"), "wb") as f:
-        pickle.dump(md, f)
+    replace_rng_payloads(ckpt, [_touch(marker)])
 
 
 def _plant_common(ckpt: str, marker: str) -> None:
