@@ -77,7 +77,8 @@ def _hf_model(transformers, role: str, hf_dir: str):
     auto = transformers.AutoModelForCausalLM
     if role == "critic":
         reward = any(a.endswith("ForSequenceClassification") for a in archs)
-        auto = transformers.AutoModelForSequenceClassification if reward else transformers.AutoModelForTokenClassification
+        auto = (transformers.AutoModelForSequenceClassification if reward
+                else transformers.AutoModelForTokenClassification)
     return auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 

@@ -212,6 +212,10 @@ def test_nan_and_inf_always_fail_the_comparison(dirs, tmp_path):
 
     from mcore_rl.checkpoint.merge import compare
 
+    cli = subprocess.Popen([sys.executable, os.path.join(ROOT, "converters", "mcore_to_hf.py"), "test",
+                            "--local_dir", dirs["nonfinite"], "--test_hf_dir", dirs["hf_nonfinite"]],
+                           env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
     diffs, problems = compare(dirs["nonfinite"], dirs["hf_nonfinite"])  # the same NaN and inf on both sides
     bad = sorted(p.split(":")[0] for p in problems)
     assert bad == ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.up_proj.weight"], problems
@@ -225,6 +229,9 @@ def test_nan_and_inf_always_fail_the_comparison(dirs, tmp_path):
     save_file(ref, str(tmp_path / "ref" / "model.safetensors"))
     diffs, problems = compare(dirs["tp2"], str(tmp_path / "ref"))  # reference side only
     assert problems == ["model.norm.weight: non-finite values (NaN or inf) in the reference"], problems
+    code, (out, err) = cli.wait(timeout=300), cli.communicate()
+    assert code == 1 and "MISMATCH max|diff| inf  model.layers.*.mlp.up_proj.weight" in out and \
+        "FAILED: 2 tensor classes above atol=0.0" in out, out + err
 
 
 # ---- a damaged or hostile .metadata ------------------------------------------------------------------
@@ -268,8 +275,8 @@ def test_overlapping_chunks_are_refused_naming_the_key(dirs, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(dirs["tp2"], copy)
     _rewrite_metadata(copy, lambda m: _move_chunk(m, key, (0, 0, 32), (0, 0, 31)))
-    with pytest.raises(TorchDistReadError, match=rf"'{key}' at index \(0,\): chunks at \(0, 0\) and \(0, 31\) "
-                                                 r"overlap; the checkpoint is incomplete .* or its .metadata is damaged"):
+    with pytest.raises(TorchDistReadError, match=rf"'{key}' at index \(0,\): chunks at \(0, 0\) and \(0, 31\) overlap; "
+                                                 r"the checkpoint is incomplete .* or its .metadata is damaged"):
         merge(str(copy), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
 

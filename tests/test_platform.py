@@ -271,4 +271,5 @@ def test_megatron_import_defers_its_torch_compile_calls():
     assert "APPLIED ['jit_fuser_compiles_at_import']" in fixed and "DYNAMO_AFTER_IMPORT False" in fixed, out["fix"]
     assert "RESTORED True _CompileOnFirstCall" in fixed and "SAME True True" in fixed, fixed
     assert "COMPILED_BY_DYNAMO True" in fixed, fixed
-    assert "APPLIED []" in plain and "DYNAMO_AFTER_IMPORT True" in plain and "RESTORED True function" in plain, out["none"]
+    assert "APPLIED []" in plain and "DYNAMO_AFTER_IMPORT True" in plain, out["none"]
+    assert "RESTORED True function" in plain, out["none"]
