@@ -91,6 +91,7 @@ class Staging:
 
     @property
     def name(self) -> str:
+        """The staging directory's name (what rank 0 tells the other ranks)."""
         return os.path.basename(self.path)
 
     def commit(self) -> None:
