@@ -5,18 +5,21 @@ interpreter-and-libraries baseline and throughput against a plain read+write+fsy
 
 A Qwen2-shaped model (hidden 2048, intermediate 5632, 16 heads, 4 KV heads, vocab 32000, untied
 head; layers added until the size is reached) is written tensor by tensor as HF safetensors
-shards of 400 MB with an index. ``hf_to_mcore.py --dtype bf16`` and ``mcore_to_hf.py merge`` run
-as subprocesses; a thread samples RssAnon of the process and all its descendants every ~10 ms
-(peak of the sum). Each tool's baseline is the RssAnon of a fresh interpreter that imports what
+shards of 400 MB with an index. ``hf_to_mcore.py`` (default dtype: the input's bf16) and
+``mcore_to_hf.py merge`` run as subprocesses; a thread samples RssAnon of the process and all its
+descendants every ~10 ms (peak of the sum). Each tool's baseline is the RssAnon of a fresh interpreter that imports what
 the tool imports. The plain copy reads each shard and writes it with fsync (page cache warm for
 every contender: all sources are read once before anything is timed). The merged model must
-equal the synthetic one tensor for tensor, or the run fails.
+equal the synthetic one tensor for tensor (names, dtype, bits), or the run fails. The converter's
+own start-up (process start to its first tensor, from its summary line) is printed too. The
+mbridge figures printed last are quoted from an earlier measurement, not measured by this run.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,10 +36,13 @@ from mcore_rl.checkpoint.safetensors_write import ShardedSafetensorsWriter, Tens
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4,
              vocab_size=32000)
-MBRIDGE = (1.72, 0.14)  # peak / model size, throughput / copy: mbridge on a 1.07 GiB bf16 Qwen2 here
+# mbridge on a 1.07 GiB bf16 Qwen2 (peak / model size, throughput / copy): quoted, not measured here
+MBRIDGE = (1.72, 0.14)
 GOALS = (0.3, 0.5)
-# what each tool imports before its work (transformers: its config classes read config.json)
-CONVERT_IMPORTS = "import mcore_rl.checkpoint.convert, mcore_rl.platform, converters.hf_to_mcore, transformers"
+# what each tool imports before its work, as it imports it (transformers: its config classes read config.json)
+CONVERT_IMPORTS = ("from mcore_rl.platform.fixes import megatron_import_fixes\n"
+                   "with megatron_import_fixes(on_cpu=True):\n    import mcore_rl.checkpoint.convert\n"
+                   "import mcore_rl.platform, converters.hf_to_mcore, transformers")
 MERGE_IMPORTS = "import mcore_rl.checkpoint.merge, converters.mcore_to_hf, transformers"
 
 
@@ -97,8 +103,9 @@ def rss_anon_kb(pid: int) -> int:
     return total
 
 
-def run_sampled(cmd: list[str]) -> tuple[float, float]:
-    """Runs ``cmd``; returns (wall seconds, peak summed RssAnon in bytes). Fails on a non-zero exit."""
+def run_sampled(cmd: list[str]) -> tuple[float, float, str]:
+    """Runs ``cmd``; returns (wall seconds, peak summed RssAnon in bytes, its output). Fails on a
+    non-zero exit."""
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -116,7 +123,7 @@ def run_sampled(cmd: list[str]) -> tuple[float, float]:
     thread.join()
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[1]} failed ({proc.returncode}):\n{out[-3000:]}")
-    return seconds, peak[0] * 1024.0
+    return seconds, peak[0] * 1024.0, out
 
 
 def baseline(imports: str) -> tuple[float, float]:
@@ -161,7 +168,7 @@ def same_tensors(a: str, b: str) -> int:
     if set(ra) != set(rb):
         raise SystemExit(f"merged names differ: {sorted(set(ra) ^ set(rb))[:8]}")
     for name in ra:
-        if not torch.equal(ra[name], rb[name]):
+        if ra[name].dtype != rb[name].dtype or not torch.equal(ra[name], rb[name]):
             raise SystemExit(f"merged tensor {name} differs from the synthetic model")
     return len(ra)
 
@@ -195,15 +202,19 @@ def main() -> None:
         copy_s = plain_copy(syn, copy)
         shutil.rmtree(copy)
         print(f"plain copy {copy_s:6.1f} s  {size / copy_s / 2**20:6.0f} MiB/s (read + write + fsync, warm cache)")
-        conv = run_sampled([sys.executable, os.path.join(ROOT, "converters", "hf_to_mcore.py"), "--hf_model_path",
-                            syn, "--output_path", out, "--dtype", "bf16"])
+        *conv, said = run_sampled([sys.executable, os.path.join(ROOT, "converters", "hf_to_mcore.py"),
+                                   "--hf_model_path", syn, "--output_path", out])
         print(report("convert", *conv, bases[0], size, copy_s), flush=True)
+        startup = re.search(r"start-up ([0-9.]+) s", said)
+        print(f"         converter's own start-up (process start to first tensor): "
+              f"{startup[1] if startup else '?'} s", flush=True)
         warm(out)
-        merge = run_sampled([sys.executable, os.path.join(ROOT, "converters", "mcore_to_hf.py"), "merge",
-                             "--local_dir", out, "--target_dir", merged])
+        *merge, _ = run_sampled([sys.executable, os.path.join(ROOT, "converters", "mcore_to_hf.py"), "merge",
+                                 "--local_dir", out, "--target_dir", merged])
         print(report("merge", *merge, bases[1], size, copy_s), flush=True)
         print(f"merged == synthetic: {same_tensors(syn, merged)} tensors bit-identical")
-        print(f"mbridge here (1.07 GiB bf16 Qwen2): peak {MBRIDGE[0]}x model size, {MBRIDGE[1]}x copy throughput")
+        print(f"mbridge, quoted from an earlier measurement (1.07 GiB bf16 Qwen2), not measured in this run: "
+              f"peak {MBRIDGE[0]}x model size, {MBRIDGE[1]}x copy throughput")
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,17 +1,27 @@
 """mcore model dir -> HF model dir, on CPU, tensor by tensor (no megatron, no torch.distributed).
 
   python converters/mcore_to_hf.py merge --local_dir CKPT --target_dir OUT [--max_shard_size 5GB]
-      [--model_class auto|causal_lm|token_classification] [--overwrite]
+      [--model_class auto|causal_lm|token_classification] [--dtype fp32|bf16|fp16] [--overwrite]
   python converters/mcore_to_hf.py test --local_dir CKPT --test_hf_dir HF [--atol 0]
 
 CKPT: ``global_step_<N>/actor`` or ``.../critic`` written by CheckpointManager, or a converter
-output (``dist_ckpt/`` + ``huggingface/`` + ``mcore_rl.json``). ``test`` compares every merged
-tensor with HF's and exits 1 on any mismatch.
+output (``dist_ckpt/`` + ``huggingface/`` + ``mcore_rl.json``). The merged model has the dtype of
+the checkpoint's model parameters unless --dtype says otherwise; config.json states it. ``test``
+compares every merged tensor with HF's and exits 1 on any mismatch (a NaN or inf always is one).
+Bad input: one line "error: ..." on stderr, exit code 2, nothing written.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+
+
+def _atol(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite tolerance >= 0")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,11 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--model_class", default="auto", choices=["auto", "causal_lm", "token_classification"],
                    help="auto (default): from the role in mcore_rl.json (actor: causal LM, critic: token "
                    "classification with one label); causal_lm on a critic is an error")
-    m.add_argument("--overwrite", action="store_true", help="replace the model files of a non-empty target_dir")
+    m.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="dtype of the merged weights (default: the checkpoint's model parameters')")
+    m.add_argument("--overwrite", action="store_true",
+                   help="replace a non-empty target_dir (the old one stays until the new model is complete)")
     t = sub.add_parser("test", help="compare the merged tensors with a HF model directory")
     t.add_argument("--local_dir", required=True, help="model dir: global_step_<N>/actor or .../critic, or a hf_to_mcore.py output")
     t.add_argument("--test_hf_dir", required=True, help="HF model directory to compare every tensor with")
-    t.add_argument("--atol", type=float, default=0.0, help="allowed max abs diff per tensor (default 0: exact)")
+    t.add_argument("--atol", type=_atol, default=0.0, help="allowed max abs diff per tensor (default 0: exact)")
     return p
 
 
@@ -36,33 +49,36 @@ def _test(local_dir: str, test_hf_dir: str, atol: float) -> int:
     from mcore_rl.checkpoint.merge import compare
 
     diffs, problems = compare(local_dir, test_hf_dir)
-    bad = [c for c, d in diffs.items() if d > atol]
+    bad = [c for c, d in diffs.items() if not d <= atol]  # a NaN difference is never within atol
     for cls in sorted(diffs):
         print(f"{'MISMATCH' if cls in bad else 'ok':8s} max|diff| {diffs[cls]:.3e}  {cls}")
     for problem in problems:
         print(f"MISMATCH {problem}")
     if bad or problems:
-        print(f"FAILED: {len(bad)} tensor classes above atol={atol}, {len(problems)} name/shape problems")
+        print(f"FAILED: {len(bad)} tensor classes above atol={atol}, {len(problems)} name, shape or value problems")
         return 1
     print(f"OK: {len(diffs)} tensor classes match {test_hf_dir} (atol={atol})")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit code: 0 done, 1 ``test`` found a mismatch, 2 bad input (one ``error:`` line)."""
     args = _parser().parse_args(argv)
+    from mcore_rl.entry import error_line, quiet_third_party
     from mcore_rl.errors import McoreRLError
 
+    quiet_third_party(0)
     try:
         if args.command == "test":
             return _test(args.local_dir, args.test_hf_dir, args.atol)
         from mcore_rl.checkpoint.merge import merge
 
         summary = merge(args.local_dir, args.target_dir, args.max_shard_size, args.model_class,
-                        overwrite=args.overwrite, progress=True)
+                        overwrite=args.overwrite, progress=sys.stderr.isatty(), dtype=args.dtype)
         print(f"{summary.line()} -> {args.target_dir}")
         return 0
-    except McoreRLError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except McoreRLError as e:  # bad input: the message names the value and the fix
+        print(error_line(e), file=sys.stderr)
         return 2
 
 

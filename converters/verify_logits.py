@@ -25,7 +25,9 @@ def sample_batch(vocab_size: int, batch: int = 3, seq: int = 12, seed: int = 0) 
 
 
 def compare(model_dir: str, hf_dir: str) -> tuple[float, float, float]:
-    """(max abs diff, cosine, tolerance) between our outputs and transformers' on real tokens."""
+    """(max abs diff, cosine, tolerance) between our outputs and transformers' on real tokens
+    (a critic: the HF score head on the HF trunk's hidden states, per token; a reward model's
+    bias-free head included)."""
     import torch
     import transformers
 
@@ -40,20 +42,22 @@ def compare(model_dir: str, hf_dir: str) -> tuple[float, float, float]:
 
     meta = read_json(os.path.join(model_dir, "mcore_rl.json"))
     role = meta["role"]
-    dtype = torch.bfloat16 if meta["params_dtype"] == "torch.bfloat16" else torch.float32
+    dtype = getattr(torch, str(meta["params_dtype"]).removeprefix("torch."))
     initialize_parallel_state(ParallelLayout())
     args = model_args_from_hf(os.path.join(model_dir, "huggingface"))
     # computed in fp32 either way: bf16 weights are checked against HF weights rounded to bf16
     engine = ModelEngine(args, ParallelLayout(), role, active_platform(), BuildOptions())
     load_model_dir(model_dir, engine)
-    auto = transformers.AutoModelForCausalLM if role == "actor" else transformers.AutoModelForTokenClassification
-    hf = auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = _hf_model(transformers, role, hf_dir)
     with torch.no_grad():
         for p in hf.parameters():
             p.copy_(p.to(dtype))
     batch = sample_batch(args.vocab_size)
     with torch.no_grad():
-        ref = hf(**batch).logits
+        if role == "actor":
+            ref = hf(**batch).logits
+        else:  # per token, also for a *ForSequenceClassification (which pools its logits)
+            ref = hf.score(getattr(hf, hf.base_model_prefix)(**batch).last_hidden_state)
         ours = chunk_forward(engine.model[0], batch)[..., : ref.shape[-1]].float()
     real = batch["attention_mask"].bool()
     a, b = ours[real].double(), ref[real].double()
@@ -61,7 +65,27 @@ def compare(model_dir: str, hf_dir: str) -> tuple[float, float, float]:
     return (a - b).abs().max().item(), cos, TOL
 
 
+def _hf_model(transformers, role: str, hf_dir: str):
+    """transformers' model of ``hf_dir`` in fp32: the causal LM, or the class its config names
+    for a critic (token or sequence classification)."""
+    import json
+
+    import torch
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    auto = transformers.AutoModelForCausalLM
+    if role == "critic":
+        reward = any(a.endswith("ForSequenceClassification") for a in archs)
+        auto = (transformers.AutoModelForSequenceClassification if reward
+                else transformers.AutoModelForTokenClassification)
+    return auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
 def main(argv: list[str]) -> int:
+    from mcore_rl.entry import quiet_third_party
+
+    quiet_third_party(0)
     import torch
 
     from mcore_rl.platform import init_distributed, setup_platform

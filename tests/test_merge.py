@@ -197,8 +197,8 @@ def test_errors_name_the_problem(saved, tmp_path):
     with pytest.raises(MergeError, match="is not empty; pass --overwrite"):
         _merge(local, tmp_path / "c")
     (tmp_path / "c" / "model-00001-of-00009.safetensors").write_text("stale")
-    _merge(local, tmp_path / "c", overwrite=True)
-    assert sorted(os.listdir(tmp_path / "c")) == ["config.json", "keep.txt", "model.safetensors"]
+    _merge(local, tmp_path / "c", overwrite=True)  # the directory is replaced as a whole
+    assert sorted(os.listdir(tmp_path / "c")) == ["config.json", "model.safetensors"]
 
     copy = tmp_path / "copy"
     shutil.copytree(local, copy)

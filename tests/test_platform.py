@@ -3,6 +3,8 @@ on the CPU in every rank, for megatron's code only; RNG tracker streams behave a
 version-gated."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import types
 
@@ -14,6 +16,8 @@ import mcore_rl.models.builder  # noqa: F401
 import mcore_rl.platform as platform_mod
 from mcore_rl.platform.fixes import FIXES, Fix, apply_fixes
 from tests.dist import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_import_patches_nothing():
@@ -202,7 +206,7 @@ def test_failed_setup_reverts_the_fixes_it_applied():
     assert out["error"] == "planted: this fix cannot be applied" and not out["active"]
     assert out["left_applied"] == [], out  # earlier fixes must not stay patched
     assert out["objects_restored"] == [True, True, True], out
-    assert out["applied_again"] == [f.name for f in FIXES], out
+    assert out["applied_again"] == [f.name for f in FIXES if not f.before_import], out
 
 
 def _rng_fork_notices() -> dict:
@@ -233,3 +237,39 @@ def test_rng_fork_on_the_shared_cpu_generator_logs_nothing():
     (out,) = run_ranks(1, _rng_fork_notices)
     assert out["restored"] and out["own_stream"], out  # the fork drew from its own state, then restored
     assert out["records"] == ["another notice"], out
+
+
+_IMPORT_PROBE = """
+import contextlib, sys, torch
+from mcore_rl.platform.fixes import megatron_import_fixes
+original = torch.compile
+fix = megatron_import_fixes(on_cpu=True) if sys.argv[1] == "fix" else contextlib.nullcontext([])
+with fix as applied:
+    import megatron.core.models.gpt, megatron.core.transformer.moe.moe_layer
+    from megatron.core.fusions import fused_bias_swiglu
+    mine = torch.compile(lambda x: x * 2 + 1, backend="eager")
+print("APPLIED", applied)
+print("DYNAMO_AFTER_IMPORT", "torch._dynamo" in sys.modules)
+print("RESTORED", torch.compile is original, type(fused_bias_swiglu.swiglu).__name__)
+x = torch.arange(4.0)
+print("SAME", torch.equal(mine(x), x * 2 + 1), "torch._dynamo" in sys.modules)
+print("COMPILED_BY_DYNAMO", hasattr(getattr(mine, "_compiled", mine), "_torchdynamo_orig_callable"))
+"""
+
+
+def test_megatron_import_defers_its_torch_compile_calls():
+    """jit_fuser_compiles_at_import: importing megatron-core under ``megatron_import_fixes`` (what
+    hf_to_mcore.py does) imports neither torch._dynamo nor torch._inductor; jit_fuser functions
+    become wrappers that torch.compile with the same options on their first call (shown with a
+    function compiled under the fix: same result, compiled by dynamo once called). Without the
+    fix (a second fresh process) the import itself imports torch._dynamo: the defect."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    runs = {mode: subprocess.Popen([sys.executable, "-c", _IMPORT_PROBE, mode], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True) for mode in ("fix", "none")}
+    out = {mode: p.communicate(timeout=300) for mode, p in runs.items()}
+    fixed, plain = out["fix"][0], out["none"][0]
+    assert "APPLIED ['jit_fuser_compiles_at_import']" in fixed and "DYNAMO_AFTER_IMPORT False" in fixed, out["fix"]
+    assert "RESTORED True _CompileOnFirstCall" in fixed and "SAME True True" in fixed, fixed
+    assert "COMPILED_BY_DYNAMO True" in fixed, fixed
+    assert "APPLIED []" in plain and "DYNAMO_AFTER_IMPORT True" in plain, out["none"]
+    assert "RESTORED True function" in plain, out["none"]

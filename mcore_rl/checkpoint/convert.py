@@ -9,39 +9,42 @@ gate and up as two views of fc1), so the parameter's real local shard is compute
 tensors exactly as ``mapping.weights.load_hf_weights`` does and the item is the same view of it.
 A parameter's real tensor lives until its last item is written: peak memory is one parameter (one
 expert for MoE) plus its HF sources. Collective: every rank of a TP x PP x EP world writes its part.
+The output is written into a staging directory beside it and renamed into place when complete
+(``staging.Staging``); the input and output checks are ``convert_input``'s (no megatron there).
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import torch
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl.checkpoint import storage
+from mcore_rl.checkpoint.convert_input import (ConvertError, DtypeName, check_input, check_output, input_dtype,
+                                               role_from_config)
 from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import META, copy_hf_files, peak_rss_mb
+from mcore_rl.checkpoint.files import META, copy_hf_files, peak_rss_mb, process_age_s
+from mcore_rl.checkpoint.staging import Staging, StagingError
 from mcore_rl.checkpoint.state import build_metadata
 from mcore_rl.checkpoint.writer import ItemSaveStrategy
+from mcore_rl.errors import McoreRLError
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.weights import MappingError, WeightMap, _tp_rank_size, canonical_params, check_hf_keys
 from mcore_rl.models.builder import BuildOptions, Role, build_model
 from mcore_rl.models.hf_config import model_args_from_hf
-from mcore_rl.models.hf_weights import weight_map
+from mcore_rl.models.hf_weights import critic_head_source, weight_map
 from mcore_rl.parallel import ParallelLayout, destroy_parallel_state, initialize_parallel_state
 from mcore_rl.platform import active_platform
 
 Tensor = torch.Tensor
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class ConvertError(CheckpointError):
-    """Bad converter input (missing or damaged HF files, an occupied output, a wrong split)."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["ConvertError", "ConvertOptions", "Summary", "convert", "role_from_config"]
 
 
 @dataclass(frozen=True)
@@ -54,14 +57,14 @@ class ConvertOptions:
     pp: int = 1
     ep: int = 1
     etp: int = 1
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: DtypeName | None = None  # None: the input's (config.json dtype / torch_dtype; fp32 if unset)
     role: Role | None = None
     overwrite: bool = False
 
 
 @dataclass
 class Summary:
-    """What all ranks wrote (tensors, bytes), the time, and the largest peak RSS of a rank."""
+    """What all ranks wrote (tensors, bytes, dtype), the time, and the largest peak RSS of a rank."""
 
     role: str
     tensors: int
@@ -69,87 +72,8 @@ class Summary:
     seconds: float
     peak_rss_mb: float
     peak_live_params: int  # most parameters a rank held in real memory at once
-
-
-# ---- input checks --------------------------------------------------------------------------------
-def role_from_config(hf_dir: str) -> Role:
-    """``*ForCausalLM`` -> actor, ``*ForTokenClassification`` / ``*ForSequenceClassification``
-    -> critic, from config.json ``architectures``."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        archs = json.load(f).get("architectures") or []
-    for name in archs:
-        if name.endswith("ForCausalLM"):
-            return "actor"
-        if name.endswith(("ForTokenClassification", "ForSequenceClassification")):
-            return "critic"
-    raise ConvertError(f"{hf_dir}/config.json: architectures={archs!r} name neither a *ForCausalLM (actor) "
-                       "nor a *ForTokenClassification (critic); pass --role actor|critic.")
-
-
-def _shard_files(hf_dir: str) -> list[str]:
-    """The safetensors files the checkpoint consists of; an index naming a missing file errors."""
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [n for n in names if not os.path.isfile(os.path.join(hf_dir, n))]
-        if missing:
-            raise ConvertError(f"{index} names shard files that do not exist: {missing}; copy the "
-                               "complete checkpoint (every file the index lists).")
-        return [os.path.join(hf_dir, n) for n in names]
-    files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
-    if not files:
-        raise ConvertError(f"no *.safetensors weights in {hf_dir!r}; save the HF model with "
-                           "save_pretrained(..., safe_serialization=True).")
-    return [os.path.join(hf_dir, n) for n in files]
-
-
-def _check_shard(path: str) -> None:
-    """A safetensors file whose header promises more bytes than the file holds is truncated."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        header = f.read(n) if 0 < n <= size - 8 else b""
-    try:
-        meta = json.loads(header)
-    except ValueError:
-        meta = None
-    if meta is None:
-        raise ConvertError(f"{path}: unreadable safetensors header ({size} bytes on disk); the file is "
-                           "truncated or not safetensors; copy it again.")
-    end = max((v["data_offsets"][1] for k, v in meta.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise ConvertError(f"{path} is truncated: {size} bytes on disk, its header needs {8 + n + end}; "
-                           "copy the file again.")
-
-
-def check_input(hf_dir: str) -> SafetensorsReader:
-    """Validates the HF directory (config, every shard complete) and opens it lazily."""
-    if not os.path.isdir(hf_dir):
-        raise ConvertError(f"--hf_model_path {hf_dir!r} is not a directory; pass the HF model directory "
-                           "(config.json + *.safetensors).")
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise ConvertError(f"{hf_dir!r} has no config.json; pass a HF model directory.")
-    for path in _shard_files(hf_dir):
-        _check_shard(path)
-    return SafetensorsReader(hf_dir)
-
-
-def check_output(path: str, overwrite: bool) -> None:
-    """Refuses a file, or a non-empty directory unless ``overwrite`` (every rank checks)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConvertError(f"--output_path {path!r} is a file; pass a directory.")
-    if os.path.isdir(path) and os.listdir(path) and not overwrite:
-        raise ConvertError(f"--output_path {path!r} is not empty; pass --overwrite to replace its "
-                           "contents or choose an empty directory.")
-
-
-def prepare_output(path: str) -> None:
-    """An empty ``path/dist_ckpt`` (what was there goes: ``check_output`` allowed it)."""
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    os.makedirs(os.path.join(path, "dist_ckpt"))
+    dtype: str = "fp32"
+    startup_s: float = 0.0  # slowest rank: process start to its first tensor written
 
 
 # ---- lazy item data ------------------------------------------------------------------------------
@@ -157,6 +81,12 @@ def _storage_key(t: Tensor) -> int:
     """Identifies the parameter behind a meta item: megatron detaches the views it saves (``_base``
     is lost) but a detached view shares its parameter's storage."""
     return t.untyped_storage()._cdata
+
+
+def _owns_storage(t: Tensor) -> bool:
+    """A contiguous tensor that is its whole storage (no view into a larger tensor)."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
 
 
 class HFShardResolver:
@@ -177,6 +107,8 @@ class HFShardResolver:
         self.tensors = self.bytes = 0
         self.peak_live = 0  # most parameters held in real memory at once (streaming: 1)
         self.bar: Any = None  # a tqdm bar, counted per item written
+        self.error: BaseException | None = None  # what _compute raised (the writer reports only text)
+        self.first_item_age: float | None = None  # process age when the first tensor was asked for
 
     def plan(self, tensors: list[Tensor]) -> None:
         for t in tensors:
@@ -202,13 +134,21 @@ class HFShardResolver:
         self.used_hf.update(hf_names)
         self.written.add(name)
         # a compact tensor of its own: as_strided offsets count from the storage's start, and a
-        # TP shard is a view into the middle of the full tensor
+        # TP shard is a view into the middle of the full tensor; one already compact is used as is
+        if local.dtype == param.dtype and _owns_storage(local):
+            return local
         return torch.empty(param.shape, dtype=param.dtype).copy_(local)  # host: the converter works on the CPU
 
     def __call__(self, meta: Tensor) -> Tensor:
+        if self.first_item_age is None:
+            self.first_item_age = process_age_s()
         key = _storage_key(meta)
         if key not in self.real:
-            self.real[key] = self._compute(key)
+            try:
+                self.real[key] = self._compute(key)
+            except BaseException as e:
+                self.error = e
+                raise
             self.peak_live = max(self.peak_live, len(self.real))
         out = self.real[key].as_strided(meta.size(), meta.stride(), meta.storage_offset())
         self.remaining[key] -= 1
@@ -255,50 +195,114 @@ def check_coverage(resolver: HFShardResolver, chunks: list[torch.nn.Module], sou
                            "(report this).")
 
 
+def _stage_output(final: str) -> Staging:
+    """Collective: rank 0 creates the staging directory beside ``final`` and every rank joins it
+    by name; a rank that does not see it (output on a disk the ranks do not share) fails all."""
+    mine, problem = None, ""
+    if torch.distributed.get_rank() == 0:
+        try:
+            mine = Staging.create(final)
+        except StagingError as e:  # every rank raises it, none waits in a collective
+            problem = str(e)
+    said = json.loads(storage.all_gather_bytes(json.dumps([mine.name if mine else "", problem]).encode())[0])
+    if said[1]:
+        raise StagingError(said[1])
+    stage = mine or Staging.join(final, said[0])
+    seen = storage.all_gather_bytes(b"1" if os.path.isdir(stage.path) else b"0")
+    blind = [r for r, flag in enumerate(seen) if flag != b"1"]
+    if blind:
+        if mine is not None:
+            mine.discard()
+        raise ConvertError(f"--output_path {final!r}: ranks {blind} do not see the directory {said[0]} that rank 0 "
+                           f"created in {os.path.dirname(stage.final)}; the output must be on a filesystem all "
+                           "ranks share (not a node-local disk).")
+    if mine is not None:
+        os.mkdir(os.path.join(stage.path, "dist_ckpt"))
+    torch.distributed.barrier()
+    return stage
+
+
+def _writer_failure(error: CheckpointException, resolver: HFShardResolver, output: str) -> BaseException:
+    """The error to raise for a failed write: what the resolver raised when it is an mcore_rl
+    refusal (it names the value and the fix), else a ConvertError with the writer's report."""
+    if isinstance(resolver.error, McoreRLError):
+        return resolver.error
+    reports = []
+    for rank, failure in sorted(getattr(error, "failures", {}).items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        reports.append(f"rank {rank}: {' '.join(str(exc).split())}")
+    return ConvertError(f"writing the checkpoint for {output!r} failed ({'; '.join(reports) or error}); check "
+                        "free space and write permission where the output lives, then run again.")
+
+
+def _save(chunks: list[torch.nn.Module], resolver: HFShardResolver, dist_dir: str, output: str) -> None:
+    """Writes the checkpoint items through ``resolver`` (megatron's plan and metadata)."""
+    state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    try:
+        request = dist_checkpointing.save(state, dist_dir, sharded_strategy=ItemSaveStrategy(resolve=resolver),
+                                          async_sharded_save=True)
+        request.execute_sync()
+    except CheckpointException as e:  # a BaseException: the writer's errors arrive wrapped in it
+        raise _writer_failure(e, resolver, output) from None
+    finally:
+        if resolver.bar is not None:
+            resolver.bar.close()
+
+
+def _summary(role: str, dtype: str, resolver: HFShardResolver, seconds: float) -> Summary:
+    """Collective (also the last barrier of the write): totals over ranks."""
+    mine = json.dumps([resolver.tensors, resolver.bytes, peak_rss_mb(), resolver.peak_live,
+                       resolver.first_item_age or 0.0]).encode()
+    every = [json.loads(raw) for raw in storage.all_gather_bytes(mine)]
+    return Summary(role, sum(e[0] for e in every), sum(e[1] for e in every), seconds,
+                   max(e[2] for e in every), max(e[3] for e in every), dtype, max(e[4] for e in every))
+
+
 def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     """Converts ``opts.hf_model_path`` into the model directory ``opts.output_path`` (collective
     over a torch.distributed world of tp * pp * ep ranks; the platform must be set up). Sets up
-    megatron's parallel state for the split (any earlier state of this process is torn down)."""
+    megatron's parallel state for the split (any earlier state of this process is torn down).
+
+    The output is written into a staging directory beside ``output_path`` and renamed into place
+    when complete: a failure leaves the old output (``overwrite``) as it was and nothing new."""
     start = time.time()
     layout = check_world(opts)
     rank0 = torch.distributed.get_rank() == 0
-    source = check_input(opts.hf_model_path)
-    args = model_args_from_hf(opts.hf_model_path)
+    check_input(opts.hf_model_path)
     role = opts.role or role_from_config(opts.hf_model_path)
-    if opts.dtype not in DTYPES:
-        raise ConvertError(f"--dtype {opts.dtype!r}; use one of {sorted(DTYPES)}.")
+    dtype = opts.dtype or input_dtype(opts.hf_model_path)
+    if dtype not in DTYPES:
+        raise ConvertError(f"--dtype {dtype!r}; use one of {sorted(DTYPES)}.")
+    check_output(opts.output_path, opts.hf_model_path, opts.overwrite)
+    args = model_args_from_hf(opts.hf_model_path)
+    source: Mapping[str, Tensor] = SafetensorsReader(opts.hf_model_path)
+    if role == "critic":  # a reward model's bias-free score head: bias 0, as load_hf does
+        source = critic_head_source(source, args)
     destroy_parallel_state()  # the conversion owns this process's megatron groups
     initialize_parallel_state(layout)
     chunks = build_model(args, layout, role, active_platform(),
-                         BuildOptions(params_dtype=DTYPES[opts.dtype], meta_device=True))
+                         BuildOptions(params_dtype=DTYPES[dtype], meta_device=True))
     wmap = weight_map(args, role, layout.tp)
     check_hf_keys(wmap, set(source.keys()))
-    check_output(opts.output_path, opts.overwrite)
-    torch.distributed.barrier()  # every rank has looked before rank 0 empties the directory
-    if rank0:
-        prepare_output(opts.output_path)
-    torch.distributed.barrier()
-    resolver = HFShardResolver(chunks, wmap, source)
-    if progress and rank0:
-        from tqdm import tqdm
+    torch.distributed.barrier()  # every rank has checked before anything is created
+    stage = _stage_output(opts.output_path)
+    try:
+        resolver = HFShardResolver(chunks, wmap, source)
+        if progress and rank0:
+            from tqdm import tqdm
 
-        resolver.bar = tqdm(total=0, unit="tensor", desc="hf_to_mcore")
-    state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-    request = dist_checkpointing.save(state, os.path.join(opts.output_path, "dist_ckpt"),
-                                      sharded_strategy=ItemSaveStrategy(resolve=resolver),
-                                      async_sharded_save=True)
-    request.execute_sync()
-    if resolver.bar is not None:
-        resolver.bar.close()
-    check_coverage(resolver, chunks, source)
-    if rank0:  # written last: a failed conversion leaves no loadable directory
-        copy_hf_files(opts.hf_model_path, os.path.join(opts.output_path, "huggingface"))
-        facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
-        storage.write_json_atomic(os.path.join(opts.output_path, META),
-                                  build_metadata(facts, role, ("model",), None))
-    mine = json.dumps([resolver.tensors, resolver.bytes, peak_rss_mb(), resolver.peak_live]).encode()
-    every = [json.loads(raw) for raw in storage.all_gather_bytes(mine)]  # collective: also the last barrier
-    return Summary(role, sum(e[0] for e in every), sum(e[1] for e in every), time.time() - start,
-                   max(e[2] for e in every), max(e[3] for e in every))
-
-
+            resolver.bar = tqdm(total=0, unit="tensor", desc="hf_to_mcore")
+        _save(chunks, resolver, os.path.join(stage.path, "dist_ckpt"), opts.output_path)
+        check_coverage(resolver, chunks, source)
+        if rank0:
+            copy_hf_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"))
+            facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
+            storage.write_json_atomic(os.path.join(stage.path, META), build_metadata(facts, role, ("model",), None))
+        summary = _summary(role, dtype, resolver, time.time() - start)
+        if rank0:
+            stage.commit()
+        torch.distributed.barrier()  # no rank returns before the output is in place
+    except BaseException:
+        stage.discard()
+        raise
+    return summary

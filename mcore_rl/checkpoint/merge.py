@@ -12,6 +12,7 @@ they agree: ``mapping/weights.py`` imports megatron, which this path must not).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -21,9 +22,12 @@ from typing import Iterator, Literal
 
 import torch
 
+from mcore_rl.checkpoint.convert_input import HF_DTYPE_NAMES
 from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.files import META, peak_rss_mb
-from mcore_rl.checkpoint.safetensors_write import INDEX_FILE, ShardedSafetensorsWriter, TensorSpec
+from mcore_rl.checkpoint.paths import contained
+from mcore_rl.checkpoint.safetensors_write import ShardedSafetensorsWriter, TensorSpec
+from mcore_rl.checkpoint.staging import Staging, overlaps
 from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
@@ -63,15 +67,19 @@ class ModelDir:
 
 @dataclass(frozen=True)
 class MergeSummary:
+    """What a merge wrote."""
+
     tensors: int
     bytes: int
     shards: int
     seconds: float
     peak_rss_mb: float
+    dtype: str = "float32"
 
     def line(self) -> str:
-        return (f"merged {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB in {self.shards} shard(s), "
-                f"{self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
+        """The CLI's summary line."""
+        return (f"merged {self.tensors} tensors ({self.dtype}), {self.bytes / 2**20:.1f} MiB in {self.shards} "
+                f"shard(s), {self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
 
 
 def open_model_dir(local_dir: str) -> ModelDir:
@@ -170,13 +178,33 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
     return units, dims
 
 
-def iter_hf_tensors(model: ModelDir, units: list[Unit], dims: Dims) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) in plan order; one unit's part in memory at a time."""
+def iter_hf_tensors(model: ModelDir, units: list[Unit], dims: Dims,
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) in plan order, cast to ``dtype`` when given; one unit's part in memory
+    at a time."""
     for unit in units:
         part = model.reader.read(unit.key, unit.index)
         for spec, tensor in zip(unit.specs, unit.transform.to_hf(part, dims)):
-            yield spec.name, tensor
+            yield spec.name, tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
         del part
+
+
+def written_dtype(model: ModelDir, units: list[Unit], dtype: str | None = None) -> torch.dtype:
+    """The one dtype of the merged model: ``dtype`` (fp32, bf16, fp16) when given, else the dtype
+    the checkpoint stores its model parameters in (a bf16 run's model keys are bf16 whatever its
+    optimizer's fp32 main parameters), else mcore_rl.json's ``params_dtype``."""
+    if dtype is not None:
+        if dtype not in HF_DTYPE_NAMES:
+            raise MergeError(f"dtype={dtype!r}; use one of {sorted(HF_DTYPE_NAMES)} (or none: the checkpoint's).")
+        return getattr(torch, HF_DTYPE_NAMES[dtype])
+    stored = {model.reader.tensors[u.key].dtype for u in units}
+    if len(stored) == 1:
+        return stored.pop()
+    named = str(model.meta.get("params_dtype", "")).removeprefix("torch.")
+    if named not in HF_DTYPE_NAMES.values():
+        raise MergeError(f"{model.path}: the model tensors are stored in {sorted(map(str, stored))} and "
+                         f"{META} names no params_dtype; pass --dtype fp32|bf16|fp16.")
+    return getattr(torch, named)
 
 
 def _hf_config(model: ModelDir, model_class: ModelClass) -> dict:
@@ -187,7 +215,7 @@ def _hf_config(model: ModelDir, model_class: ModelClass) -> dict:
                if model.role == "critic" else "an actor has an LM head, not a value head")
         raise MergeError(f"{model.path}: model_class={model_class!r} for a {model.role}: {why}; "
                          f"use --model_class {want} (or auto).")
-    with open(os.path.join(model.hf_dir, "config.json")) as f:
+    with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
         config = json.load(f)
     arch = model.args.arch
     if model.role == "critic":
@@ -198,31 +226,27 @@ def _hf_config(model: ModelDir, model_class: ModelClass) -> dict:
     return config
 
 
-def _prepare_target(target_dir: str, overwrite: bool) -> None:
-    if os.path.isdir(target_dir) and os.listdir(target_dir):
-        if not overwrite:
-            raise MergeError(f"target_dir {target_dir} is not empty; pass --overwrite (overwrite=True) "
-                             "to replace its model files, or choose an empty directory.")
-        for name in os.listdir(target_dir):  # stale shards of an earlier merge would confuse loaders
-            if _WEIGHT_FILE.match(name):
-                os.remove(os.path.join(target_dir, name))
-    os.makedirs(target_dir, exist_ok=True)
+def check_target(target_dir: str, local_dir: str, overwrite: bool) -> None:
+    """Refuses a file, a target that overlaps the model directory (even with ``overwrite``) and a
+    non-empty directory unless ``overwrite``."""
+    if os.path.lexists(target_dir) and not os.path.isdir(target_dir):
+        raise MergeError(f"target_dir {target_dir} is a file; pass a directory.")
+    if overlaps(target_dir, local_dir):
+        raise MergeError(f"target_dir {target_dir} overlaps the model directory {local_dir} (the same "
+                         "directory, or one inside the other); write the HF model outside it.")
+    if os.path.isdir(target_dir) and os.listdir(target_dir) and not overwrite:
+        raise MergeError(f"target_dir {target_dir} is not empty; pass --overwrite (overwrite=True) to replace "
+                         "it (the old directory is kept until the new model is complete), or choose an empty "
+                         "directory.")
 
 
-def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
-          model_class: ModelClass | None = None, overwrite: bool = False,
-          progress: bool = False) -> MergeSummary:
-    """Writes the HF model of ``local_dir`` into ``target_dir``: safetensors shards of at most
-    ``max_shard_size`` (+ index), config.json (critic: ``*ForTokenClassification``, num_labels=1)
-    and the tokenizer/generation files of ``local_dir/huggingface``."""
-    start = time.monotonic()
-    model = open_model_dir(local_dir)
-    config = _hf_config(model, model_class or "auto")
-    units, dims = plan_units(model)
-    _prepare_target(target_dir, overwrite)
-    specs = [s for u in units for s in u.specs]
-    writer = ShardedSafetensorsWriter(target_dir, specs, max_shard_size)
-    tensors = iter_hf_tensors(model, units, dims)
+def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dtype, directory: str,
+                 max_shard_size: int | str, progress: bool) -> ShardedSafetensorsWriter:
+    """Streams the HF tensors into ``directory`` and copies the non-weight HF files (tokenizer,
+    generation config) of the model directory (no file that leaves it: symlinks are checked)."""
+    specs = [TensorSpec(s.name, s.shape, dtype) for u in units for s in u.specs]
+    writer = ShardedSafetensorsWriter(directory, specs, max_shard_size)
+    tensors = iter_hf_tensors(model, units, dims, dtype)
     if progress:
         from tqdm import tqdm
 
@@ -231,13 +255,39 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
         writer.write(name, tensor)
     writer.close()
     for name in sorted(os.listdir(model.hf_dir)):
-        src = os.path.join(model.hf_dir, name)
+        src = contained(model.hf_dir, name, f"the listing of {model.hf_dir}")
         if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name != "config.json":
-            shutil.copyfile(src, os.path.join(target_dir, name))
-    with open(os.path.join(target_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    return MergeSummary(len(specs), writer.bytes_written, len(writer.files), time.monotonic() - start,
-                        peak_rss_mb())
+            shutil.copyfile(src, os.path.join(directory, name))
+    return writer
+
+
+def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
+          model_class: ModelClass | None = None, overwrite: bool = False,
+          progress: bool = False, dtype: str | None = None) -> MergeSummary:
+    """Writes the HF model of ``local_dir`` into ``target_dir``: safetensors shards of at most
+    ``max_shard_size`` (+ index), config.json (critic: ``*ForTokenClassification``, num_labels=1;
+    ``dtype``/``torch_dtype``: the dtype written, see ``written_dtype``) and the tokenizer /
+    generation files of ``local_dir/huggingface``. Written into a staging directory beside
+    ``target_dir`` and renamed into place when complete: a failure leaves nothing new and an
+    old ``target_dir`` (``overwrite``) as it was."""
+    start = time.monotonic()
+    model = open_model_dir(local_dir)
+    check_target(target_dir, model.path, overwrite)
+    config = _hf_config(model, model_class or "auto")
+    units, dims = plan_units(model)
+    out_dtype = written_dtype(model, units, dtype)
+    config["dtype"] = config["torch_dtype"] = str(out_dtype).removeprefix("torch.")  # as transformers names it
+    stage = Staging.create(target_dir)
+    try:
+        writer = _write_model(model, units, dims, out_dtype, stage.path, max_shard_size, progress)
+        with open(os.path.join(stage.path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        stage.commit()
+    except BaseException:
+        stage.discard()
+        raise
+    return MergeSummary(sum(map(len, writer.shards)), writer.bytes_written, len(writer.files), time.monotonic() - start,
+                        peak_rss_mb(), config["dtype"])
 
 
 def tensor_class(name: str) -> str:
@@ -247,7 +297,8 @@ def tensor_class(name: str) -> str:
 
 def compare(local_dir: str, test_hf_dir: str) -> tuple[dict[str, float], list[str]]:
     """Merges ``local_dir`` in memory (tensor by tensor) against the HF dir ``test_hf_dir``:
-    max abs diff per tensor class, and problems (missing/extra names, shape or dtype mismatch)."""
+    max abs diff per tensor class, and problems (missing/extra names, shape or dtype mismatch, a
+    NaN or inf on either side: such a tensor's class gets diff inf, it never matches)."""
     from mcore_rl.mapping.hf_io import SafetensorsReader
 
     model = open_model_dir(local_dir)
@@ -267,6 +318,10 @@ def compare(local_dir: str, test_hf_dir: str) -> tuple[dict[str, float], list[st
             continue
         diff = (tensor.double() - other.double()).abs().max().item() if tensor.numel() else 0.0
         cls = tensor_class(name)
+        if not math.isfinite(diff):  # max(x, nan) would hide it
+            sides = [side for side, t in (("merged", tensor), ("reference", other)) if not torch.isfinite(t).all()]
+            problems.append(f"{name}: non-finite values (NaN or inf) in the {' and '.join(sides) or 'difference'}")
+            diff = math.inf
         diffs[cls] = max(diffs.get(cls, 0.0), diff)
     problems += [f"{n}: in {test_hf_dir} but not merged" for n in sorted(set(ref) - seen)]
     return diffs, problems

@@ -5,12 +5,13 @@ the global shape, dtype and the chunks (offsets, sizes) that were written, and p
 byte offset and length) and ``__<rank>_<n>.distcp`` files (each chunk a ``torch.save`` payload).
 ``.metadata`` is read only through ``safe_load``'s allowlist unpickler, tensor chunks only with
 ``torch.load(weights_only=True)``, ShardedObject payloads (bytes items) through torch's weights_only
-unpickler with ``safe_load.SAFE_TORCH_GLOBALS``. A read assembles only the chunks overlapping the
+unpickler cut to torch's own allowlist (``safe_load.load_payload``). A read assembles only the chunks overlapping the
 requested part, so memory per read is that part (plus one chunk in flight).
 """
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.paths import contained
 from mcore_rl.checkpoint.safe_load import load_payload, restricted_pickle_load
 
 METADATA_FILE = ".metadata"
@@ -85,20 +87,19 @@ class TorchDistReader:
 
     def read(self, key: str, index: tuple[int, ...] = ()) -> torch.Tensor:
         """The part of ``key`` at leading indices ``index`` ([*shape[len(index):]]), assembled from
-        the chunks that overlap it; an error names the key when chunks do not cover it fully."""
+        the chunks that overlap it; an error names the key when the chunks do not cover every
+        element of the part exactly once (a gap, an overlap, a chunk outside the shape)."""
         info = self.info(key)
         if len(index) > len(info.shape) or any(not 0 <= i < n for i, n in zip(index, info.shape)):
             raise TorchDistReadError(f"{self.path}: index {index} is outside {key!r} of shape {info.shape}.")
-        whole = [c for c in info.chunks if _overlap(index, *c) and _covers_part(index, info.shape, *c)]
-        if whole:  # one chunk holds the whole part: a view of it, no assembly copy
-            chunk = self._load_chunk(key, whole[0][0])
-            return chunk[tuple(i - off for i, off in zip(index, whole[0][0]))]
+        chunks = [c for c in info.chunks if _overlap(index, *c)]
+        self._check_tiling(key, index, info.shape, chunks)
+        if len(chunks) == 1:  # one chunk holds the whole part: a view of it, no assembly copy
+            chunk = self._load_chunk(key, *chunks[0])
+            return chunk[tuple(i - off for i, off in zip(index, chunks[0][0]))]
         out = torch.empty(info.shape[len(index):], dtype=info.dtype)  # host: the merge reads on the CPU
-        filled = 0
-        for offsets, sizes in info.chunks:
-            if not _overlap(index, offsets, sizes):
-                continue
-            chunk = self._load_chunk(key, offsets)
+        for offsets, sizes in chunks:
+            chunk = self._load_chunk(key, offsets, sizes)
             src, dst = [], []  # slices of the chunk and of ``out`` that meet
             for d, (off, size) in enumerate(zip(offsets, sizes)):
                 if d < len(index):
@@ -106,28 +107,50 @@ class TorchDistReader:
                 else:
                     src.append(slice(0, size))
                     dst.append(slice(off, off + size))
-            part = chunk[tuple(src)].reshape(out[tuple(dst)].shape)
-            out[tuple(dst)] = part
-            filled += part.numel()
+            out[tuple(dst)] = chunk[tuple(src)].reshape(out[tuple(dst)].shape)
             del chunk
-        if filled != out.numel():
-            raise TorchDistReadError(
-                f"{self.path}: chunks of {key!r} cover {filled} of the {out.numel()} elements at index "
-                f"{index}; the checkpoint is incomplete (a rank's shard was not written).")
         return out
+
+    def _check_tiling(self, key: str, index: tuple[int, ...], shape: tuple[int, ...],
+                      chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+        """The chunks' boxes, restricted to the part at ``index``, lie inside the shape, are pairwise
+        disjoint and their volumes add up to the part's: every element is written exactly once."""
+        part = shape[len(index):]
+        boxes = []
+        for offsets, sizes in chunks:
+            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                    off < 0 or size < 0 or off + size > n for off, size, n in zip(offsets, sizes, shape)):
+                raise TorchDistReadError(f"{self.path}: .metadata gives {key!r} a chunk at {offsets} of size "
+                                         f"{sizes} outside its shape {shape}; the .metadata file is damaged.")
+            boxes.append((offsets[len(index):], sizes[len(index):]))
+        covered = sum(math.prod(sizes) for _, sizes in boxes)
+        clash = next(((a[0], b[0]) for i, a in enumerate(boxes) for b in boxes[i + 1:] if _boxes_meet(a, b)), None)
+        if clash is not None or covered != math.prod(part):
+            what = (f"chunks at {clash[0]} and {clash[1]} overlap" if clash is not None
+                    else f"its chunks cover {covered} of the {math.prod(part)} elements")
+            raise TorchDistReadError(
+                f"{self.path}: {key!r} at index {index}: {what}; the checkpoint is incomplete (a rank's shard "
+                "was not written) or its .metadata is damaged: use another checkpoint.")
 
     def read_object(self, key: str) -> Any:
         """A ShardedObject payload (e.g. ``rng_state/shard_0_2``), unpickled only with torch's
-        weights_only unpickler plus ``SAFE_TORCH_GLOBALS``."""
+        weights_only unpickler, its allowlist cut to torch's own entries (``safe_load.load_payload``)."""
         if key not in self.objects:
             raise TorchDistReadError(f"{self.path}: no ShardedObject key {key!r} in the checkpoint.")
         data = self._read_bytes(key, None)
         return load_payload(data, f"ShardedObject payload {key!r} in {self._locate(key, None)[0]}")
 
-    def _load_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
+    def _load_chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """One chunk, checked to be the tensor ``.metadata`` promises (shape and dtype)."""
         file, info = self._locate(key, offsets)
         with open(file, "rb") as f:  # torch reads the record straight into the tensor's storage
-            return torch.load(_Span(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            chunk = torch.load(_Span(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        want = self.tensors[key].dtype
+        if not torch.is_tensor(chunk) or tuple(chunk.shape) != tuple(sizes) or chunk.dtype != want:
+            got = f"{tuple(chunk.shape)} {chunk.dtype}" if torch.is_tensor(chunk) else type(chunk).__name__
+            raise TorchDistReadError(f"{file}: the chunk of {key!r} at {offsets} holds {got}, .metadata promises "
+                                     f"{tuple(sizes)} {want}; the checkpoint is damaged: use another one.")
+        return chunk
 
     def _read_bytes(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
         file, info = self._locate(key, offsets)
@@ -146,7 +169,7 @@ class TorchDistReader:
             raise TorchDistReadError(
                 f"{self.path}: {key!r} is stored with transforms {info.transform_descriptors} "
                 "(e.g. compression), which this reader does not support; save without them.")
-        file = os.path.join(self.path, info.relative_path)
+        file = contained(self.path, info.relative_path, os.path.join(self.path, METADATA_FILE))
         if not os.path.isfile(file):
             raise TorchDistReadError(
                 f"{file} is missing: it holds {key!r}; the checkpoint is incomplete (copy the whole "
@@ -190,11 +213,9 @@ class _Span(io.RawIOBase):
         return got
 
 
-def _covers_part(index: tuple[int, ...], shape: tuple[int, ...], offsets: tuple[int, ...],
-                 sizes: tuple[int, ...]) -> bool:
-    """True when the chunk spans every dim after ``index`` fully (it alone holds the part)."""
-    return all(off == 0 and size == n for off, size, n in zip(offsets[len(index):], sizes[len(index):],
-                                                             shape[len(index):]))
+def _boxes_meet(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    """True when boxes (offsets, sizes) share an element (they overlap in every dimension)."""
+    return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
 
 
 def _overlap(index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:

@@ -8,11 +8,20 @@ from typing import Iterator, Mapping
 import torch
 from safetensors import safe_open
 
+from mcore_rl.checkpoint.paths import contained
+from mcore_rl.errors import McoreRLError
+
+
+class HFWeightsError(McoreRLError, FileNotFoundError):
+    """A HF directory without readable safetensors weights."""
+
 
 class SafetensorsReader(Mapping[str, torch.Tensor]):
     """Maps tensor names to tensors of a HF directory; each tensor is read only when asked for.
 
-    Reads ``model.safetensors.index.json`` when present, else every ``*.safetensors`` file.
+    Reads ``model.safetensors.index.json`` when present, else every ``*.safetensors`` file. Every
+    file name (the index's ``weight_map`` values, the listing) must stay inside the directory
+    (``paths.contained``: no ``..``, no absolute path, no symlink leaving it).
     """
 
     def __init__(self, directory: str | os.PathLike) -> None:
@@ -21,16 +30,17 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            self._files = {k: os.path.join(self.directory, v) for k, v in weight_map.items()}
+            paths = {v: contained(self.directory, v, index) for v in set(weight_map.values())}
+            self._files = {k: paths[v] for k, v in weight_map.items()}
         else:
             self._files = {}
             for name in sorted(os.listdir(self.directory)):
                 if name.endswith(".safetensors"):
-                    path = os.path.join(self.directory, name)
+                    path = contained(self.directory, name, f"the listing of {self.directory}")
                     with safe_open(path, framework="pt") as f:
                         self._files.update({k: path for k in f.keys()})
         if not self._files:
-            raise FileNotFoundError(
+            raise HFWeightsError(
                 f"no *.safetensors weights in {self.directory!r}; save the HF model with "
                 "save_pretrained(..., safe_serialization=True)."
             )

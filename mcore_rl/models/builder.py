@@ -174,6 +174,9 @@ def transformer_config(
         batch_p2p_comm=not platform.on_cpu,
         moe_token_dispatcher_type=options.moe.dispatcher,
         use_cpu_initialization=platform.on_cpu,
+        # a meta model has no values to set; megatron's init on meta tensors would only import
+        # torch's compiler (torch._refs' normal_ goes through dynamo's disable wrapper)
+        perform_initialization=not options.meta_device,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

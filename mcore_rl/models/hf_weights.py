@@ -63,7 +63,7 @@ def load_hf(
     if isinstance(source, (str, os.PathLike)):
         source = SafetensorsReader(source)
     if role == "critic" and not init_value_head:
-        source = _critic_head_source(source, args)
+        source = critic_head_source(source, args)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     wmap = weight_map(args, role, tp, with_head=not init_value_head)
     ignore = {"lm_head.weight"} if init_value_head else set()
@@ -89,7 +89,7 @@ class _WithZeroBias(Mapping[str, torch.Tensor]):
         return len(self.source) + 1
 
 
-def _critic_head_source(source: Mapping[str, torch.Tensor], args: ModelArgs) -> Mapping[str, torch.Tensor]:
+def critic_head_source(source: Mapping[str, torch.Tensor], args: ModelArgs) -> Mapping[str, torch.Tensor]:
     """Checks a critic's score head (one output) and gives a bias-free reward head a zero bias."""
     if "score.weight" not in source:
         return source  # the weight check names what is missing

@@ -65,7 +65,9 @@ def rope_spec_from_hf(cfg: Any, head_dim: int) -> RopeSpec:
 
 def inv_freq(spec: RopeSpec) -> torch.Tensor:
     """Inverse frequencies, float32 [dim // 2], as HF computes them for ``spec.rope_type``."""
-    exponent = torch.arange(0, spec.dim, 2, dtype=torch.int64).float() / spec.dim  # host: the builder moves it
+    # on the host even while a meta model is built: meta ops would import torch's compiler
+    exponent = torch.arange(0, spec.dim, 2, dtype=torch.int64, device="cpu")  # host: the builder moves it
+    exponent = exponent.float() / spec.dim
     base = 1.0 / (spec.theta**exponent)
     if spec.rope_type == "default":
         return base

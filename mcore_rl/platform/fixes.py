@@ -7,9 +7,13 @@ test that proves each fix) instead of hiding it under a stale patch.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
+import sys
+import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from packaging.version import Version
@@ -32,6 +36,7 @@ class Fix:
     max_version: str
     cpu_only: bool
     apply: Callable[[], Callable[[], None]]
+    before_import: bool = False  # acts on megatron-core's import: ``megatron_import_fixes`` applies it
 
     def matches(self, megatron_version: str, on_cpu: bool) -> bool:
         v = Version(megatron_version)
@@ -223,6 +228,44 @@ def _scheduler_load_sets_step_count() -> Callable[[], None]:
     return _wrap_method(OptimizerParamScheduler, "load_state_dict", make)
 
 
+class _CompileOnFirstCall:
+    """``torch.compile(fn, **options)`` made on the first call instead of at decoration: the same
+    compiled function, without importing torch._dynamo / torch._inductor before it is needed."""
+
+    def __init__(self, compile_fn: Callable, fn: Callable, options: dict) -> None:
+        self._compile, self._fn, self._options = compile_fn, fn, options
+        self._compiled: Callable | None = None
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    self._compiled = self._compile(self._fn, **self._options)
+        return self._compiled(*args, **kwargs)
+
+
+def _defer_import_time_compile() -> Callable[[], None]:
+    """``megatron.core.jit`` binds ``jit_fuser = torch.compile`` and ~40 functions (fusions, MoE
+    router and dispatcher, norms) are decorated with it at import: every process that imports
+    megatron-core imports torch._dynamo and torch._inductor (2-3 s on 2 cores), even one that
+    never calls them (the converter). While megatron-core is imported, ``torch.compile`` on a
+    plain function returns a wrapper that compiles it with the same options on its first call;
+    ``jit_fuser`` keeps that wrapper, so what those functions compute is unchanged."""
+    original = torch.compile
+
+    def deferred(model=None, **options):
+        if model is None:  # decorator with options: @torch.compile(...)
+            return lambda fn: deferred(fn, **options)
+        if not inspect.isfunction(model):  # modules keep torch.compile's own object
+            return original(model, **options)
+        return _CompileOnFirstCall(original, model, options)
+
+    torch.compile = deferred
+    return lambda: setattr(torch, "compile", original)
+
+
 FIXES: list[Fix] = [
     Fix(
         name="moe_te_general_gemm_undefined",
@@ -293,6 +336,16 @@ FIXES: list[Fix] = [
         cpu_only=False,
         apply=_scheduler_load_sets_step_count,
     ),
+    Fix(
+        name="jit_fuser_compiles_at_import",
+        defect="importing megatron-core runs torch.compile on ~40 jit_fuser functions, importing "
+        "torch._dynamo and torch._inductor (2-3 s) in processes that never call them",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_defer_import_time_compile,
+        before_import=True,
+    ),
 ]
 _undo: dict[str, Callable[[], None]] = {}
 
@@ -309,7 +362,7 @@ def apply_fixes(on_cpu: bool, only: set[str] | None = None) -> list[str]:
     applied: list[str] = []
     try:
         for fix in FIXES:
-            if only is not None and fix.name not in only:
+            if (only is not None and fix.name not in only) or fix.before_import:
                 continue
             if fix.matches(version, on_cpu) and fix.name not in _undo:
                 _undo[fix.name] = fix.apply() or (lambda: None)
@@ -318,6 +371,27 @@ def apply_fixes(on_cpu: bool, only: set[str] | None = None) -> list[str]:
         revert_fixes(applied)
         raise
     return applied
+
+
+@contextlib.contextmanager
+def megatron_import_fixes(on_cpu: bool) -> Iterator[list[str]]:
+    """Context for the first import of megatron-core in a process: applies the ``before_import``
+    fixes that match the installed version (read from the package metadata: importing megatron
+    to ask would be too late) and reverts them on exit. Yields the names applied; none when
+    megatron-core is already imported (they could no longer act)."""
+    from importlib.metadata import version
+
+    applied: list[str] = []
+    if "megatron.core" not in sys.modules:
+        installed = version("megatron-core")
+        for fix in FIXES:
+            if fix.before_import and fix.matches(installed, on_cpu) and fix.name not in _undo:
+                _undo[fix.name] = fix.apply() or (lambda: None)
+                applied.append(fix.name)
+    try:
+        yield applied
+    finally:
+        revert_fixes(applied)
 
 
 def revert_fix(name: str) -> None:

@@ -1,0 +1,160 @@
+"""The converter's checks of its input (HF directory) and output path, without torch or megatron:
+``hf_to_mcore.py`` runs them before its heavy imports, so bad input fails in a fraction of a
+second, and ``convert()`` runs them again for library callers.
+
+Every file name read from the HF directory (an index's ``weight_map``, the listing) goes through
+``paths.contained``; shard headers are checked against the file size (a truncated copy is named).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Literal
+
+from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.paths import contained
+from mcore_rl.checkpoint.staging import overlaps
+
+INDEX_FILE = "model.safetensors.index.json"
+DtypeName = Literal["fp32", "bf16", "fp16"]
+# converter --dtype -> the name transformers writes in config.json ("dtype" / "torch_dtype")
+HF_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+class ConvertError(CheckpointError):
+    """Bad converter input (missing or damaged HF files, an occupied output, a wrong split)."""
+
+
+def read_config(hf_dir: str) -> dict:
+    """config.json of ``hf_dir`` as a dict; errors name a missing directory or a damaged file."""
+    if not os.path.isdir(hf_dir):
+        raise ConvertError(f"--hf_model_path {hf_dir!r} is not a directory; pass the HF model directory "
+                           "(config.json + *.safetensors).")
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConvertError(f"{hf_dir!r} has no config.json; pass a HF model directory.")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{path} is not valid JSON ({e}); fix or re-export the file.") from None
+    if not isinstance(config, dict):
+        raise ConvertError(f"{path} holds a JSON {type(config).__name__}, not an object; it is not a HF config.")
+    return config
+
+
+def role_from_config(hf_dir: str) -> Literal["actor", "critic"]:
+    """``*ForCausalLM`` -> actor, ``*ForTokenClassification`` / ``*ForSequenceClassification``
+    -> critic, from config.json ``architectures``."""
+    archs = read_config(hf_dir).get("architectures") or []
+    for name in archs:
+        if name.endswith("ForCausalLM"):
+            return "actor"
+        if name.endswith(("ForTokenClassification", "ForSequenceClassification")):
+            return "critic"
+    raise ConvertError(f"{hf_dir}/config.json: architectures={archs!r} name neither a *ForCausalLM (actor) "
+                       "nor a *ForTokenClassification / *ForSequenceClassification (critic); pass --role "
+                       "actor|critic.")
+
+
+def input_dtype(hf_dir: str) -> DtypeName:
+    """The dtype config.json states (``dtype``, else ``torch_dtype``), as a --dtype name; fp32
+    when neither is set."""
+    config = read_config(hf_dir)
+    stated = config.get("dtype") or config.get("torch_dtype") or "float32"
+    by_hf = {v: k for k, v in HF_DTYPE_NAMES.items()}
+    if not isinstance(stated, str) or stated.removeprefix("torch.") not in by_hf:
+        raise ConvertError(f"{hf_dir}/config.json states dtype {stated!r}, which the converter cannot keep; "
+                           f"pass --dtype {'|'.join(HF_DTYPE_NAMES)}.")
+    return by_hf[stated.removeprefix("torch.")]  # type: ignore[return-value]
+
+
+def shard_files(hf_dir: str) -> list[str]:
+    """The safetensors files the checkpoint consists of (absolute paths, each inside ``hf_dir``);
+    an index naming a missing file or a file outside the directory errors."""
+    index = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            weight_map = None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConvertError(f"{index} has no 'weight_map' object naming the shard files; re-export the "
+                               "model with save_pretrained, or remove the index if one *.safetensors file "
+                               "holds every tensor.")
+        paths = {name: contained(hf_dir, name, index) for name in set(weight_map.values())}
+        missing = sorted(n for n, p in paths.items() if not os.path.isfile(p))
+        if missing:
+            raise ConvertError(f"{index} names shard files that do not exist: {missing}; copy the "
+                               "complete checkpoint (every file the index lists).")
+        return [paths[n] for n in sorted(paths)]
+    names = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise ConvertError(f"no *.safetensors weights in {hf_dir!r}; save the HF model with "
+                           "save_pretrained(..., safe_serialization=True).")
+    return [contained(hf_dir, n, f"the listing of {hf_dir}") for n in names]
+
+
+def check_shard(path: str) -> None:
+    """A safetensors file whose header is not a JSON object of tensor entries, or promises more
+    bytes than the file holds (a truncated copy), is refused."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        header = f.read(n) if 0 < n <= size - 8 else b""
+    try:
+        meta = json.loads(header)
+    except (ValueError, UnicodeDecodeError):
+        meta = None
+    entries = [v for k, v in meta.items() if k != "__metadata__"] if isinstance(meta, dict) else None
+    ends = [e.get("data_offsets") for e in entries] if entries is not None and all(
+        isinstance(e, dict) for e in entries) else None
+    if ends is None or not all(isinstance(o, list) and len(o) == 2 and all(isinstance(x, int) for x in o)
+                               for o in ends):
+        raise ConvertError(f"{path}: unreadable safetensors header ({size} bytes on disk); the file is "
+                           "truncated or not safetensors; copy it again.")
+    end = max((o[1] for o in ends), default=0)
+    if 8 + n + end > size:
+        raise ConvertError(f"{path} is truncated: {size} bytes on disk, its header needs {8 + n + end}; "
+                           "copy the file again.")
+
+
+def check_input(hf_dir: str) -> list[str]:
+    """Validates the HF directory (config.json, every shard named and complete); returns the shards."""
+    read_config(hf_dir)
+    shards = shard_files(hf_dir)
+    for path in shards:
+        check_shard(path)
+    return shards
+
+
+def check_output(path: str, hf_dir: str, overwrite: bool) -> None:
+    """Refuses a file, an output that overlaps the input (the same directory, inside it or
+    containing it: even with ``overwrite``), and a non-empty directory unless ``overwrite``."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise ConvertError(f"--output_path {path!r} is a file; pass a directory.")
+    if overlaps(path, hf_dir):
+        raise ConvertError(f"--output_path {path!r} overlaps --hf_model_path {hf_dir!r} (the same directory, "
+                           "or one inside the other); write the output to a directory outside the input "
+                           "(--overwrite never replaces the input).")
+    if os.path.isdir(path) and os.listdir(path) and not overwrite:
+        raise ConvertError(f"--output_path {path!r} is not empty; pass --overwrite to replace it (the old "
+                           "output is kept until the new one is complete) or choose an empty directory.")
+
+
+def preflight(hf_dir: str, output_path: str, overwrite: bool, dtype: str | None, role: str | None) -> None:
+    """Every check the CLI can make before importing torch/megatron, in the order a user fixes them."""
+    check_input(hf_dir)
+    if role is None:
+        role_from_config(hf_dir)
+    if dtype is None:
+        input_dtype(hf_dir)
+    check_output(output_path, hf_dir, overwrite)
+    model_type = read_config(hf_dir).get("model_type")
+    if not isinstance(model_type, str):
+        raise ConvertError(f"{hf_dir}/config.json has no 'model_type'; it is not a HF model config.")
+    from mcore_rl.models.registry import lookup_arch  # imports torch: the last check
+
+    lookup_arch(model_type)

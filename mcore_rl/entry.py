@@ -1,0 +1,34 @@
+"""What the entry points (launch/train.py, converters/*.py) share: the third-party notices they
+filter, and the one-line form of a refusal. Nothing here runs at import; library modules never
+filter warnings themselves."""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+# (category, message regex) of notices that say nothing a user of the job can act on
+QUIET_WARNINGS = (
+    (UserWarning, r"(Transformer Engine and )?Apex (is|are) not installed"),
+    (UserWarning, r"Transformer Engine is not installed"),
+    (UserWarning, r"full scope is deprecated"),  # megatron's own default for cuda_graph_scope
+    (FutureWarning, r"`torch\.distributed\.\w+` is deprecated"),  # megatron calls the old names
+    (FutureWarning, r"`load_state_dict` is deprecated"),  # megatron's torch_dist loader, old DCP name
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),  # megatron's loader
+)
+
+
+def quiet_third_party(rank: int) -> None:
+    """Filters known notices on rank 0; non-zero ranks drop stdout and every warning (errors
+    and tracebacks still go to stderr)."""
+    if rank != 0:
+        warnings.simplefilter("ignore")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+        return
+    for category, message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def error_line(error: BaseException) -> str:
+    """``error: <message>`` on one line (a refusal's message names the value and the fix)."""
+    return "error: " + " ".join(str(error).split())
