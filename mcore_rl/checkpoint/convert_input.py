@@ -83,7 +83,7 @@ def shard_files(hf_dir: str) -> list[str]:
             raise ConvertError(f"{index} has no 'weight_map' object naming the shard files; re-export the "
                                "model with save_pretrained, or remove the index if one *.safetensors file "
                                "holds every tensor.")
-        paths = {name: contained(hf_dir, name, index) for name in set(weight_map.values())}
+        paths = {name: contained(hf_dir, name, index, hub_cache=True) for name in set(weight_map.values())}
         missing = sorted(n for n, p in paths.items() if not os.path.isfile(p))
         if missing:
             raise ConvertError(f"{index} names shard files that do not exist: {missing}; copy the "
@@ -93,7 +93,7 @@ def shard_files(hf_dir: str) -> list[str]:
     if not names:
         raise ConvertError(f"no *.safetensors weights in {hf_dir!r}; save the HF model with "
                            "save_pretrained(..., safe_serialization=True).")
-    return [contained(hf_dir, n, f"the listing of {hf_dir}") for n in names]
+    return [contained(hf_dir, n, f"the listing of {hf_dir}", hub_cache=True) for n in names]
 
 
 def check_shard(path: str) -> None:

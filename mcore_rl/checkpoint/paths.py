@@ -17,12 +17,14 @@ class UnsafePathError(CheckpointError):
     """A file name from a checkpoint or index that would leave its directory."""
 
 
-def contained(base: str, rel: str, source: str) -> str:
+def contained(base: str, rel: str, source: str, hub_cache: bool = False) -> str:
     """``base/rel`` as an absolute path, when it stays inside ``base``.
 
     ``source`` names where ``rel`` was read (e.g. ``"<dir>/.metadata"``) for the error. Refused:
     a non-string or empty name, a NUL byte, an absolute path, any ``..`` component, and a name
-    whose real path (symlinks resolved) is outside ``base``'s real path.
+    whose real path (symlinks resolved) is outside ``base``'s real path. ``hub_cache=True`` (HF
+    model folders): in a Hugging Face hub-cache snapshot (``<repo>/snapshots/<rev>/``) files are
+    links into the same repo's ``<repo>/blobs/``, which is allowed too (and nothing else).
     """
     if not isinstance(rel, str) or not rel or "\0" in rel:
         raise UnsafePathError(f"{source} names the file {rel!r}, which is not a file name; the "
@@ -33,11 +35,14 @@ def contained(base: str, rel: str, source: str) -> str:
                               "only names files inside its own directory: it is damaged or was "
                               "tampered with, do not load it.")
     path = os.path.join(os.path.abspath(base), rel)
-    real_base = os.path.realpath(base)
     real = os.path.realpath(path)
-    if real != real_base and not real.startswith(real_base + os.sep):
+    allowed = [os.path.realpath(base)]
+    snapshots = os.path.dirname(os.path.abspath(base))
+    if hub_cache and os.path.basename(snapshots) == "snapshots":
+        allowed.append(os.path.realpath(os.path.join(os.path.dirname(snapshots), "blobs")))
+    if not any(real == root or real.startswith(root + os.sep) for root in allowed):
         raise UnsafePathError(f"{source} names the file {rel!r}, which resolves to {real} outside "
-                              f"{real_base} (a symlink leaves the directory); replace the link "
+                              f"{allowed[0]} (a symlink leaves the directory); replace the link "
                               "with the file itself, or do not load this checkpoint.")
     return path
 

@@ -30,13 +30,13 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            paths = {v: contained(self.directory, v, index) for v in set(weight_map.values())}
+            paths = {v: contained(self.directory, v, index, hub_cache=True) for v in set(weight_map.values())}
             self._files = {k: paths[v] for k, v in weight_map.items()}
         else:
             self._files = {}
             for name in sorted(os.listdir(self.directory)):
                 if name.endswith(".safetensors"):
-                    path = contained(self.directory, name, f"the listing of {self.directory}")
+                    path = contained(self.directory, name, f"the listing of {self.directory}", hub_cache=True)
                     with safe_open(path, framework="pt") as f:
                         self._files.update({k: path for k in f.keys()})
         if not self._files:
