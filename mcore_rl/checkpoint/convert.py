@@ -22,7 +22,6 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
-from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl.checkpoint import storage
@@ -32,7 +31,7 @@ from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.files import META, copy_hf_files, peak_rss_mb, process_age_s
 from mcore_rl.checkpoint.staging import Staging, StagingError
 from mcore_rl.checkpoint.state import build_metadata
-from mcore_rl.checkpoint.writer import ItemSaveStrategy
+from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
 from mcore_rl.errors import McoreRLError
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.weights import MappingError, WeightMap, _tp_rank_size, canonical_params, check_hf_keys
@@ -222,11 +221,14 @@ def _stage_output(final: str) -> Staging:
     return stage
 
 
-def _writer_failure(error: CheckpointException, resolver: HFShardResolver, output: str) -> BaseException:
+def _writer_failure(error: BaseException, resolver: HFShardResolver, output: str) -> BaseException:
     """The error to raise for a failed write: what the resolver raised when it is an mcore_rl
     refusal (it names the value and the fix), else a ConvertError with the writer's report."""
     if isinstance(resolver.error, McoreRLError):
         return resolver.error
+    if isinstance(error, CheckpointError):  # agreed over the ranks: it names the failed rank's error
+        return ConvertError(f"writing the checkpoint for {output!r} failed: {error}; check free space and "
+                            "write permission where the output lives, then run again.")
     reports = []
     for rank, failure in sorted(getattr(error, "failures", {}).items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
@@ -238,11 +240,9 @@ def _writer_failure(error: CheckpointException, resolver: HFShardResolver, outpu
 def _save(chunks: list[torch.nn.Module], resolver: HFShardResolver, dist_dir: str, output: str) -> None:
     """Writes the checkpoint items through ``resolver`` (megatron's plan and metadata)."""
     state = {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-    try:
-        request = dist_checkpointing.save(state, dist_dir, sharded_strategy=ItemSaveStrategy(resolve=resolver),
-                                          async_sharded_save=True)
-        request.execute_sync()
-    except CheckpointException as e:  # a BaseException: the writer's errors arrive wrapped in it
+    try:  # rank 0's own writes (common.pt, metadata) agreed: a failure there stops every rank
+        plan_item_save(state, dist_dir, ItemSaveStrategy(resolve=resolver)).execute_sync()
+    except (CheckpointError, CheckpointException) as e:  # the writer's errors, agreed over the ranks
         raise _writer_failure(e, resolver, output) from None
     finally:
         if resolver.bar is not None:
