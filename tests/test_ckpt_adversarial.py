@@ -160,6 +160,9 @@ def _attacks(hf_actor: str, hf_critic: str, base: str) -> dict:
         after = _fingerprint(engines)
         out[name] = {"error": error, "engines_kept": all(torch.equal(before[k], after[k]) for k in before),
                      "files_kept": _digests(root) == files, "ran": os.path.exists(os.path.join(base, "ran"))}
+    # the same damaged shard with verify_content off: sizes alone pass it (the knob is what checks)
+    manager(os.path.join(base, "same_size_other_bytes"), verify_content=False).resume(engines)
+    out["unverified_loads"] = True
     from mcore_rl.checkpoint.model_dir import load_model_dir
 
     try:  # the same model directory as a job's start (model.mcore_dir): also refused
@@ -191,6 +194,10 @@ EXPECT = {
     "no_trainer_state": "trainer_state.json missing",
     "no_hf_config": "actor/huggingface/config.json missing",
 }
+
+
+def test_verify_content_off_checks_sizes_only(attacked):
+    assert attacked["unverified_loads"]
 
 
 def test_a_model_directory_naming_files_outside_is_refused(attacked):

@@ -64,7 +64,10 @@ def all_ranks_ok(ok: bool) -> bool:
 
 
 def gather_errors(error: str | None) -> dict[int, str]:
-    """Collective: rank -> error text of every rank that reports one."""
+    """Collective: rank -> error text of every rank that reports one (one flag all-reduce when
+    no rank does, the texts only when some rank failed)."""
+    if not any_rank([1 if error else 0])[0]:
+        return {}
     texts = all_gather_bytes((error or "")[:_MAX_ERROR].encode())
     return {r: t.decode(errors="replace") for r, t in enumerate(texts) if t}
 

@@ -24,6 +24,10 @@ class CheckpointConfig:
     hf_model (HF safetensors, save only). optimizer_sharding: DistributedOptimizer format.
     hf_max_shard_size: largest hf_model shard (e.g. "5GB", "500MiB"; a larger tensor is a shard of
     its own), also the most HF weights a rank holds at once while writing them.
+    verify_content: a load re-reads every file it loads and compares its CRC-32 with the marker
+    (a shard damaged or replaced by other bytes of the same size is refused before any state
+    moves); False checks sizes only, saving one read of the checkpoint when its pages are not
+    in the page cache.
     """
 
     root: str | None = None
@@ -36,6 +40,7 @@ class CheckpointConfig:
     load_contents: tuple[str, ...] = ("model", "optimizer", "extra")
     optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
     hf_max_shard_size: str = "5GB"
+    verify_content: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.save_freq, int) or self.save_freq < 0:

@@ -35,6 +35,8 @@ def contained(base: str, rel: str, source: str, hub_cache: bool = False) -> str:
                               "only names files inside its own directory: it is damaged or was "
                               "tampered with, do not load it.")
     path = os.path.join(os.path.abspath(base), rel)
+    if not _any_link(os.path.abspath(base), parts):
+        return path  # no link on the way: lexically inside is inside
     real = os.path.realpath(path)
     allowed = [os.path.realpath(base)]
     snapshots = os.path.dirname(os.path.abspath(base))
@@ -45,6 +47,19 @@ def contained(base: str, rel: str, source: str, hub_cache: bool = False) -> str:
                               f"{allowed[0]} (a symlink leaves the directory); replace the link "
                               "with the file itself, or do not load this checkpoint.")
     return path
+
+
+def _any_link(base: str, parts: list[str]) -> bool:
+    """Whether a component of ``base/parts...`` below ``base`` is a symlink (a few lstat calls,
+    cheaper than resolving the whole path; ``base`` itself may be a link: the root a user chose)."""
+    path = base
+    for part in parts:
+        if part in ("", "."):
+            continue
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            return True
+    return False
 
 
 def is_real_dir(path: str) -> bool:

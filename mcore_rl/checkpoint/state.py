@@ -4,6 +4,7 @@ metadata, and the layout comparison that decides RNG restore / reshard / error b
 is touched."""
 from __future__ import annotations
 
+import functools
 import random
 import warnings
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ def arch_facts(args) -> dict[str, Any]:
             "head_dim": args.head_dim, "tie_embeddings": args.tie_embeddings, "moe": moe}
 
 
+@functools.lru_cache(maxsize=1)  # the installed versions do not change within a process
 def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -69,7 +71,7 @@ def build_metadata(engine, role: str, contents: tuple[str, ...], sharding: str) 
             "arch": arch_facts(engine.args), "layout": layout_facts(engine),
             "params_dtype": str(engine.config.params_dtype), "contents": sorted(contents),
             "optimizer_sharding": sharding if "optimizer" in contents else None,
-            "versions": versions()}
+            "versions": dict(versions())}
 
 
 @dataclass(frozen=True)

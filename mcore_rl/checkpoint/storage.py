@@ -183,7 +183,8 @@ def expected_files(dist_ckpt_dir: str) -> dict[str, int]:
         ) from e
     sizes = {name: 1 for name in FIXED_FILES}
     for info in (metadata.storage_data or {}).values():
-        contained(dist_ckpt_dir, info.relative_path, meta_path)  # torch's reader would open it
+        if info.relative_path not in sizes:  # torch's reader would open it: checked once per name
+            contained(dist_ckpt_dir, info.relative_path, meta_path)
         end = int(info.offset) + int(info.length)
         sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end, 1)
     return sizes
