@@ -17,7 +17,9 @@ metadata through the restricted unpickler); no complete step vanished unless ret
 (``keep`` newer complete steps exist); no torchrun, rank or forked async shard writer of the
 killed run is left (found by a tag in the environment every descendant inherits, so re-parented
 orphans are found too; a writer is a process forked by a rank: it keeps the rank's command line
-and environment). The next run must say it resumed from the newest complete step. A final
+and environment). The next run must say it resumed from the step the tracker names when it is
+complete, else the step completed last (a replacement cut short between its renames counts:
+the next start finishes it). A final
 uninterrupted rerun must finish with metrics.jsonl equal to a straight run's (but for time_s).
 Prints the figures; exit code 1 on any failure.
 
@@ -127,7 +129,39 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
+def _order(step_dir: str, step: int) -> tuple[int, int] | None:
+    """Completion order of a step dir with a valid marker (recorded order after unrecorded ones)."""
+    try:
+        marker = json.load(open(os.path.join(step_dir, "COMPLETE")))
+    except (OSError, ValueError):
+        return None
+    return (1, marker["completed"]) if marker.get("completed") is not None else (0, step)
+
+
+def complete_steps(root: str) -> dict[int, tuple[int, int]]:
+    """step -> completion order of every complete step, counting a replacement a kill cut short
+    between its renames (``.global_step_N.incoming``/``.outgoing`` while ``global_step_N`` is
+    missing): the next start finishes it, so such a step is not lost."""
+    found = {}
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    for name in names:
+        if name.startswith("global_step_") and not os.path.islink(os.path.join(root, name)):
+            step = int(name.split("_")[-1])
+            order = _order(os.path.join(root, name), step)
+            if order is not None:
+                found[step] = order
+    for kind in ("incoming", "outgoing"):  # an incoming copy with a marker wins the name
+        for name in names:
+            if name.startswith(".global_step_") and name.endswith("." + kind):
+                step = int(name.split(".")[1].split("_")[-1])
+                order = _order(os.path.join(root, name), step)
+                if step not in found and not os.path.isdir(os.path.join(root, f"global_step_{step}")) and order:
+                    found[step] = order
+    return found
+
+
 def state(out: str) -> tuple[int | None, list[int], list[int]]:
+    """(tracker, step dirs, complete steps incl. a replacement cut short)."""
     root = os.path.join(out, "checkpoints")
     if not os.path.isdir(root):
         return None, [], []
@@ -135,8 +169,17 @@ def state(out: str) -> tuple[int | None, list[int], list[int]]:
     text = open(path).read().strip() if os.path.exists(path) else None
     tracker = int(text) if text is not None and text.isdigit() else (-1 if text is not None else None)
     dirs = sorted(int(d.split("_")[-1]) for d in os.listdir(root) if d.startswith("global_step_"))
-    marked = [s for s in dirs if os.path.isfile(os.path.join(root, f"global_step_{s}", "COMPLETE"))]
-    return tracker, dirs, marked
+    return tracker, dirs, sorted(complete_steps(root))
+
+
+def expected_resume(out: str) -> int | None:
+    """The step ``auto`` must resume: the tracked one when complete, else the one completed last."""
+    root = os.path.join(out, "checkpoints")
+    found = complete_steps(root)
+    tracker = state(out)[0]
+    if tracker in found:
+        return tracker
+    return max(found, key=found.get) if found else None
 
 
 def metrics_lines(out: str, since: float) -> int | None:
@@ -169,9 +212,16 @@ def shard_sizes(out: str, marked: list[int]) -> dict[str, int]:
     """Sizes of the actor's shard files in the newest complete step (as its marker lists them)."""
     if not marked:
         return {}
-    marker = json.load(open(os.path.join(out, "checkpoints", f"global_step_{marked[-1]}", "COMPLETE")))
+    path = os.path.join(out, "checkpoints", f"global_step_{marked[-1]}", "COMPLETE")
+    if not os.path.isfile(path):  # a replacement cut short: its sizes are not at the usual place
+        return {}
+    marker = json.load(open(path))
     prefix = os.path.join("actor", "dist_ckpt", "")
-    return {k[len(prefix):]: v for k, v in marker["files"].items() if k.startswith(prefix) and k.endswith(".distcp")}
+    return {k[len(prefix):]: _size(v) for k, v in marker["files"].items() if k.startswith(prefix) and k.endswith(".distcp")}
+
+
+def _size(entry) -> int:
+    return entry if isinstance(entry, int) else entry["size"]  # markers before / after checksums
 
 
 def phase_of(out: str, after: tuple, keep: int, started: bool, ref: dict[str, int]) -> str:
@@ -196,6 +246,9 @@ def phase_of(out: str, after: tuple, keep: int, started: bool, ref: dict[str, in
             return "shards-unknown-size"
         whole = set(shards) == set(ref) and all(shards[n] >= ref[n] for n in ref)
         return "shards-written-no-metadata" if whole else "shards-writing"
+    side = [d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith(".global_step_")]
+    if side:
+        return "replacing"
     if marked and (tracker is None or tracker < marked[-1]):
         return "marker-no-tracker"
     if len(marked) > keep or any(s < max(marked, default=-1) for s in torn):
@@ -210,9 +263,11 @@ def check_step(step_dir: str) -> str | None:
 
     from mcore_rl.checkpoint.safe_load import restricted_unpickling
 
+    if not os.path.isfile(os.path.join(step_dir, "COMPLETE")):
+        return None  # a replacement cut short between its renames: finished by the next start
     marker = json.load(open(os.path.join(step_dir, "COMPLETE")))
-    for rel, size in marker["files"].items():
-        path = os.path.join(step_dir, rel)
+    for rel, entry in marker["files"].items():
+        path, size = os.path.join(step_dir, rel), _size(entry)
         if not os.path.isfile(path) or os.path.getsize(path) != size:
             return f"{path}: marker says {size} bytes, found {os.path.getsize(path) if os.path.isfile(path) else 'none'}"
     for role in marker["roles"]:
@@ -256,7 +311,7 @@ def kill_moment(out: str, t0: float, resume_step: int, proc: subprocess.Popen, a
 
 
 def one_kill(out: str, i: int, args, rng: random.Random, ref: dict[str, int]) -> tuple[dict, list[str]]:
-    before = state(out)
+    before, expected = state(out), expected_resume(out)
     mode = rng.choice(["job", "rank0", "rank1"])
     scaled = rng.random() >= args.random_fraction
     proc, tag, log = start(out, args, os.path.join(args.out, f"kill{i:02d}.log"))
@@ -293,9 +348,8 @@ def one_kill(out: str, i: int, args, rng: random.Random, ref: dict[str, int]) ->
            "writers_at_kill": sorted(r for r in tree.values() if r.startswith("writer")),
            "left": [f"{left_roles[p]} {c}" for p, c in zip(left, cmdlines(left))]}
     bad = check_after_kill(out, before, after, args.keep)
-    newest = before[2][-1] if before[2] else None
-    if (row["resumed_from"] is not None or not killed) and row["resumed_from"] != newest:
-        bad.append(f"run {i} resumed from {row['resumed_from']}, newest complete step was {newest}")
+    if (row["resumed_from"] is not None or not killed) and row["resumed_from"] != expected:
+        bad.append(f"run {i} resumed from {row['resumed_from']}, the tracked (or last completed) step was {expected}")
     if not killed and proc.returncode != 0:
         bad.append(f"run {i} exited {proc.returncode} without being killed:\n{text[-3000:]}")
     stray = [f"{r} {p}" for p, r in left_roles.items() if _is_writer(r)]
