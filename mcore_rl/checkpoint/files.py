@@ -147,3 +147,15 @@ def _pipelined_crc32(f, chunk_bytes: int) -> tuple[int, str]:
             crc = zlib.crc32(memoryview(bufs[turn ^ 1])[:n], crc)
             size += n
     return size, crc32_hex(crc)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux ``/proc``, 10 ms resolution; 0.0 elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name: field 3 onwards
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -7,6 +7,7 @@ import os
 from megatron.core import dist_checkpointing
 
 from mcore_rl.checkpoint import storage
+from mcore_rl.checkpoint.collective import agreed
 from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.files import META
 from mcore_rl.checkpoint.state import LoadPlan, _safe_loading, apply_loaded, plan_load, sharded_state
@@ -26,7 +27,8 @@ def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None
     """Reads ``plan.contents`` from ``model_dir/dist_ckpt`` into ``engine`` (collective).
     Model keys starting with ``keep_prefix`` are not read: those parameters keep their values."""
     dist_dir = os.path.join(model_dir, "dist_ckpt")
-    storage.check_files(dist_dir, storage.expected_files(dist_dir))  # every file there, none outside it
+    agreed(lambda: storage.check_files(dist_dir, storage.expected_files(dist_dir)),  # every file there, none
+           f"checking {dist_dir}")                                                   # outside it, on every node
     state = sharded_state(engine, plan.contents, plan.sharding, is_loading=True, rng=plan.restore_rng)
     kept = _split_off(engine, state, keep_prefix) if keep_prefix else {}
     with _safe_loading():
@@ -55,11 +57,9 @@ def load_model_dir(model_dir: str, engine, init_value_head: bool = False) -> Non
     (collective over the engine's world). The engine's role must be the directory's, except with
     ``init_value_head=True``: a critic engine takes the trunk of an actor directory (its LM head
     is not read) and keeps its value head's initialisation, as ``load_hf`` does for a causal LM."""
-    if not init_value_head:
-        load_planned(model_dir, engine, read_plan(model_dir, engine, engine.role, ("model",)))
-        return
-    if engine.role != "critic":
+    if init_value_head and engine.role != "critic":
         raise CheckpointError(f"init_value_head=True loads an actor's trunk into a critic; the engine is "
                               f"a {engine.role!r}: drop init_value_head.")
-    load_planned(model_dir, engine, read_plan(model_dir, engine, "actor", ("model",)),
-                 keep_prefix="output_layer.")
+    role = "actor" if init_value_head else engine.role
+    plan = agreed(lambda: read_plan(model_dir, engine, role, ("model",)), f"checking {model_dir}")
+    load_planned(model_dir, engine, plan, keep_prefix="output_layer." if init_value_head else None)
