@@ -17,6 +17,15 @@ HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenize
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
 
 
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (opened read-only)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def copy_hf_files(src: str, dst: str) -> None:
     """Copies the ``HF_FILES`` present in ``src`` into ``dst`` (created)."""
     os.makedirs(dst, exist_ok=True)

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import fsync_path
 
 
 class StagingError(CheckpointError):
@@ -34,16 +35,8 @@ def fsync_tree(directory: str) -> None:
         for name in files:
             path = os.path.join(dirpath, name)
             if not os.path.islink(path):
-                _fsync(path)
-        _fsync(dirpath)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+                fsync_path(path)
+        fsync_path(dirpath)
 
 
 def _make_parents(parent: str) -> list[str]:
@@ -113,7 +106,7 @@ class Staging:
                 os.unlink(old)
         else:
             os.rename(self.path, self.final)
-        _fsync(parent)
+        fsync_path(parent)
 
     def discard(self) -> None:
         """Removes the staging directory and the (still empty) parents made for it; never raises

@@ -23,6 +23,7 @@ import torch
 
 from mcore_rl.checkpoint.collective import all_gather_bytes, any_rank, comm_device, distributed
 from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import fsync_path  # noqa: F401 - storage.fsync_path for its users
 from mcore_rl.checkpoint.paths import contained
 from mcore_rl.checkpoint.safe_load import UnsafeCheckpointError, restricted_unpickling
 
@@ -66,15 +67,6 @@ def node_id() -> int:
 
 
 # ----------------------------------------------------------------------------- durable files
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or a directory (opened read-only)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_bytes_atomic(path: str, chunks: Iterator[bytes], keep_if: Callable[[], bool] | None = None) -> int:
