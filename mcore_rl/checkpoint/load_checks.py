@@ -53,20 +53,20 @@ def preread_pickles(step_dir: str, roles: list[str]) -> None:
     """Collective: every pickled part of the roles' checkpoints (``common.pt``, the ShardedObject
     payloads) read once through the allowlists, split over the ranks; a refused global is
     UnsafeCheckpointError on every rank, before any engine is loaded."""
-    parts: list[tuple[str, str | None]] = []
-    for role in roles:
-        dist_dir = os.path.join(step_dir, role, "dist_ckpt")
-        parts.append((dist_dir, None))
-        parts += [(dist_dir, key) for key in TorchDistReader(dist_dir).objects]
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    agreed(lambda: _read(parts[rank::world]), f"reading the pickled parts of {step_dir}")
+    agreed(lambda: _read(step_dir, roles, rank, world), f"reading the pickled parts of {step_dir}")
 
 
-def _read(parts: list[tuple[str, str | None]]) -> None:
-    readers: dict[str, TorchDistReader] = {}
-    for dist_dir, key in parts:
+def _read(step_dir: str, roles: list[str], rank: int, world: int) -> None:
+    """This rank's share of the roles' pickled parts (the same list on every rank)."""
+    readers = {os.path.join(step_dir, role, "dist_ckpt"): None for role in roles}
+    parts: list[tuple[str, str | None]] = []
+    for dist_dir in readers:
+        readers[dist_dir] = TorchDistReader(dist_dir)
+        parts += [(dist_dir, None)] + [(dist_dir, key) for key in readers[dist_dir].objects]
+    for dist_dir, key in parts[rank::world]:
         if key is None:
             with restricted_unpickling():  # torch.load forced to weights_only, this file named
                 torch.load(os.path.join(dist_dir, "common.pt"), map_location="cpu")
         else:
-            readers.setdefault(dist_dir, TorchDistReader(dist_dir)).read_object(key)
+            readers[dist_dir].read_object(key)

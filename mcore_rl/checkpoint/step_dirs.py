@@ -79,8 +79,9 @@ def recover_side_dirs(root: str) -> None:
         if found is None or not is_real_dir(path):
             continue
         final = os.path.join(root, inventory.step_name(found[0]))
-        if os.path.lexists(final):
-            log.warning("removing %s, left over from a replacement of %s", path, final)
+        if os.path.lexists(final):  # the old copy after a finished swap is routine; anything else is not
+            (log.info if found[1] == "outgoing" else log.warning)(
+                "removing %s, left over from a replacement of %s", path, final)
             remove_step_dir(path)
         elif found[1] == "outgoing" or os.path.isfile(os.path.join(path, MARKER)):
             log.warning("finishing an interrupted replacement: %s -> %s", path, final)
