@@ -4,8 +4,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# verl's tests run in a second environment with verl's pins (transformers < 5.11, omegaconf 2.3)
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: test install demo demo-ppo demo-moe clean
+.PHONY: test install install-verl demo demo-ppo demo-moe clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -15,10 +19,26 @@ $(STAMP): setup.py constraints-cpu.txt
 	PIP_CONSTRAINT=$(CURDIR)/constraints-cpu.txt $(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# mcore_rl without its own dependency list (omegaconf >= 2.4 is the main job's; hydra pins < 2.4):
+# the integration needs megatron-core and what verl already brings. verl 0.9.1 imports uvicorn and
+# fastapi without declaring them.
+$(VERL_STAMP): setup.py constraints-cpu.txt
+	python3 -m venv $(VERL_VENV)
+	$(VERL_PY) -m pip install --quiet --upgrade pip
+	$(VERL_PY) -m pip install --quiet torch==2.13.0
+	PIP_CONSTRAINT=$(CURDIR)/constraints-cpu.txt $(VERL_PY) -m pip install --quiet 'verl==0.9.1' \
+		'transformers>=5.5.3,<5.11,!=5.6.0' uvicorn fastapi megatron-core==0.16.1 safetensors pyyaml \
+		psutil tqdm matplotlib pytest
+	$(VERL_PY) -m pip install --quiet --no-deps -e .
+	touch $(VERL_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+install-verl: $(VERL_STAMP)
+
+test: $(STAMP) $(VERL_STAMP)
+	$(PY) -m pytest -q tests --ignore=tests/verl
+	$(VERL_PY) -m pytest -q tests/verl
 
 demo: $(STAMP)
 	launch/run.sh 2 configs/grpo_demo.yaml
@@ -30,4 +50,4 @@ demo-moe: $(STAMP)
 	launch/run.sh 2 configs/grpo_moe_demo.yaml
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VERL_VENV)

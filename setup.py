@@ -6,6 +6,7 @@ setup(
     version="0.1.0",
     description="Megatron-Core backend for RL trainers: actor/critic models, checkpoints, converters",
     packages=find_packages(include=["mcore_rl", "mcore_rl.*"]),
+    package_data={"mcore_rl.integrations.verl": ["hydra/*/*.yaml"]},
     python_requires=">=3.11",
     install_requires=[
         # CPU machines: install torch==2.13.0 first (see constraints-cpu.txt); any other torch
@@ -26,4 +27,6 @@ setup(
         # source (see README); the PyPI package named `apex` is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
     },
+    # verl loads its plug-ins at ``import verl``: ours adds a CPU platform (mcore_rl.integrations.verl)
+    entry_points={"verl.plugins": ["mcore_rl = mcore_rl.integrations.verl.plugin"]},
 )

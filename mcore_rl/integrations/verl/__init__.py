@@ -1,0 +1,34 @@
+"""mcore_rl as a verl training engine (verl 0.9.1): ``engine=mcore_rl`` in verl's configs.
+
+The only package that imports verl. ``import mcore_rl`` never reaches it.
+- ``platform``: verl's CPU platform (loaded by verl's ``verl.plugins`` entry point at ``import
+  verl``) and the named, version-gated patches of verl functions it needs.
+- ``config``: ``McoreRLEngineConfig`` (verl's ``EngineConfig`` with ``strategy='mcore_rl'``).
+- ``engine``: the engines, registered in verl's ``EngineRegistry`` for ``language_model`` and
+  ``value_model`` on cpu and cuda when this package's ``McoreRLEngineConfig`` is first looked up
+  (Hydra's ``_target_``) or ``register_engines()`` is called.
+Kept light: importing this package imports neither verl's workers nor megatron-core.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["McoreRLEngineConfig", "register_engines"]
+
+
+def register_engines() -> None:
+    """Registers the mcore_rl engines with verl's EngineRegistry (idempotent)."""
+    from mcore_rl.integrations.verl import engine
+
+    engine.register()
+
+
+def __getattr__(name: str) -> Any:
+    # Hydra resolves ``_target_: mcore_rl.integrations.verl.McoreRLEngineConfig`` through here:
+    # choosing the engine in a config is what makes verl's registry know it.
+    if name == "McoreRLEngineConfig":
+        from mcore_rl.integrations.verl.config import McoreRLEngineConfig
+
+        register_engines()
+        return McoreRLEngineConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,312 @@
+"""mcore_rl's engines behind verl's ``BaseEngine`` interface (verl 0.9.1,
+``verl/workers/engine/base.py``; semantics of ``megatron/transformer_impl.py``).
+
+A verl engine holds one ``ModelEngine`` (megatron-core chunks, DDP, distributed optimizer, LR
+schedule). verl's batches (TensorDicts with jagged ``input_ids``) are split into micro-batches by
+verl's own ``prepare_micro_batches``, run through megatron's schedule by ``run_schedule``
+(padded or packed, ``verl_batches``), and verl's ``loss_function`` is called on each
+micro-batch's output in verl's layout; the results are put back in order by verl's
+``postprocess_batch_func``. Checkpoints go through mcore_rl's ``CheckpointManager``
+(``verl_checkpoints``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import finalize_model_grads
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
+
+from mcore_rl.errors import McoreRLError
+from mcore_rl.integrations.verl import verl_batches, verl_checkpoints
+from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError
+from mcore_rl.models.builder import BuildOptions, Role
+from mcore_rl.models.forward import run_schedule
+from mcore_rl.models.hf_config import model_args_from_hf
+from mcore_rl.models.hf_weights import export_hf_buckets
+from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+from mcore_rl.platform import setup_platform
+from mcore_rl.rl.engine import ModelEngine, OptimConfig
+from mcore_rl.rl.offload import Offloader
+
+log = logging.getLogger("mcore_rl.integrations.verl")
+Tensor = torch.Tensor
+
+
+class McoreRLEngine(BaseEngine):
+    """One model (policy or value model) of a verl worker on mcore_rl. Built in two steps, as
+    verl's engines: the constructor sets up the parallel state (verl asks for DP rank and size
+    before ``initialize``), ``initialize()`` builds the model, optimizer and LR schedule."""
+
+    role: Role = "actor"
+
+    def __init__(self, model_config, engine_config: McoreRLEngineConfig, optimizer_config, checkpoint_config,
+                 **_kwargs: Any) -> None:
+        super().__init__()
+        if not isinstance(engine_config, McoreRLEngineConfig):
+            raise VerlConfigError(f"the mcore_rl engine needs engine=mcore_rl (McoreRLEngineConfig), got "
+                                  f"{type(engine_config).__name__}.")
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        self.platform = setup_platform(None)  # cpu or cuda, as torch sees this process
+        if not torch.distributed.is_initialized():
+            raise McoreRLError("the mcore_rl engine needs torch.distributed initialized (verl's trainer does it).")
+        c = engine_config
+        self.layout = ParallelLayout(
+            tp=c.tensor_model_parallel_size, pp=c.pipeline_model_parallel_size,
+            vpp=c.virtual_pipeline_model_parallel_size, cp=c.context_parallel_size,
+            ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size, sequence_parallel=c.sequence_parallel)
+        self.layout.validate(torch.distributed.get_world_size())
+        initialize_parallel_state(self.layout, seed=c.seed)
+        self.engine: ModelEngine | None = None
+        self.hf_source: str | None = None  # HF config/tokenizer copied into checkpoints' huggingface/
+        self.mode: str | None = None
+        self._offloaded: dict[tuple[bool, bool, bool], Offloader] = {}
+
+    # ---- build -----------------------------------------------------------------------------
+    def initialize(self) -> None:
+        """Builds the model from ``model_config.local_path`` (a HF directory) at the layout; with
+        an optimizer and LR schedule unless ``forward_only``."""
+        if self.engine is not None:
+            return
+        path = self.model_config.local_path
+        start = verl_checkpoints.model_start(path, self.role)
+        self.hf_source = start.hf_dir
+        options = BuildOptions(params_dtype=torch.bfloat16 if self.engine_config.is_bf16 else torch.float32)
+        optim = None if self.engine_config.forward_only else optim_config(self.optimizer_config,
+                                                                          self.engine_config)
+        self.engine = ModelEngine(model_args_from_hf(start.hf_dir), self.layout, self.role, self.platform,
+                                  options, optim, hf_weights=start.hf_dir, init_value_head=start.init_value_head)
+        if start.mcore_dir is not None:
+            verl_checkpoints.load_model_dir_into(start.mcore_dir, self.engine)
+        if self.engine_config.forward_only:
+            self.to("cpu", model=self.is_param_offload_enabled, optimizer=False, grad=False)
+        else:
+            self.to("cpu", model=self.is_param_offload_enabled, optimizer=self.is_optimizer_offload_enabled,
+                    grad=self.is_param_offload_enabled)
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return bool(self.engine_config.param_offload)
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return bool(self.engine_config.optimizer_offload)
+
+    def train_mode(self, **kwargs: Any) -> BaseEngineCtx:
+        return _ModeCtx(self, "train", **kwargs)
+
+    def eval_mode(self, **kwargs: Any) -> BaseEngineCtx:
+        return _ModeCtx(self, "eval", **kwargs)
+
+    # ---- optimizer -------------------------------------------------------------------------
+    def _trainable(self) -> ModelEngine:
+        if self.engine is None or self.engine.optimizer is None:
+            raise McoreRLError("this mcore_rl engine has no optimizer (not initialized, or forward_only=True).")
+        return self.engine
+
+    def optimizer_zero_grad(self) -> None:
+        engine = self._trainable()
+        engine.optimizer.zero_grad()
+        for chunk in engine.model:
+            chunk.zero_grad_buffer()
+
+    def optimizer_step(self) -> float:
+        """Reduces the gradients (DP, SP, tied embeddings), clips, steps; returns the grad norm
+        before clipping (the LR schedule moves in ``lr_scheduler_step``)."""
+        engine = self._trainable()
+        finalize_model_grads(engine.model)
+        ok, grad_norm, _ = engine.optimizer.step()
+        if not ok:
+            raise McoreRLError(f"the optimizer skipped its step (grad norm {grad_norm}): non-finite gradients.")
+        return float(grad_norm or 0.0)
+
+    def lr_scheduler_step(self) -> float:
+        engine = self._trainable()
+        engine.scheduler.step(increment=1)
+        return float(engine.optimizer.param_groups[0]["lr"])
+
+    # ---- placement ---------------------------------------------------------------------------
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        """Offload to host memory (``device='cpu'``) or back. On the CPU platform the state
+        already lives in host memory: both directions leave it as it is."""
+        super().to(device=device, model=model, optimizer=optimizer, grad=grad)
+        if self.platform.on_cpu or self.engine is None or not (model or optimizer):
+            return
+        key = (model, grad, optimizer and self.engine.optimizer is not None)
+        if device == "cpu":
+            if key not in self._offloaded:
+                for wait in self.engine.before_state_moves:
+                    wait()
+                offloader = Offloader(self.engine, params=model, grads=grad, optimizer=key[2])
+                offloader.offload()
+                self._offloaded[key] = offloader
+        elif key in self._offloaded:
+            self._offloaded.pop(key).onload()
+
+    # ---- parallel groups ---------------------------------------------------------------------
+    def get_data_parallel_rank(self) -> int:
+        return mpu.get_data_parallel_rank()
+
+    def get_data_parallel_size(self) -> int:
+        return mpu.get_data_parallel_world_size()
+
+    def get_data_parallel_group(self):
+        return mpu.get_data_parallel_group()
+
+    def is_mp_src_rank_with_outputs(self) -> bool:
+        return (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+                and mpu.get_pipeline_model_parallel_rank() == mpu.get_pipeline_model_parallel_world_size() - 1)
+
+    # ---- forward / backward ----------------------------------------------------------------
+    def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only: bool = False) -> dict:
+        """verl's contract: the batch's loss-mask tokens (summed over DP) as ``batch_num_tokens``,
+        ``dp_size``, ``sp_size`` and ``num_micro_batch`` are set on the batch; ``loss_function``
+        is called per micro-batch; its loss is multiplied by the micro-batch count (megatron's
+        schedule divides by it). Returns ``{'loss', 'metrics', 'model_output'}`` on the last
+        pipeline stage (verl's ``postprocess_batch_func``), ``{}`` elsewhere."""
+        if self.engine is None:
+            raise McoreRLError("initialize() the mcore_rl engine before running batches.")
+        device = self.platform.device()
+        tu.assign_non_tensor(data, sp_size=self.engine_config.context_parallel_size)
+        loss_mask = data["loss_mask"]
+        tokens = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum()).to(device)
+        torch.distributed.all_reduce(tokens, group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=tokens.item(), dp_size=self.get_data_parallel_size())
+        vpp = self.layout.vpp if self.layout.vpp and self.layout.vpp > 1 else None
+        micro, indices = prepare_micro_batches(data=data, dp_group=self.get_data_parallel_group(),
+                                               num_batches_divided_by=self.layout.pp if vpp else None,
+                                               same_micro_num_in_dp=True)
+        for mb in micro:
+            tu.assign_non_tensor(mb, num_micro_batch=len(micro))
+        tu.assign_non_tensor(data, num_micro_batch=len(micro))
+        micro = [mb.to(device) for mb in micro]
+        inputs = verl_batches.model_inputs(micro, self.engine, bool(self.engine_config.use_remove_padding))
+        by_input = {id(x): mb for x, mb in zip(inputs, micro)}
+
+        def loss_fn(inp: dict, output: Tensor):
+            mb = by_input[id(inp)]
+            model_output = self._model_output(output, inp, mb, forward_only)
+            if loss_function is None:
+                loss, metrics, scaled = torch.tensor(1.0, device=device), {}, None
+            else:
+                loss, metrics = loss_function(model_output=model_output, data=mb,
+                                              dp_group=self.get_data_parallel_group())
+                scaled = loss * mb["num_micro_batch"]
+            out = {"loss": loss.detach().item(), "metrics": metrics, "model_output": detach_tree(model_output)}
+            return (loss if scaled is None else scaled), out
+
+        results = run_schedule(self.engine.model, inputs, loss_fn, forward_only)
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            return {}
+        return postprocess_batch_func(output_lst=results, indices=indices, data=data)
+
+    def _model_output(self, output: Tensor, inp: dict, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    # ---- checkpoints and weights -------------------------------------------------------------
+    def save_checkpoint(self, local_path: str, hdfs_path: str | None = None, global_step: int = 0,
+                        max_ckpt_to_keep: int | None = None, **_kwargs: Any) -> None:
+        """Saves model, optimizer, RNG and LR schedule (``checkpoint.save_contents``) as
+        mcore_rl's ``global_step_<N>/<role>/`` step; see ``verl_checkpoints``."""
+        verl_checkpoints.save(self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
+
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True,
+                        **_kwargs: Any) -> None:
+        """Loads ``checkpoint.load_contents`` from a step saved by ``save_checkpoint`` (at any
+        layout). The checkpoint is never deleted, whatever ``del_local_after_load`` says."""
+        verl_checkpoints.load(self, local_path, hdfs_path, del_local_after_load)
+
+    def get_per_tensor_param(self, **_kwargs: Any) -> tuple[Iterator[tuple[str, Tensor]], None]:
+        """(generator of (HF name, full tensor), None): ``export_hf``'s tensors, one parameter's
+        at a time. Collective: every rank must run the generator to its end."""
+        if self.engine is None:
+            raise McoreRLError("initialize() the mcore_rl engine before exporting its weights.")
+        engine = self.engine
+
+        def tensors() -> Iterator[tuple[str, Tensor]]:
+            for bucket in export_hf_buckets(engine.model, engine.args, self.role, bucket_bytes=1):
+                yield from bucket
+
+        return tensors(), None
+
+
+class _ModeCtx(BaseEngineCtx):
+    """verl's train/eval context: the model's mode, offload per the engine's flags (see ``to``),
+    and in train mode the gradients zeroed on exit (verl's ``zero_grad_on_exit``)."""
+
+    def __enter__(self):
+        super().__enter__()
+        for chunk in self.engine.engine.model:
+            chunk.train(self.mode == "train")
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if self.mode == "train" and (self.zero_grad_on_exit or exc_type is not None) \
+                and self.engine.engine.optimizer is not None:
+            self.engine.optimizer_zero_grad()
+        super().__exit__(exc_type, exc_value, traceback)
+
+
+class McoreRLEngineWithLMHead(McoreRLEngine):
+    """The policy (and reference): ``model_output`` = ``log_probs`` (+ ``entropy`` when the batch
+    asks ``calculate_entropy``), jagged like ``input_ids``: position t scores token t + 1."""
+
+    role: Role = "actor"
+
+    def _model_output(self, output: Tensor, inp: dict, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
+        entropy = bool(tu.get_non_tensor_data(mb, key="calculate_entropy", default=False))
+        return verl_batches.lm_outputs(output, inp, mb, self.engine.args.vocab_size, entropy, forward_only)
+
+
+class McoreRLEngineWithValueHead(McoreRLEngine):
+    """The value model: ``model_output`` = ``values``, jagged like ``input_ids``."""
+
+    role: Role = "critic"
+
+    def _model_output(self, output: Tensor, inp: dict, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
+        return verl_batches.value_outputs(output, inp, mb)
+
+
+def optim_config(optimizer_config, engine_config: McoreRLEngineConfig) -> OptimConfig:
+    """verl's optimizer config (``optim=megatron``: McoreOptimizerConfig, or the base fields) ->
+    mcore_rl's OptimConfig. Warmup: ``lr_warmup_steps`` when >= 0, else the ratio of the total."""
+    o = optimizer_config
+    total = int(o.total_training_steps)
+    if total < 1:
+        raise VerlConfigError(f"optim.total_training_steps={total}; verl's trainer sets it before initialize().")
+    warmup = o.lr_warmup_steps if o.lr_warmup_steps is not None and o.lr_warmup_steps >= 0 \
+        else int(o.lr_warmup_steps_ratio * total)
+    if getattr(o, "lr_warmup_init", 0.0):
+        raise VerlConfigError(f"optim.lr_warmup_init={o.lr_warmup_init}: mcore_rl warms up from 0; set it to 0.")
+    style = getattr(o, "lr_decay_style", "constant")
+    if style not in ("constant", "linear", "cosine"):
+        raise VerlConfigError(f"optim.lr_decay_style={style!r}; mcore_rl supports constant, linear, cosine.")
+    name = getattr(o, "optimizer", "adam")
+    if name not in ("adam", "adamw", "sgd"):
+        raise VerlConfigError(f"optim.optimizer={name!r}; mcore_rl supports adam (AdamW) and sgd.")
+    decay_steps = getattr(o, "lr_decay_steps", None) or total
+    return OptimConfig(
+        name="sgd" if name == "sgd" else "adam", lr=float(o.lr), min_lr=float(getattr(o, "min_lr", 0.0)),
+        weight_decay=float(o.weight_decay), betas=tuple(o.betas), clip_grad=float(o.clip_grad),
+        warmup_steps=int(warmup), total_steps=int(decay_steps), decay_style=style,
+        use_distributed_optimizer=engine_config.use_distributed_optimizer and name != "sgd")
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Registers the engines for ``strategy='mcore_rl'`` on cpu and cuda (once per process)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    EngineRegistry.register(model_type="language_model", backend="mcore_rl", device=["cpu", "cuda"])(
+        McoreRLEngineWithLMHead)
+    EngineRegistry.register(model_type="value_model", backend="mcore_rl", device=["cpu", "cuda"])(
+        McoreRLEngineWithValueHead)
+    _REGISTERED = True

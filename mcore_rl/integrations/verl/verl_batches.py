@@ -1,0 +1,138 @@
+"""verl micro-batches (TensorDicts, jagged ``input_ids`` [b, j]) <-> mcore_rl model inputs and
+outputs.
+
+Inputs: every micro-batch of one ``forward_backward_batch`` gets one shape, as megatron's
+pipeline schedule needs: padded ([b_max, s_max], rows right-padded, filler rows empty) or, with
+``use_remove_padding``, packed (one stream [1, T_max] of the rows' tokens, ``models.packing``).
+Outputs: per token of ``input_ids``, as verl's Megatron engine returns them: position t of a
+sequence holds log p(token t + 1) (the label is the next token of the flattened batch, as
+verl's), entropy and values at t; as jagged tensors with ``input_ids``' offsets.
+"""
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from mcore_rl.models.packing import PACKED_IDS, pack
+from mcore_rl.rl.batch import BatchError
+from mcore_rl.rl.engine import ModelEngine, all_reduce_dp
+from mcore_rl.rl.logprob import log_probs_and_entropy
+
+Tensor = torch.Tensor
+
+
+def _lengths(mb: TensorDict) -> Tensor:
+    ids = mb["input_ids"]
+    if not ids.is_nested:
+        raise BatchError("verl's input_ids must be a jagged tensor (data.pad_mode=no_padding, as verl's "
+                         "engines take them); got a padded tensor.")
+    return ids.offsets().diff()
+
+
+def _check_positions(mb: TensorDict, lengths: Tensor) -> None:
+    """RoPE positions are each sequence's index (mcore_rl's model ignores position_ids): refuse
+    position ids that are not index + a constant per sequence."""
+    if "position_ids" not in mb.keys():
+        return
+    pos = mb["position_ids"]
+    values = pos.values() if pos.is_nested else pos.reshape(-1)
+    if values.dim() != 1 or values.numel() != int(lengths.sum()):
+        raise BatchError(f"position_ids of shape {tuple(values.shape)} per token (multimodal/3-D positions) are "
+                         "not supported by the mcore_rl engine; pass 1-D positions.")
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+    first = offsets[row]
+    index = torch.arange(values.numel(), device=values.device) - first
+    bad = (values - values[first]) != index
+    if bool(bad.any()):
+        r = int(row[bad.nonzero()[0, 0]])
+        raise BatchError(f"position_ids of row {r} are not consecutive (index + constant); the mcore_rl engine "
+                         "places RoPE by token index: pass positions 0..len-1 per sequence.")
+
+
+def _padded(mb: TensorDict, lengths: Tensor) -> tuple[Tensor, Tensor]:
+    ids = mb["input_ids"].to_padded_tensor(0)
+    mask = (torch.arange(ids.shape[1], device=ids.device)[None] < lengths[:, None]).long()
+    return ids, mask
+
+
+def _round(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> list[dict[str, Tensor]]:
+    """One model input dict per micro-batch, all of one shape (see the module doc); the shape is
+    also agreed over DP when MoE layers gather equal token blocks over DP ranks."""
+    rows = []
+    for mb in micro:
+        lengths = _lengths(mb)
+        _check_positions(mb, lengths)
+        rows.append((*_padded(mb, lengths), lengths))
+    multiple = engine.seq_multiple
+    if packed:
+        shape = torch.tensor([max(int(n.sum()) for *_, n in rows), 1])
+    else:
+        shape = torch.tensor([max(ids.shape[1] for ids, *_ in rows), max(ids.shape[0] for ids, *_ in rows)])
+    if engine.needs_equal_tokens_over_dp:
+        shape = all_reduce_dp(shape.to(engine.platform.device()), torch.distributed.ReduceOp.MAX).cpu()
+    width, height = _round(int(shape[0]), multiple), int(shape[1])
+    out = []
+    for ids, mask, _ in rows:
+        if packed:
+            out.append({"input_ids": ids, "attention_mask": mask, **pack(ids, mask, width, 1)})
+            continue
+        pad_rows, pad_cols = height - ids.shape[0], width - ids.shape[1]
+        ids = torch.nn.functional.pad(ids, (0, pad_cols, 0, pad_rows))
+        mask = torch.nn.functional.pad(mask, (0, pad_cols, 0, pad_rows))
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def flat_outputs(output: Tensor, inp: dict[str, Tensor], mb: TensorDict) -> Tensor:
+    """The model's output at each real token of the micro-batch, in ``input_ids.values()``
+    order: [nnz, ...] from [b, s, ...] (padded) or [1, T, ...] (packed: rows first, in order)."""
+    lengths = _lengths(mb)
+    if PACKED_IDS in inp:
+        return output[0, : int(lengths.sum())]
+    s = output.shape[1]
+    mask = torch.arange(s, device=output.device)[None] < lengths[:, None].to(output.device)
+    return output[: lengths.numel()][mask]
+
+
+def _jagged(values: Tensor, mb: TensorDict) -> Tensor:
+    return torch.nested.nested_tensor_from_jagged(values, offsets=mb["input_ids"].offsets())
+
+
+def _temperature(mb: TensorDict, lengths: Tensor) -> float | Tensor:
+    """verl's ``temperature``: a number, or one per row [b] (non-positive ones set to 1e-8, as
+    verl does for padding rows); per token [nnz] when the rows differ."""
+    if "temperature" not in mb.keys():
+        raise BatchError("the batch has no 'temperature'; verl's trainers set it (a number or one per row).")
+    t = mb["temperature"]
+    if not isinstance(t, Tensor):
+        return float(t)
+    t = t.float().reshape(-1).clone()
+    t[t <= 0] = 1e-8
+    if t.numel() == 1 or bool((t == t[0]).all()):
+        return float(t[0])
+    return torch.repeat_interleave(t.to(lengths.device), lengths)
+
+
+def lm_outputs(output: Tensor, inp: dict[str, Tensor], mb: TensorDict, vocab_size: int, entropy: bool,
+               forward_only: bool) -> dict[str, Tensor]:
+    """{'log_probs' (+ 'entropy')}: jagged [b, j] fp32 from vocab-parallel logits."""
+    logits = flat_outputs(output, inp, mb)
+    labels = torch.roll(mb["input_ids"].values(), -1)
+    temperature = _temperature(mb, _lengths(mb))
+    if isinstance(temperature, Tensor):
+        logits, temperature = logits.float() / temperature.to(logits.device)[:, None], 1.0
+    lp, ent = log_probs_and_entropy(logits, labels, vocab_size, temperature, entropy, entropy_grad=not forward_only)
+    out = {"log_probs": _jagged(lp, mb)}
+    if entropy:
+        out["entropy"] = _jagged(ent, mb)
+    return out
+
+
+def value_outputs(output: Tensor, inp: dict[str, Tensor], mb: TensorDict) -> dict[str, Tensor]:
+    """{'values'}: jagged [b, j] fp32 from the value head's [.., 1] output."""
+    return {"values": _jagged(flat_outputs(output, inp, mb)[:, 0].float(), mb)}

@@ -1,0 +1,127 @@
+"""Where a verl engine's model starts, and its checkpoints through mcore_rl's CheckpointManager.
+
+Who owns what when verl drives: verl's trainer picks the directory (``local_path``), writes its
+own files beside ours (``data_<dp>.pt``) and its tracker ``latest_checkpointed_iteration.txt``
+after the engine's save. The engine writes mcore_rl's step there: ``local_path`` is either the
+step directory ``<root>/global_step_<N>`` (verl's SFT trainer: the model goes to
+``global_step_<N>/actor`` or ``/critic``) or ``<root>/global_step_<N>/<role>`` (verl's PPO
+trainer). mcore_rl's completion marker in the step directory stays the truth for completeness;
+its tracker names the same step as verl's; retention (``max_ckpt_to_keep``) is mcore_rl's (a step
+is deleted only after a newer one is complete). A load never deletes a checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from mcore_rl.checkpoint.config import CheckpointConfig
+from mcore_rl.checkpoint.manager import CheckpointManager
+from mcore_rl.checkpoint.collective import any_rank
+from mcore_rl.checkpoint.convert_input import role_from_config
+from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.checkpoint.files import META
+from mcore_rl.integrations.verl.config import VerlConfigError
+
+log = logging.getLogger("mcore_rl.integrations.verl")
+STEP = re.compile(r"global_step_(\d+)")
+ROLES = ("actor", "critic", "ref")
+
+
+@dataclass(frozen=True)
+class ModelStart:
+    """A HF directory to build from; ``init_value_head``: a value model from a causal LM (its
+    trunk, a fresh value head); ``mcore_dir``: a mcore_rl model directory loaded after the build."""
+
+    hf_dir: str
+    init_value_head: bool
+    mcore_dir: str | None = None
+
+
+def model_start(path: str, role: str) -> ModelStart:
+    """verl's ``model.path``: a HF directory (a policy: ``*ForCausalLM``; a value model: that, or
+    ``*ForTokenClassification`` / ``*ForSequenceClassification``), or a mcore_rl model directory
+    (converters/hf_to_mcore.py output or a checkpoint's ``global_step_N/<role>``)."""
+    path = os.path.expanduser(path)
+    if os.path.isfile(os.path.join(path, META)):
+        return ModelStart(os.path.join(path, "huggingface"), role == "critic", path)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise VerlConfigError(f"model.path={path!r} holds neither config.json (a HF model) nor {META} (a mcore_rl "
+                              "model directory); point it at one of them.")
+    kind = role_from_config(path)
+    if role == "actor" and kind != "actor":
+        raise VerlConfigError(f"model.path={path!r} is a value/reward model ({kind}); a language_model engine "
+                              "needs a *ForCausalLM checkpoint.")
+    return ModelStart(path, role == "critic" and kind == "actor")
+
+
+def load_model_dir_into(model_dir: str, engine) -> None:
+    """Loads a mcore_rl model directory (any layout) into a built engine (collective)."""
+    from mcore_rl.checkpoint.model_dir import load_model_dir
+
+    load_model_dir(model_dir, engine, init_value_head=engine.role == "critic" and _dir_role(model_dir) == "actor")
+
+
+def _dir_role(model_dir: str) -> str | None:
+    import json
+
+    with open(os.path.join(model_dir, META)) as f:
+        return json.load(f).get("role")
+
+
+def step_and_role(local_path: str, default_role: str) -> tuple[str, int, str]:
+    """(step dir, step, role) for verl's ``local_path`` (see the module doc)."""
+    path = os.path.abspath(os.path.expanduser(local_path))
+    name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
+    if STEP.fullmatch(name):
+        return path, int(STEP.fullmatch(name).group(1)), default_role
+    if STEP.fullmatch(parent) and name in ROLES:
+        return os.path.dirname(path), int(STEP.fullmatch(parent).group(1)), name
+    raise CheckpointError(f"checkpoint path {local_path!r}: the mcore_rl engine saves into <root>/global_step_<N> "
+                          f"or <root>/global_step_<N>/<{'|'.join(ROLES)}>; verl's trainers pass such paths.")
+
+
+def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> CheckpointManager:
+    c = engine.checkpoint_config
+    save = tuple(getattr(c, "save_contents", None) or ("model", "optimizer", "extra"))
+    load = tuple(x for x in (getattr(c, "load_contents", None) or save) if x != "hf_model")
+    if engine.engine.optimizer is None:  # a frozen model (forward_only): weights only
+        save, load = ("model",), ("model",)
+    cfg = CheckpointConfig(root=root, max_ckpt_to_keep=max_ckpt_to_keep or None, save_contents=save,
+                           load_contents=load, verify_content=engine.engine_config.verify_content)
+    return CheckpointManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None)
+
+
+def save(engine, local_path: str, hdfs_path: str | None, global_step: int, max_ckpt_to_keep: int | None) -> None:
+    """Saves the engine as role ``<role>`` of step ``global_step`` (collective)."""
+    if hdfs_path:
+        raise CheckpointError(f"hdfs_path={hdfs_path!r}: the mcore_rl engine writes local or shared paths only "
+                              "(node-local disks are synchronized by mcore_rl); leave default_hdfs_dir unset.")
+    step_dir, step, role = step_and_role(local_path, engine.role)
+    if step != global_step:
+        raise CheckpointError(f"checkpoint path {local_path!r} names step {step} but global_step={global_step}.")
+    others = [r for r in ROLES if r != role and os.path.isfile(os.path.join(step_dir, r, META))]
+    if any_rank([int(bool(others))])[0]:
+        raise CheckpointError(
+            f"{step_dir} already holds role(s) {others or 'on another node'}: mcore_rl writes a step whole, so a "
+            f"second engine saving into it would replace them. Give each engine its own checkpoint root.")
+    manager = _manager(engine, os.path.dirname(step_dir), max_ckpt_to_keep, "save")
+    manager.save(step, {role: engine.engine}, {"global_step": step, "trainer": "verl"})
+    manager.close()
+
+
+def load(engine, local_path: str, hdfs_path: str | None, del_local_after_load: bool) -> None:
+    """Loads the engine from the step ``local_path`` names (collective); deletes nothing."""
+    if hdfs_path:
+        raise CheckpointError(f"hdfs_path={hdfs_path!r}: the mcore_rl engine loads local or shared paths only.")
+    step_dir, _, role = step_and_role(local_path, engine.role)
+    if del_local_after_load:
+        log.info("del_local_after_load=True ignored: the mcore_rl engine never deletes a checkpoint it loads")
+    manager = _manager(engine, os.path.dirname(step_dir), None, "load")
+    manager.load(step_dir, {role: engine.engine}, manager.cfg.load_contents)
+    manager.close()
+
+
+__all__: list[Any] = ["ModelStart", "model_start", "step_and_role", "save", "load"]
