@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import pathlib
 
@@ -13,6 +14,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "mcore_rl"
 def test_every_package_error_derives_from_the_base():
     classes = []
     for path in sorted(PACKAGE.rglob("*.py")):
+        if "integrations" in path.parts and importlib.util.find_spec("verl") is None:
+            continue  # verl's adapter imports verl (tests/verl runs this check where it is installed)
         module = importlib.import_module(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
         classes += [
             cls for _, cls in inspect.getmembers(module, inspect.isclass)

@@ -73,3 +73,9 @@ def test_checkpoint_paths(tmp_path):
     for bad in (f"{root}/step7", f"{root}/global_step_7/../x", f"{root}/global_step_7/other"):
         with pytest.raises(CheckpointError, match="global_step_<N>"):
             step_and_role(bad, "actor")
+
+
+def test_integration_errors_derive_from_the_base():
+    from tests.test_error_base import test_every_package_error_derives_from_the_base
+
+    test_every_package_error_derives_from_the_base()  # here verl is installed: the adapter is scanned too

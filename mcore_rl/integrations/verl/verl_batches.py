@@ -69,12 +69,14 @@ def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> 
         _check_positions(mb, lengths)
         rows.append((*_padded(mb, lengths), lengths))
     multiple = engine.seq_multiple
+    device = engine.platform.device()
     if packed:
-        shape = torch.tensor([max(int(n.sum()) for *_, n in rows), 1])
+        shape = torch.tensor([max(int(n.sum()) for *_, n in rows), 1], device=device)
     else:
-        shape = torch.tensor([max(ids.shape[1] for ids, *_ in rows), max(ids.shape[0] for ids, *_ in rows)])
+        shape = torch.tensor([max(ids.shape[1] for ids, *_ in rows), max(ids.shape[0] for ids, *_ in rows)],
+                             device=device)
     if engine.needs_equal_tokens_over_dp:
-        shape = all_reduce_dp(shape.to(engine.platform.device()), torch.distributed.ReduceOp.MAX).cpu()
+        shape = all_reduce_dp(shape, torch.distributed.ReduceOp.MAX)
     width, height = _round(int(shape[0]), multiple), int(shape[1])
     out = []
     for ids, mask, _ in rows:
