@@ -62,7 +62,7 @@ class McoreRLEngine(BaseEngine):
             vpp=c.virtual_pipeline_model_parallel_size, cp=c.context_parallel_size,
             ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size, sequence_parallel=c.sequence_parallel)
         self.layout.validate(torch.distributed.get_world_size())
-        initialize_parallel_state(self.layout, seed=c.seed)
+        _join_parallel_state(self.layout, c.seed)
         self.engine: ModelEngine | None = None
         self.hf_source: str | None = None  # HF config/tokenizer copied into checkpoints' huggingface/
         self.mode: str | None = None
@@ -77,7 +77,10 @@ class McoreRLEngine(BaseEngine):
         path = self.model_config.local_path
         start = verl_checkpoints.model_start(path, self.role)
         self.hf_source = start.hf_dir
-        options = BuildOptions(params_dtype=torch.bfloat16 if self.engine_config.is_bf16 else torch.float32)
+        # verl's activation-checkpointing switch (model.enable_gradient_checkpointing, default on)
+        recompute = "full" if getattr(self.model_config, "enable_gradient_checkpointing", False) else None
+        options = BuildOptions(params_dtype=torch.bfloat16 if self.engine_config.is_bf16 else torch.float32,
+                               recompute=recompute)
         optim = None if self.engine_config.forward_only else optim_config(self.optimizer_config,
                                                                           self.engine_config)
         self.engine = ModelEngine(model_args_from_hf(start.hf_dir), self.layout, self.role, self.platform,
@@ -234,6 +237,26 @@ class McoreRLEngine(BaseEngine):
                 yield from bucket
 
         return tensors(), None
+
+
+def _layout_sizes(layout: ParallelLayout) -> dict[str, int]:
+    return {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp if layout.vpp and layout.vpp > 1 else None,
+            "ep": layout.ep, "cp": layout.cp}
+
+
+def _join_parallel_state(layout: ParallelLayout, seed: int) -> None:
+    """Sets up megatron's parallel groups for the first engine of a process; later engines (verl's
+    actor and reference in one worker) reuse them and must ask for the same layout."""
+    if not mpu.model_parallel_is_initialized():
+        initialize_parallel_state(layout, seed=seed)
+        return
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    have = {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
+            "vpp": vpp if vpp and vpp > 1 else None, "ep": mpu.get_expert_model_parallel_world_size(), "cp": mpu.get_context_parallel_world_size()}
+    if have != _layout_sizes(layout):
+        raise VerlConfigError(f"this process already runs an mcore_rl engine at {have}; another engine asks for "
+                              f"{_layout_sizes(layout)}. Engines sharing a process (actor and ref) need one layout: "
+                              "give them the same engine parallel sizes.")
 
 
 class _ModeCtx(BaseEngineCtx):
