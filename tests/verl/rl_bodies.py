@@ -297,3 +297,81 @@ def _exported(worker, rows: dict) -> dict:
         hf, _ = hf_log_probs(model.eval(), rows, TEMPERATURE)
         result["hf_log_probs"], result["engine_log_probs"] = hf, log_probs
     return result
+
+
+def ppo_config(model_dir: str, *overrides: str):
+    """verl's PPO trainer config (ppo_trainer.yaml) with model_engine=mcore_rl, composed by Hydra
+    as ``python -m verl.trainer.main_ppo`` composes it."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose(config_name="ppo_trainer", overrides=[
+            "hydra.searchpath=[pkg://mcore_rl.integrations.verl.hydra]", "model_engine=mcore_rl",
+            f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={model_dir}",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+            "actor_rollout_ref.actor.mcore_rl.dtype=float32", "actor_rollout_ref.actor.use_dynamic_bsz=False",
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={MICRO}",
+            f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={MICRO}",
+            f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={MICRO}",
+            "actor_rollout_ref.actor.optim.total_training_steps=10", "actor_rollout_ref.actor.use_kl_loss=True",
+            f"critic.ppo_micro_batch_size_per_gpu={MICRO}", "critic.optim.total_training_steps=10",
+            "critic.mcore_rl.dtype=float32", *overrides])
+
+
+def ppo_workers_body(model_dir: str, seed: int) -> dict:
+    """verl's ActorRolloutRefWorker (roles 'actor' and 'ref', one process, as verl colocates
+    them) built from the composed PPO config: old and reference log-probs, one actor update."""
+    _env()
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    # one process here (verl puts the critic in its own): the critic takes the actor's layout
+    cfg = ppo_config(model_dir, "actor_rollout_ref.actor.mcore_rl.tensor_model_parallel_size=2",
+                     "critic.mcore_rl.tensor_model_parallel_size=2")
+    actor = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="actor")
+    actor.init_model()
+    ref = ActorRolloutRefWorker(config=cfg.actor_rollout_ref, role="ref")
+    ref.init_model()
+    rows = global_batch(actor.actor.engine.engine.args.vocab_size, seed)
+    td = _to_verl(rows, (), calculate_entropy=True, compute_loss=False, temperature=TEMPERATURE)
+    old = _response_view(actor, actor.compute_log_prob(td), td, "log_probs")
+    td = _to_verl(rows, (), calculate_entropy=False, compute_loss=False, temperature=TEMPERATURE)
+    reference = _response_view(ref, ref.compute_ref_log_prob(td), td, "log_probs")
+    base = old if old is not None else torch.zeros(rows["responses"].shape)
+    rows.update(update_inputs(base, base, rows["response_mask"], seed + 1))
+    td = _to_verl(rows, ("old_log_probs", "advantages", "ref_log_prob"), temperature=TEMPERATURE,
+                  calculate_entropy=True, global_batch_size=MINI, mini_batch_size=MINI, epochs=1, seed=42,
+                  dataloader_kwargs={"shuffle": False}, compute_loss=True)
+    out = actor.update_actor(td)
+    return {**_ppo_critic(cfg, rows), "old": old, "ref": reference, "metrics": None if out is None else _plain(tu.get(out, "metrics")),
+            "engines": [type(w.engine).__name__ for w in (actor.actor, ref.ref)],
+            "ref_forward_only": ref.ref.engine.engine.optimizer is None,
+            "tp": ref.ref.engine.layout.tp, "lr": (cfg.actor_rollout_ref.actor.optim.lr,
+                                                   cfg.actor_rollout_ref.actor.optim.lr_decay_style)}
+
+
+def _ppo_critic(cfg, rows: dict) -> dict:
+    """The critic as verl's PPO trainer builds it (ray_trainer: CriticConfig -> TrainingWorker
+    with value_loss): values, then one update."""
+    from verl.trainer.config.config import CheckpointConfig  # noqa: F401  (verl's import order)
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
+    from verl.workers.utils.losses import value_loss
+
+    critic_cfg = omega_conf_to_dataclass(cfg.critic)
+    critic_cfg.engine.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    critic_cfg.engine.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
+    worker = TrainingWorker(TrainingWorkerConfig(
+        model_type="value_model", model_config=critic_cfg.model, engine_config=critic_cfg.engine,
+        optimizer_config=critic_cfg.optim, checkpoint_config=critic_cfg.checkpoint))
+    worker.reset()
+    worker.set_loss_fn(partial(value_loss, config=critic_cfg))
+    td = _to_verl(rows, (), compute_loss=False)
+    values = _response_view(worker, worker.infer_batch(td), td, "values")
+    td = _to_verl(rows, ("values", "returns"), global_batch_size=MINI, mini_batch_size=MINI, epochs=1, seed=42,
+                  dataloader_kwargs={"shuffle": False})
+    out = worker.train_mini_batch(td)
+    return {"critic_values": values, "critic_metrics": None if out is None else _plain(tu.get(out, "metrics")),
+            "critic_engine": type(worker.engine).__name__}

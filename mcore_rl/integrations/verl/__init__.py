@@ -3,7 +3,8 @@
 The only package that imports verl. ``import mcore_rl`` never reaches it.
 - ``platform``: verl's CPU platform (loaded by verl's ``verl.plugins`` entry point at ``import
   verl``) and the named, version-gated patches of verl functions it needs.
-- ``config``: ``McoreRLEngineConfig`` (verl's ``EngineConfig`` with ``strategy='mcore_rl'``).
+- ``config``: ``McoreRLEngineConfig`` (verl's ``EngineConfig`` with ``strategy='mcore_rl'``) and
+  the actor / critic configs of verl's PPO trainer (``model_engine=mcore_rl``).
 - ``engine``: the engines, registered in verl's ``EngineRegistry`` for ``language_model`` and
   ``value_model`` on cpu and cuda when this package's ``McoreRLEngineConfig`` is first looked up
   (Hydra's ``_target_``) or ``register_engines()`` is called.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["McoreRLEngineConfig", "register_engines"]
+__all__ = ["McoreRLEngineConfig", "McoreRLActorConfig", "McoreRLCriticConfig", "register_engines"]
 
 
 def register_engines() -> None:
@@ -26,9 +27,9 @@ def register_engines() -> None:
 def __getattr__(name: str) -> Any:
     # Hydra resolves ``_target_: mcore_rl.integrations.verl.McoreRLEngineConfig`` through here:
     # choosing the engine in a config is what makes verl's registry know it.
-    if name == "McoreRLEngineConfig":
-        from mcore_rl.integrations.verl.config import McoreRLEngineConfig
+    if name in ("McoreRLEngineConfig", "McoreRLActorConfig", "McoreRLCriticConfig"):
+        from mcore_rl.integrations.verl import config
 
         register_engines()
-        return McoreRLEngineConfig
+        return getattr(config, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,9 +8,10 @@ offload flags come from verl's ``EngineConfig``. verl's worker sets ``use_remove
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+from verl.workers.config import ActorConfig, CriticConfig
 from verl.workers.config.engine import EngineConfig
 
 from mcore_rl.errors import McoreRLError
@@ -67,3 +68,29 @@ class McoreRLEngineConfig(EngineConfig):
     @property
     def is_bf16(self) -> bool:
         return self.dtype in ("bfloat16", "bf16")
+
+
+@dataclass
+class McoreRLActorConfig(ActorConfig):
+    """verl's actor (and reference) config for ``model_engine=mcore_rl`` in verl's PPO trainer:
+    the engine settings live under ``mcore_rl`` (as verl's megatron actor keeps them under
+    ``megatron``)."""
+
+    strategy: str = "mcore_rl"
+    mcore_rl: McoreRLEngineConfig = field(default_factory=McoreRLEngineConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.engine = self.mcore_rl
+
+
+@dataclass
+class McoreRLCriticConfig(CriticConfig):
+    """verl's critic config for ``model_engine=mcore_rl``: engine settings under ``mcore_rl``."""
+
+    strategy: str = "mcore_rl"
+    mcore_rl: McoreRLEngineConfig = field(default_factory=McoreRLEngineConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.engine = self.mcore_rl
