@@ -138,9 +138,13 @@ def _own_engine(path: str, layout: dict, role: str, steps: int):
     from mcore_rl.rl.engine import ModelEngine, OptimConfig
 
     names = {"tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
-             "expert_model_parallel_size": "ep", "sequence_parallel": "sequence_parallel"}
+             "virtual_pipeline_model_parallel_size": "vpp", "expert_model_parallel_size": "ep",
+             "sequence_parallel": "sequence_parallel"}
+    layout = dict(layout)
+    distributed = layout.pop("use_distributed_optimizer", True)
     par = ParallelLayout(**{names[k]: v for k, v in layout.items()})
-    optim = OptimConfig(lr=LR, weight_decay=0.01, clip_grad=1.0, total_steps=steps, decay_style="constant")
+    optim = OptimConfig(lr=LR, weight_decay=0.01, clip_grad=1.0, total_steps=steps, decay_style="constant",
+                        use_distributed_optimizer=distributed)
     return ModelEngine(model_args_from_hf(path), par, role, setup_platform(None),
                        BuildOptions(params_dtype=torch.float32), optim, hf_weights=path)
 
@@ -170,7 +174,8 @@ def _other_layout_refused(path: str, layout: dict) -> str:
     """A further engine in this process (verl's actor + ref) at another TP size: the error."""
     from mcore_rl.integrations.verl.config import VerlConfigError
 
-    other = {"tensor_model_parallel_size": 1 if layout.get("tensor_model_parallel_size", 1) == 2 else 2}
+    other = {"tensor_model_parallel_size": 1 if layout.get("tensor_model_parallel_size", 1) == 2 else 2,
+             "pipeline_model_parallel_size": 1}
     try:
         _verl_worker("language_model", path, other, False, 10)
     except VerlConfigError as e:
