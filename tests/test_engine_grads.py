@@ -1,7 +1,7 @@
 """A training step's gradients do not depend on what the previous step left behind: after an
 optimizer step, the next backward gives the same main_grad as a repeat of it, for every
 optimizer kind (megatron's non-distributed optimizers alias param.grad to main_grad after a step;
-a backward into that alias counted the gradient twice before ModelEngine.run zeroed both)."""
+a backward into that alias counted the gradient twice before ModelEngine.run cleared param.grad)."""
 from __future__ import annotations
 
 import pytest

@@ -155,12 +155,11 @@ class ModelEngine:
         device = self.platform.device()
         micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
         if not forward_only:
-            if self.optimizer is not None:
-                # after a step megatron's non-distributed optimizers leave param.grad aliasing
-                # main_grad; a backward into that alias counts the gradient twice. Megatron-LM
-                # zeroes both every iteration.
-                self.optimizer.zero_grad()
             for m in self.model:
+                # after a step megatron's non-distributed optimizers leave param.grad aliasing
+                # main_grad; a backward into that alias would count the gradient twice
+                for p in m.parameters():
+                    p.grad = None
                 m.zero_grad_buffer()
         res = run_schedule(self.model, micro_batches, loss_fn, forward_only)
         return share_from_last_stage(res if res else None)
