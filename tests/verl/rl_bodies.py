@@ -130,7 +130,6 @@ def _plain(metrics: dict) -> dict:
 
 def _own_engine(path: str, layout: dict, role: str, steps: int):
     """mcore_rl's own ModelEngine with the optimizer verl's config above asks for."""
-    from mcore_rl.integrations.verl.engine import McoreRLEngine  # noqa: F401  (layout names)
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.parallel import ParallelLayout
@@ -359,7 +358,6 @@ def ppo_workers_body(model_dir: str, seed: int) -> dict:
 def _ppo_critic(cfg, rows: dict) -> dict:
     """The critic as verl's PPO trainer builds it (ray_trainer: CriticConfig -> TrainingWorker
     with value_loss): values, then one update."""
-    from verl.trainer.config.config import CheckpointConfig  # noqa: F401  (verl's import order)
     from verl.utils import tensordict_utils as tu
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.engine_workers import TrainingWorker, TrainingWorkerConfig
