@@ -9,7 +9,7 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: test install install-verl demo demo-ppo demo-moe clean
+.PHONY: test install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-smollm2 clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -36,7 +36,11 @@ install: $(STAMP)
 
 install-verl: $(VERL_STAMP)
 
-test: $(STAMP) $(VERL_STAMP)
+# SmolLM2-135M-Instruct (a real model) into ${MCORE_RL_CACHE:-~/.cache/mcore_rl}/smollm2, once
+prepare-smollm2: $(STAMP)
+	PY=$(PY) launch/prepare_smollm2.sh
+
+test: $(STAMP) $(VERL_STAMP) prepare-smollm2
 	$(PY) -m pytest -q tests --ignore=tests/verl
 	$(VERL_PY) -m pytest -q tests/verl
 

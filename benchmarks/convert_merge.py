@@ -9,7 +9,9 @@ shards of 400 MB with an index. ``hf_to_mcore.py`` (default dtype: the input's b
 ``mcore_to_hf.py merge`` run as subprocesses; a thread samples RssAnon of the process and all its
 descendants every ~10 ms (peak of the sum). Each tool's baseline is the RssAnon of a fresh interpreter that imports what
 the tool imports. The plain copy reads each shard and writes it with fsync (page cache warm for
-every contender: all sources are read once before anything is timed). The merged model must
+every contender: all sources are read once before anything is timed). With ``--repeat N`` the
+copy, the converter and the merge run N times alternating and every figure is the median (the disk
+here is noisy: one copy of 1 GiB took 0.7 to 2.5 s within a minute). The merged model must
 equal the synthetic one tensor for tensor (names, dtype, bits), or the run fails. The converter's
 own start-up (process start to its first tensor, from its summary line) is printed too. The
 mbridge figures printed last are quoted from an earlier measurement, not measured by this run.
@@ -21,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -190,6 +193,7 @@ def main() -> None:
     ap.add_argument("--size_gb", type=float, default=1.08, help="model size in GiB (default 1.08)")
     ap.add_argument("--workdir", default=None, help="where to write (default: a temp dir, deleted)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir")
+    ap.add_argument("--repeat", type=int, default=1, help="alternating runs of each contender; medians (default 1)")
     a = ap.parse_args()
     work = a.workdir or tempfile.mkdtemp(prefix="convert_merge_")
     syn, out, merged, copy = (os.path.join(work, n) for n in ("hf", "mcore", "merged", "copy"))
@@ -198,20 +202,30 @@ def main() -> None:
         print(f"synthetic bf16 Qwen2: {layers} layers, {size / 2**30:.3f} GiB in "
               f"{len([n for n in os.listdir(syn) if n.endswith('.safetensors')])} shards", flush=True)
         bases = baseline(CONVERT_IMPORTS), baseline(MERGE_IMPORTS)
-        warm(syn)
-        copy_s = plain_copy(syn, copy)
-        shutil.rmtree(copy)
-        print(f"plain copy {copy_s:6.1f} s  {size / copy_s / 2**20:6.0f} MiB/s (read + write + fsync, warm cache)")
-        *conv, said = run_sampled([sys.executable, os.path.join(ROOT, "converters", "hf_to_mcore.py"),
-                                   "--hf_model_path", syn, "--output_path", out])
-        print(report("convert", *conv, bases[0], size, copy_s), flush=True)
-        startup = re.search(r"start-up ([0-9.]+) s", said)
-        print(f"         converter's own start-up (process start to first tensor): "
-              f"{startup[1] if startup else '?'} s", flush=True)
-        warm(out)
-        *merge, _ = run_sampled([sys.executable, os.path.join(ROOT, "converters", "mcore_to_hf.py"), "merge",
-                                 "--local_dir", out, "--target_dir", merged])
-        print(report("merge", *merge, bases[1], size, copy_s), flush=True)
+        copies, convs, merges, startups = [], [], [], []
+        for _ in range(max(1, a.repeat)):
+            warm(syn)
+            copies.append(plain_copy(syn, copy))
+            shutil.rmtree(copy)
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(merged, ignore_errors=True)
+            *conv, said = run_sampled([sys.executable, os.path.join(ROOT, "converters", "hf_to_mcore.py"),
+                                       "--hf_model_path", syn, "--output_path", out])
+            convs.append(conv)
+            startup = re.search(r"start-up ([0-9.]+) s", said)
+            startups.append(float(startup[1]) if startup else float("nan"))
+            warm(out)
+            *merge, _ = run_sampled([sys.executable, os.path.join(ROOT, "converters", "mcore_to_hf.py"), "merge",
+                                     "--local_dir", out, "--target_dir", merged])
+            merges.append(merge)
+        copy_s = statistics.median(copies)
+        print(f"plain copy {copy_s:6.1f} s  {size / copy_s / 2**20:6.0f} MiB/s (read + write + fsync, warm cache; "
+              f"runs: {', '.join(f'{c:.2f}' for c in copies)})")
+        med = lambda runs: tuple(statistics.median(r[i] for r in runs) for i in range(2))  # noqa: E731
+        print(report("convert", *med(convs), bases[0], size, copy_s), flush=True)
+        print(f"         runs: {', '.join(f'{c[0]:.2f}' for c in convs)} s; converter's own start-up (process "
+              f"start to first tensor): median {statistics.median(startups):.1f} s", flush=True)
+        print(report("merge", *med(merges), bases[1], size, copy_s), flush=True)
         print(f"merged == synthetic: {same_tensors(syn, merged)} tensors bit-identical")
         print(f"mbridge, quoted from an earlier measurement (1.07 GiB bf16 Qwen2), not measured in this run: "
               f"peak {MBRIDGE[0]}x model size, {MBRIDGE[1]}x copy throughput")
