@@ -1,0 +1,110 @@
+"""The rollout engine contract, the weight sync from the trainer, and a rollout shared by ranks.
+
+A rollout engine generates responses with the log-probs of the sampled tokens under its own
+model (raw logits at the sampling temperature, no top-k/top-p) and takes new weights as an
+iterable of (HF name, full tensor). Where engines live: one per model replica (data-parallel
+rank), on the replica's first rank (``engine_rank``); that rank generates and broadcasts the batch, and every
+rank runs the weight sync (``sync_weights``, collective: ``export_hf_buckets`` gathers TP/PP/EP
+shards bucket by bucket, so the trainer never holds a full copy; the engine rank copies each
+bucket into its model). Memory: one full model in the engine's dtype on that rank, plus one
+bucket in transit on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Iterable, Protocol
+
+import torch
+
+from mcore_rl.errors import McoreRLError
+
+Tensor = torch.Tensor
+DEFAULT_SYNC_BUCKET_BYTES = 256 << 20
+
+
+class RolloutError(McoreRLError, ValueError):
+    """A rollout request or weight update that cannot work; the message names the value and the fix."""
+
+
+@dataclass
+class Rollout:
+    """Generated rows: ``input_ids``/``attention_mask`` [B, P + R] (left-padded prompt, then the
+    response, right-padded after its end-of-sequence token), ``responses`` [B, R] and
+    ``rollout_log_probs`` [B, R] (0 at padding; None when the engine does not report them)."""
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    responses: Tensor
+    rollout_log_probs: Tensor | None = None
+
+    def batch(self) -> dict[str, Tensor]:
+        """The trainer's batch keys (``rollout_log_probs`` included when present)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class RolloutEngine(Protocol):
+    """What the trainer calls on a rollout engine."""
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Rollout:
+        """Samples one response per prompt (token ids, no padding) at ``temperature``."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        """Copies full HF-named tensors into the engine's model; returns how many it took."""
+        ...
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """input_ids and attention_mask [B, max prompt length], prompts right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise RolloutError(f"every prompt needs at least one token; got lengths {[len(p) for p in prompts]}.")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def engine_rank() -> int:
+    """The global rank holding this model replica's rollout engine: the first rank of the
+    replica's model-parallel group (TP x PP x CP); each data-parallel replica has one engine."""
+    from megatron.core import parallel_state
+
+    return min(torch.distributed.get_process_group_ranks(parallel_state.get_model_parallel_group()))
+
+
+def sync_weights(engine: RolloutEngine | None, chunks: list, args, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> int:
+    """Collective: the actor's weights into ``engine`` (None on ranks without one), bucket by
+    bucket from ``export_hf_buckets``; returns the tensors the engine took (0 without one)."""
+    from mcore_rl.models.hf_weights import export_hf_buckets
+
+    taken = 0
+    for bucket in export_hf_buckets(chunks, args, "actor", bucket_bytes):
+        if engine is not None:
+            taken += engine.update_weights(bucket)
+    return taken
+
+
+def broadcast_rollout(rollout: Rollout | None, src: int, group=None, device=None) -> Rollout:
+    """Collective over ``group``: every rank gets ``src``'s rollout (shapes first, then tensors)."""
+    mine = torch.distributed.get_rank() == src
+    head = torch.zeros(4, dtype=torch.long, device=device)
+    if mine:
+        has_lp = rollout.rollout_log_probs is not None
+        head = torch.tensor([*rollout.input_ids.shape, rollout.responses.shape[1], int(has_lp)], device=device)
+    torch.distributed.broadcast(head, src, group=group)
+    b, s, r, has_lp = (int(x) for x in head)
+    out = Rollout(*(t.to(device) if mine else torch.empty(shape, dtype=dt, device=device)
+                    for t, shape, dt in ((rollout.input_ids if mine else None, (b, s), torch.long),
+                                         (rollout.attention_mask if mine else None, (b, s), torch.long),
+                                         (rollout.responses if mine else None, (b, r), torch.long))))
+    for t in (out.input_ids, out.attention_mask, out.responses):
+        torch.distributed.broadcast(t, src, group=group)
+    if has_lp:
+        lp = rollout.rollout_log_probs.float().to(device) if mine else torch.empty(b, r, device=device)
+        torch.distributed.broadcast(lp, src, group=group)
+        out.rollout_log_probs = lp
+    return out

@@ -1,0 +1,77 @@
+"""A rollout engine on transformers' ``generate`` (KV cache): the stand-in for vLLM/SGLang here,
+with the same weight-sync contract (an iterable of HF-named full tensors)."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from mcore_rl.rollout.engine import Rollout, RolloutError, left_pad
+
+Tensor = torch.Tensor
+
+
+class TransformersRollout:
+    """``AutoModelForCausalLM`` from ``hf_dir`` in ``dtype`` on ``device``. Sampling is plain
+    softmax(logits / T): top-k, top-p, min-p and repetition penalties are switched off, and
+    the rollout log-probs are computed from the raw logits at T (not the processed scores)."""
+
+    def __init__(self, hf_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+        gen = self.model.generation_config or GenerationConfig()
+        self.eos_id = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
+        if isinstance(self.eos_id, list):
+            self.eos_id = self.eos_id[0]
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else self.eos_id
+        if self.eos_id is None:
+            raise RolloutError(f"{hf_dir}: no eos_token_id in generation_config.json or config.json; add one.")
+        # tied embeddings: both names reach the same parameter
+        self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        self.device = torch.device(device)
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
+        """Copies each (HF name, full tensor) into the model; an unknown name or another shape
+        is an error naming it. Returns the number of tensors copied."""
+        taken = 0
+        for name, tensor in named_tensors:
+            param = self.params.get(name)
+            if param is None:
+                raise RolloutError(f"weight {name!r} is no parameter of the rollout model; the trainer's "
+                                   "architecture differs from the rollout model's.")
+            if param.shape != tensor.shape:
+                raise RolloutError(f"weight {name!r}: trainer sends {tuple(tensor.shape)}, the rollout model "
+                                   f"has {tuple(param.shape)}.")
+            param.copy_(tensor)
+            taken += 1
+        return taken
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Rollout:
+        """One sampled response per prompt; the caller's torch RNG is left as it was."""
+        if not temperature > 0:
+            raise RolloutError(f"temperature={temperature} must be > 0 (greedy decoding has no log-probs to "
+                               "compare); use 1.0 for the raw policy.")
+        ids, mask = left_pad(prompts, self.pad_id)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
+            torch.manual_seed(seed)
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+                min_p=None, repetition_penalty=1.0, max_new_tokens=max_new_tokens, output_logits=True,
+                return_dict_in_generate=True, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
+        responses = out.sequences[:, ids.shape[1]:]
+        logits = torch.stack(out.logits, dim=1).float()  # raw logits [B, R', V]
+        log_probs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        is_eos = (responses == self.eos_id).long()
+        live = (is_eos.cumsum(1) - is_eos) == 0  # up to and including the first end-of-sequence token
+        extra = max_new_tokens - responses.shape[1]  # generate stops early once every row ended
+        if extra:
+            responses = torch.nn.functional.pad(responses, (0, extra), value=self.pad_id)
+            live = torch.nn.functional.pad(live, (0, extra), value=False)
+            log_probs = torch.nn.functional.pad(log_probs, (0, extra))
+        responses = responses.masked_fill(~live, self.pad_id)
+        return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, live.long()], 1), responses,
+                       log_probs * live)
