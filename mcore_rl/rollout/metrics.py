@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.rollout.engine import RolloutError
+
 Tensor = torch.Tensor
 SAFETY_BOUND = 20.0  # |log ratio| clamp before exponentiating, as verl does
 
@@ -22,7 +24,8 @@ def rollout_corr_metrics(old_log_probs: Tensor, rollout_log_probs: Tensor, mask:
     mean over rows of (row mean rollout - row mean old); chi2_token = E[exp(clamp(r))^2] - 1."""
     mask = mask.to(old_log_probs.dtype)
     if not mask.any():
-        raise ValueError("rollout_corr_metrics needs at least one response token (the mask is all 0)")
+        raise RolloutError("rollout_corr_metrics needs at least one response token (the mask is all 0); "
+                           "pass a batch with a non-empty response.")
     old, roll = old_log_probs.double(), rollout_log_probs.double()
     mask = mask.double()
     rows = mask.sum(-1) > 0
