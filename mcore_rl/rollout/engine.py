@@ -60,10 +60,10 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise RolloutError(f"every prompt needs at least one token; got lengths {[len(p) for p in prompts]}.")
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # host: the engine moves it to its device
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # host: the engine moves it to its device
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)  # host: token ids from a Python list
         mask[i, width - len(p):] = 1
     return ids, mask
 
