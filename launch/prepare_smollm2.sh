@@ -24,5 +24,11 @@ if [ ! -f "$CACHE/$GGUF" ]; then
 fi
 fetched=$(date +%s)
 [ -d "$CACHE/hf" ] || "$PY" converters/gguf_to_hf.py --gguf_path "$CACHE/$GGUF" --output_path "$CACHE/hf"
-[ -d "$CACHE/mcore" ] || "$PY" converters/hf_to_mcore.py --hf_model_path "$CACHE/hf" --output_path "$CACHE/mcore"
+# a model directory from before HF_FILES held the chat template is replaced once its successor is complete
+if [ ! -f "$CACHE/mcore/huggingface/chat_template.jinja" ]; then
+  rm -rf "$CACHE/mcore.partial"
+  "$PY" converters/hf_to_mcore.py --hf_model_path "$CACHE/hf" --output_path "$CACHE/mcore.partial"
+  rm -rf "$CACHE/mcore"
+  mv "$CACHE/mcore.partial" "$CACHE/mcore"
+fi
 echo "smollm2 ready in $CACHE (hf/, mcore/): fetch $((fetched - start)) s, preparation $(($(date +%s) - fetched)) s"

@@ -74,8 +74,11 @@ def test_torchrun_entry_point_is_quiet(tmp_path):
     assert not re.search(r"Warning|warnings\.warn", output), output
     assert lines[0].startswith("grpo (fp32): tp=2, pp=1"), output
     summary = [line for line in lines if line.startswith("done: 3 steps in ")]
-    assert len(summary) == 1 and f"outputs in {tmp_path}/" in summary[0], output
-    assert re.search(r"reward 0\.\d{3} at step 0, 0\.\d{3} over the last 3 steps", summary[0]), output
+    assert len(summary) == 1 and f"outputs in {tmp_path}/ (metrics.jsonl" in output, output
+    assert re.search(r"per step: rollout \d+\.\d\d s, old_log_prob \d+\.\d\d s, update \d+\.\d\d s, "
+                     r"weight_sync \d+\.\d\d s; \d+ tokens/s", output), output
+    assert re.search(r"reward 0\.\d{3} at step 0, 0\.\d{3} over the first 3 steps, 0\.\d{3} over the last 3 steps",
+                     summary[0]), output
 
 
 def test_quiet_rank_still_shows_its_traceback():
@@ -135,8 +138,8 @@ def test_derived_values_follow_unless_set(tmp_path):
                                  "every rank; set actor.dispatch=global"),
     (["rollout.prompts_per_step=0"], "rollout: invalid RolloutConfig: prompts_per_step=0 must be >= 1"),
     (["rollout.samples_per_prompt=0"], "rollout: invalid RolloutConfig: samples_per_prompt=0 must be >= 1"),
-    (["task.response_length=0"], "task: invalid ToyTaskConfig: response_length=0 must be >= 1"),
-    (["task.prompt_length=0"], "task: invalid ToyTaskConfig: prompt_length=0 must be >= 1"),
+    (["task.response_length=0"], "task: invalid TaskConfig: response_length=0 must be >= 1"),
+    (["task.prompt_length=0"], "task: invalid TaskConfig: prompt_length=0 must be >= 1"),
     (["steps=-1"], "<top level>: invalid JobConfig: steps=-1 must be >= 0"),
 ])
 def test_schema_errors_name_the_key(tmp_path, overrides, message):

@@ -30,12 +30,13 @@ def _local_params(engine) -> dict[str, torch.Tensor]:
 
 def _train(cfg: JobConfig, steps: int) -> dict:
     """Builds the job's models, runs ``steps`` job steps; returns metrics and what moved."""
-    from mcore_rl.job.loop import build, train_step
+    from mcore_rl.job.loop import build, setup_rollout, train_step
     from mcore_rl.platform import active_platform
 
     actor, critic = build(cfg, active_platform())
+    task, rollouts = setup_rollout(cfg, actor)
     before = _local_params(actor.engine)
-    history = [train_step(cfg, actor, critic, step) for step in range(steps)]
+    history = [train_step(cfg, actor, critic, task, rollouts, step) for step in range(steps)]
     after = _local_params(actor.engine)
     experts = [n for n in before if ".experts." in n and "weight" in n]
     return {
@@ -73,12 +74,12 @@ def test_bf16_grpo_job(tmp_path):
 
 def _critic_after_frozen_step(cfg: JobConfig) -> tuple[dict, dict]:
     """Critic trunk (HF names) after one job step with critic lr=0, and the HF weights."""
-    from mcore_rl.job.loop import build, tiny_model, train_step
+    from mcore_rl.job.loop import build, setup_rollout, tiny_model, train_step
     from mcore_rl.models.hf_weights import export_hf
     from mcore_rl.platform import active_platform
 
     actor, critic = build(cfg, active_platform())
-    train_step(cfg, actor, critic, 0)
+    train_step(cfg, actor, critic, *setup_rollout(cfg, actor), 0)
     exported = export_hf(critic.engine.model, critic.engine.args, "critic")
     return exported, tiny_model(cfg.model.tiny)[1]
 
@@ -93,12 +94,13 @@ def test_bf16_ppo_critic_trunk_starts_from_hf_weights(tmp_path):
 
 
 def _train_chunks(cfg: JobConfig, steps: int) -> dict:
-    from mcore_rl.job.loop import build, train_step
+    from mcore_rl.job.loop import build, setup_rollout, train_step
     from mcore_rl.platform import active_platform
 
     actor, critic = build(cfg, active_platform())
+    task, rollouts = setup_rollout(cfg, actor)
     before = _local_params(actor.engine), _local_params(critic.engine)
-    history = [train_step(cfg, actor, critic, step) for step in range(steps)]
+    history = [train_step(cfg, actor, critic, task, rollouts, step) for step in range(steps)]
     after = _local_params(actor.engine), _local_params(critic.engine)
     return {"history": history, "chunks": (len(actor.engine.model), len(critic.engine.model)),
             "moved": [sorted(n for n in b if not torch.equal(b[n], a[n])) for b, a in zip(before, after)]}

@@ -54,14 +54,15 @@ def _score(actor, critic) -> dict:
 def _train_and_save(cfg: JobConfig, steps: int) -> dict:
     """The job's build and steps, then the job's checkpoint manager saves step ``steps``; returns
     the live models' scores of ``_batch`` and the actor's local parameters before training."""
-    from mcore_rl.job.loop import build, checkpoint_manager, starts, train_step
+    from mcore_rl.job.loop import build, checkpoint_manager, setup_rollout, starts, train_step
     from mcore_rl.platform import active_platform
 
     begin = starts(cfg)
     actor, critic = build(cfg, active_platform(), begin)
+    task, rollouts = setup_rollout(cfg, actor, begin)
     before = {n: p.detach().clone() for c in actor.engine.model for n, p in c.named_parameters()}
     for step in range(steps):
-        train_step(cfg, actor, critic, step)
+        train_step(cfg, actor, critic, task, rollouts, step)
     moved = [n for c in actor.engine.model for n, p in c.named_parameters() if not torch.equal(before[n], p)]
     ckpt = checkpoint_manager(cfg, {"actor": begin[0].hf_files, "critic": begin[1].hf_files})
     ckpt.save(steps, {"actor": actor.engine, "critic": critic.engine}, {"step": steps, "history": []})

@@ -23,14 +23,15 @@ def _config(temperature: float, tmp_path, *overrides: str) -> JobConfig:
 
 
 def _rollouts(configs: list[JobConfig]) -> list[dict]:
-    from mcore_rl.job.loop import build, rollout
+    from mcore_rl.job.loop import build, rollout, setup_rollout
     from mcore_rl.parallel.layout import destroy_parallel_state
     from mcore_rl.platform import active_platform
 
     batches = []
     for cfg in configs:
         actor, _ = build(cfg, active_platform())
-        batch, _, _ = rollout(cfg, actor, step=0)
+        task, rollouts = setup_rollout(cfg, actor)
+        batch, _, _, _ = rollout(cfg, actor, task, rollouts, 0, {})
         batches.append({k: v.cpu() for k, v in batch.items()})
         destroy_parallel_state()
     return batches

@@ -12,9 +12,11 @@ import zlib
 from mcore_rl.checkpoint.faults import io_fault
 
 META = "mcore_rl.json"  # schema version, role, architecture facts, layout, contents, versions
-# HF files that travel with the weights (config, generation config, tokenizer)
+# HF files that travel with the weights (config, generation config, tokenizer, chat template:
+# transformers 5 writes the template to its own file)
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+            "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+            "chat_template.jinja", "chat_template.json")
 
 
 def fsync_path(path: str) -> None:

@@ -1,8 +1,9 @@
-"""The main job, top to bottom: set up ranks, build actor (+ reference, + critic), then per step
-generate -> reward -> log-probs -> advantages -> updates -> log. Sampling and the actor's
+"""The main job, top to bottom: set up ranks, build actor (+ reference, + critic), the task and
+the rollout engines, evaluate on held-out prompts, then per step generate -> reward -> log-probs
+-> advantages -> updates -> weight sync -> log, and evaluate again. Sampling and the actor's
 log-probs both use ``rollout.temperature``. Rank 0 prints the layout, a progress bar and a
-closing summary, and writes metrics.jsonl, reward.png and the resolved config under output_dir;
-every rank runs the same loop."""
+closing summary, and writes metrics.jsonl, eval.json, reward.png and the resolved config under
+output_dir; every rank runs the same loop."""
 from __future__ import annotations
 
 import json
@@ -15,10 +16,11 @@ from typing import Any, Mapping
 import torch
 
 from mcore_rl.checkpoint.manager import CheckpointManager
-from mcore_rl.job import toy_task
 from mcore_rl.config_loader import ConfigError
+from mcore_rl.job.rollouts import build_rollouts, evaluate
 from mcore_rl.job.schema import JobConfig, TinyModelConfig, dump_job_config
 from mcore_rl.job.start import Start, actor_start, critic_start
+from mcore_rl.job.task import Task, make_task
 from mcore_rl.models.builder import BuildOptions
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
@@ -28,7 +30,8 @@ from mcore_rl.rl.actor import Actor
 from mcore_rl.rl.batch import response_mask
 from mcore_rl.rl.critic import Critic
 from mcore_rl.rl.engine import ModelEngine
-from mcore_rl.rl.sampler import generate
+from mcore_rl.rollout.group import RolloutGroup
+from mcore_rl.rollout.metrics import rollout_corr_metrics
 
 Tensor = torch.Tensor
 
@@ -125,36 +128,54 @@ def advantages(cfg: JobConfig, batch: dict, scores: Tensor, critic: Critic | Non
     return {"advantages": losses.whiten(adv, mask), "values": values, "returns": returns}
 
 
-def rollout(cfg: JobConfig, actor: Actor, step: int) -> tuple[dict, Tensor, Tensor]:
+def rollout(cfg: JobConfig, actor: Actor, task: Task, rollouts: RolloutGroup, step: int,
+            times: dict) -> tuple[dict, Tensor, Tensor, dict]:
     """Samples this step's batch at ``rollout.temperature``, scores it and adds the log-probs
-    (and reference log-probs) the update uses; returns (batch, scores [B], entropy [B, R])."""
-    vocab = actor.engine.args.vocab_size
-    prompts = toy_task.make_prompts(cfg.task, cfg.rollout.prompts_per_step, vocab, step, cfg.seed)
-    prompts = prompts.repeat_interleave(cfg.rollout.samples_per_prompt, dim=0)
-    batch = generate(actor, prompts, cfg.task.response_length, cfg.rollout.temperature,
-                     seed=cfg.seed * 7919 + step)
-    scores = toy_task.reward(batch)
+    (and reference log-probs) the update uses; returns (batch, scores [B], entropy [B, R],
+    rollout-versus-training mismatch metrics). Phase seconds go into ``times``."""
+    clock = time.perf_counter()
+    prompts = task.train_prompts(step, cfg.rollout.prompts_per_step).repeat(cfg.rollout.samples_per_prompt)
+    batch = rollouts.generate(prompts.token_ids, cfg.task.response_length, cfg.rollout.temperature,
+                              seed=cfg.seed * 7919 + step).batch()
+    rollout_log_probs = batch.pop("rollout_log_probs", None)  # a diagnostic, not an update input
+    scores = task.score(prompts, batch["responses"], response_mask(batch))
+    times["rollout"] = time.perf_counter() - clock
+    clock = time.perf_counter()
     computed = actor.compute_log_prob(batch, with_entropy=True)
     batch["old_log_probs"] = computed["log_probs"]
     if actor.ref is not None:
         batch["ref_log_prob"] = actor.compute_ref_log_prob(batch)
-    return batch, scores, computed["entropy"]
+    times["old_log_prob"] = time.perf_counter() - clock
+    mismatch = {}
+    if rollout_log_probs is not None:
+        mismatch = rollout_corr_metrics(batch["old_log_probs"], rollout_log_probs, response_mask(batch))
+    return batch, scores, computed["entropy"], mismatch
 
 
-def train_step(cfg: JobConfig, actor: Actor, critic: Critic | None, step: int) -> dict[str, Any]:
+def train_step(cfg: JobConfig, actor: Actor, critic: Critic | None, task: Task, rollouts: RolloutGroup,
+               step: int) -> dict[str, Any]:
     """One RL step; returns its metrics (the same on every rank)."""
-    start = time.perf_counter()
-    batch, scores, entropy = rollout(cfg, actor, step)
+    start, times = time.perf_counter(), {}
+    batch, scores, entropy, mismatch = rollout(cfg, actor, task, rollouts, step, times)
     batch.update(advantages(cfg, batch, scores, critic))
     metrics = {"step": step, "reward": float(scores.mean())}
     mask = response_mask(batch).float()
     metrics["entropy"] = float((entropy * mask).sum() / mask.sum())
+    metrics["response_length"] = float(mask.sum(-1).mean())
     if "ref_log_prob" in batch:
         metrics["kl_to_ref"] = float(((batch["old_log_probs"] - batch["ref_log_prob"]) * mask).sum() / mask.sum())
+    metrics.update(mismatch)
+    clock = time.perf_counter()
     metrics.update(actor.update_policy(batch))
     if critic is not None:
         metrics.update(critic.update_critic(batch))
+    times["update"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    rollouts.sync(actor.engine.model, actor.engine.args)  # the next rollout samples the updated policy
+    times["weight_sync"] = time.perf_counter() - clock
     metrics["time_s"] = time.perf_counter() - start
+    metrics.update({f"timing/{k}_s": v for k, v in times.items()})
+    metrics["tokens_per_s"] = float(batch["attention_mask"].sum()) / metrics["time_s"]
     return metrics
 
 
@@ -184,21 +205,67 @@ def run(cfg: JobConfig) -> list[dict]:
     log_package_events(torch.distributed.get_rank())
     begin = starts(cfg)
     actor, critic = build(cfg, platform, begin)
+    task, rollouts = setup_rollout(cfg, actor, begin)
     if rank0:
         layout = actor.engine.layout.describe(torch.distributed.get_world_size())
-        print(f"{cfg.algorithm.name} ({cfg.model.dtype}): {layout}", flush=True)
+        print(f"{cfg.algorithm.name} ({cfg.model.dtype}): {layout}; task {cfg.task.name}, rollout engine "
+              f"{cfg.rollout.engine}", flush=True)
         os.makedirs(cfg.output_dir, exist_ok=True)
         with open(os.path.join(cfg.output_dir, "config.yaml"), "w") as f:
             f.write(dump_job_config(cfg))
     start = time.perf_counter()
     hf_files = {"actor": begin[0].hf_files, "critic": (begin[1] or begin[0]).hf_files}
-    history = _loop(cfg, actor, critic, rank0, checkpoint_manager(cfg, hf_files))
+    ckpt = checkpoint_manager(cfg, hf_files)
+    history = _resume(cfg, ckpt, _engines(actor, critic), rank0)
+    if history:  # resumed: the engines take the checkpoint's weights
+        rollouts.sync(actor.engine.model, actor.engine.args)
+    evals = {"before": _evaluate(cfg, task, rollouts, len(history), rank0)}
+    history = _loop(cfg, actor, critic, task, rollouts, rank0, ckpt, history)
+    evals["after"] = _evaluate(cfg, task, rollouts, len(history), rank0)
     if rank0:
         plot_rewards(history, os.path.join(cfg.output_dir, "reward.png"))
+        if evals["before"] is not None:
+            with open(os.path.join(cfg.output_dir, "eval.json"), "w") as f:
+                json.dump(evals, f, indent=1)
         print(summary(history, time.perf_counter() - start, cfg.output_dir), flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return history
+
+
+def setup_rollout(cfg: JobConfig, actor: Actor, begin: tuple[Start, Start | None] | None = None
+                  ) -> tuple[Task, RolloutGroup]:
+    """Collective: the job's task and rollout engines for ``actor`` (started from ``begin`` =
+    ``starts(cfg)``, computed when not given), the engines synced with the actor's weights."""
+    hf_source = (begin or starts(cfg))[0].hf_files  # a HF directory (config, tokenizer) or a config
+    task = make_task(cfg.task, cfg.seed, actor.engine.args.vocab_size,
+                     hf_source if isinstance(hf_source, str) else None)
+    rollouts = build_rollouts(cfg.rollout.engine, actor, task, _hf_config(hf_source), cfg.model.dtype,
+                              cfg.rollout.sync_bucket_mb)
+    rollouts.sync(actor.engine.model, actor.engine.args)
+    return task, rollouts
+
+
+def _hf_config(source):
+    """The actor's transformers config from a HF directory (or the tiny model's config itself)."""
+    if not isinstance(source, str):
+        return source
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source)
+
+
+def _evaluate(cfg: JobConfig, task: Task, rollouts: RolloutGroup, step: int, rank0: bool) -> dict | None:
+    """Greedy held-out evaluation at ``step`` (collective); rank 0 prints it."""
+    clock = time.perf_counter()
+    result = evaluate(task, rollouts, cfg.task.response_length)
+    if result is None:
+        return None
+    result = {"step": step, **result, "seconds": time.perf_counter() - clock}
+    if rank0:
+        scores = ", ".join(f"{k} {v:.3f}" for k, v in result.items() if k.endswith("accuracy"))
+        print(f"held-out greedy evaluation at step {step} ({result['questions']} questions): {scores}", flush=True)
+    return result
 
 
 def log_package_events(rank: int) -> None:
@@ -241,16 +308,15 @@ def _save_due(cfg: JobConfig, done: int) -> bool:
     return freq > 0 and (done % freq == 0 or done == cfg.steps)
 
 
-def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, rank0: bool,
-          ckpt: CheckpointManager) -> list[dict]:
+def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, task: Task, rollouts: RolloutGroup,
+          rank0: bool, ckpt: CheckpointManager, history: list[dict]) -> list[dict]:
     from tqdm import tqdm
 
     engines = _engines(actor, critic)
-    history = _resume(cfg, ckpt, engines, rank0)
     path = os.path.join(cfg.output_dir, "metrics.jsonl")
     bar = tqdm(range(len(history), cfg.steps), disable=not (rank0 and cfg.progress_bar), desc=cfg.algorithm.name)
     for step in bar:
-        metrics = train_step(cfg, actor, critic, step)
+        metrics = train_step(cfg, actor, critic, task, rollouts, step)
         history.append(metrics)
         if rank0:
             with open(path, "a") as f:
@@ -265,12 +331,22 @@ def _loop(cfg: JobConfig, actor: Actor, critic: Critic | None, rank0: bool,
 
 
 def summary(history: list[Mapping], seconds: float, output_dir: str) -> str:
-    """The closing line: steps, first and last-5 rewards, training time, where the outputs are."""
+    """The closing lines: steps, first and last-5 rewards, mean phase times and tokens per
+    second, training time, where the outputs are."""
     if not history:
         return f"done: 0 steps; outputs in {output_dir}/"
+    phases = [k for k in history[-1] if k.startswith("timing/")]  # in the order a step runs them
+    mean = lambda key: sum(m.get(key, 0.0) for m in history) / len(history)  # noqa: E731
+    times = ", ".join(f"{k[len('timing/'):-2]} {mean(k):.2f} s" for k in phases)
     return (f"done: {len(history)} steps in {seconds:.1f} s; reward {history[0]['reward']:.3f} "
-            f"at step 0, {_last5(history):.3f} over the last {min(5, len(history))} steps; outputs in "
-            f"{output_dir}/ (metrics.jsonl, reward.png, config.yaml)")
+            f"at step 0, {_first5(history):.3f} over the first {min(5, len(history))} steps, {_last5(history):.3f} "
+            f"over the last {min(5, len(history))} steps\nper step: {times}; {mean('tokens_per_s'):.0f} tokens/s\n"
+            f"outputs in {output_dir}/ (metrics.jsonl, reward.png, config.yaml)")
+
+
+def _first5(history: list[Mapping]) -> float:
+    head = history[:5]
+    return sum(m["reward"] for m in head) / len(head)
 
 
 def _last5(history: list[Mapping]) -> float:

@@ -16,7 +16,7 @@ import yaml
 
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.config_loader import load_config, to_dict
-from mcore_rl.job.toy_task import ToyTaskConfig
+from mcore_rl.job.task import TaskConfig
 from mcore_rl.models.moe import MoEOptions
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.rl.actor import ActorConfig
@@ -99,6 +99,8 @@ class ModelConfig:
     directory (role critic, or role actor: fresh value head); unset: the actor's start with a
     fresh value head.
 
+    Paths may start with ``~`` (the home directory).
+
     ``dtype``: parameter dtype of actor, reference and critic (bf16 trains with fp32 main
     weights in megatron's optimizer). ``moe``: router/dispatcher options for MoE models.
     ``hidden_dropout``: dropout after attention and MLP blocks (attention dropout is
@@ -115,16 +117,24 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self.moe.validate()  # e.g. aux_loss_coeff without load_balancing: an error at load time
+        for key in ("hf_dir", "mcore_dir", "critic_dir"):  # "~/..." in a YAML file means the home directory
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, os.path.expanduser(getattr(self, key)))
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
     """Samples per step = prompts_per_step * samples_per_prompt, drawn at ``temperature``
-    (the actor's log-probs use the same temperature)."""
+    (the actor's log-probs use the same temperature) by ``engine``: ``builtin`` (the actor's
+    own model, no KV cache: tiny models) or ``transformers`` (a transformers model with KV cache
+    on each replica's first rank, refreshed from the actor after every update in buckets of
+    ``sync_bucket_mb``)."""
 
     prompts_per_step: int = 8
     samples_per_prompt: int = 8
     temperature: float = 1.0
+    engine: Literal["builtin", "transformers"] = "builtin"
+    sync_bucket_mb: int = 256
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt"):
@@ -133,6 +143,8 @@ class RolloutConfig:
                                  "prompts_per_step * samples_per_prompt responses)")
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (logits are divided by it)")
+        if self.sync_bucket_mb < 1:
+            raise ValueError(f"sync_bucket_mb={self.sync_bucket_mb} must be >= 1 (MiB per weight-sync bucket)")
 
 
 @dataclass(frozen=True)
@@ -159,7 +171,7 @@ class JobConfig:
     progress_bar: bool = True
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: ParallelLayout = field(default_factory=ParallelLayout)
-    task: ToyTaskConfig = field(default_factory=ToyTaskConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)

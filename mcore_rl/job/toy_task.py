@@ -5,37 +5,42 @@ response token equals the first prompt token, else 0. A random policy scores 1 /
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from mcore_rl.platform import active_platform
+from mcore_rl.job.prompts import Prompts
 
 Tensor = torch.Tensor
 
 
-@dataclass(frozen=True)
-class ToyTaskConfig:
-    """Prompt and response lengths of the copy-the-first-token task."""
+class ToyTask:
+    """Random prompts of ``prompt_length`` ids, the same on every rank for a step and seed; no
+    end-of-sequence token, no held-out set."""
 
-    prompt_length: int = 4
-    response_length: int = 2
+    eos_id = None
+    pad_id = 0
 
-    def __post_init__(self) -> None:
-        for name in ("prompt_length", "response_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1 (the reward compares the "
-                                 "first response token with the first prompt token)")
+    def __init__(self, prompt_length: int, vocab_size: int, seed: int) -> None:
+        self.prompt_length, self.vocab_size, self.seed = prompt_length, vocab_size, seed
 
+    @classmethod
+    def create(cls, config, seed: int, vocab_size: int, tokenizer_dir: str | None) -> "ToyTask":
+        """From the job's TaskConfig (the tokenizer is not used: prompts are ids)."""
+        return cls(config.prompt_length, vocab_size, seed)
 
-def make_prompts(config: ToyTaskConfig, count: int, vocab_size: int, step: int, seed: int) -> Tensor:
-    """[count, prompt_length] prompt ids on the platform's device, the same on every rank for
-    a given step and seed (drawn on the host so every device type gives the same prompts)."""
-    g = torch.Generator(device="cpu").manual_seed(seed * 100_003 + step)  # host: the same prompts on every device
-    prompts = torch.randint(0, vocab_size, (count, config.prompt_length), generator=g, device="cpu")  # host: moved by the sampler
-    return prompts.to(active_platform().device())
+    def train_prompts(self, step: int, count: int) -> Prompts:
+        """``count`` prompts; references are their first tokens."""
+        g = torch.Generator(device="cpu").manual_seed(self.seed * 100_003 + step)  # host: the same prompts on every device
+        ids = torch.randint(0, self.vocab_size, (count, self.prompt_length), generator=g, device="cpu")  # host: token ids
+        rows = ids.tolist()
+        return Prompts(rows, [r[0] for r in rows])
 
+    def held_out(self) -> None:
+        return None
 
-def reward(batch: dict) -> Tensor:
-    """[B] 1.0 where the first response token copies the first prompt token."""
-    return (batch["responses"][:, 0] == batch["input_ids"][:, 0]).float()
+    def score(self, prompts: Prompts, responses: Tensor, mask: Tensor) -> Tensor:
+        """[B] 1.0 where the first response token copies the first prompt token."""
+        first = torch.tensor(prompts.references, device=responses.device)
+        return ((responses[:, 0] == first) & (mask[:, 0] > 0)).float()
+
+    def eval_metrics(self, prompts: Prompts, responses: Tensor, mask: Tensor) -> dict[str, float]:
+        return {"accuracy": float(self.score(prompts, responses, mask).mean())}

@@ -2,9 +2,11 @@
 
 Each new token is drawn by the Gumbel-max trick on vocab-parallel logits: every TP rank adds
 Gumbel noise to its own shard, takes its shard's best token, and the TP group keeps the global
-best, so no rank gathers full-vocab logits. Without a KV cache every step re-runs the whole
-sequence; it is for tiny models and tests. The sampling temperature is an explicit argument
-(the trainer's rollout temperature); the noise is drawn on the logits' device.
+best, so no rank gathers full-vocab logits (temperature 0: no noise, the argmax). The sampled
+token's log-prob comes from the same logits (vocab-parallel log-softmax at the temperature).
+Without a KV cache every step re-runs the whole sequence; it is for tiny models and tests. The
+sampling temperature is an explicit argument (the trainer's rollout temperature); the noise is
+drawn on the logits' device.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from mcore_rl.rl.minibatch import local_rows, micro_batch_plan
 from mcore_rl.rl.engine import gather_dp
 from mcore_rl.errors import McoreRLError
 from mcore_rl.platform import active_platform
-from mcore_rl.rl.logprob import masked_scaled_logits
+from mcore_rl.rl.logprob import log_probs_and_entropy, masked_scaled_logits
 
 Tensor = torch.Tensor
 
@@ -29,14 +31,14 @@ class SamplerError(McoreRLError, ValueError):
 
 
 def sample_vocab_parallel(logits: Tensor, vocab_size: int, temperature: float, generator: torch.Generator) -> Tensor:
-    """Token ids [...] drawn from softmax(logits / T) over the real vocab; logits [..., V/tp].
-
-    ``generator`` must live on the logits' device (the noise is drawn there).
+    """Token ids [...] drawn from softmax(logits / T) over the real vocab (T = 0: the argmax);
+    logits [..., V/tp]. ``generator`` must live on the logits' device (the noise is drawn there).
     """
-    scaled = masked_scaled_logits(logits, vocab_size, temperature)
-    uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64, device=scaled.device)
-    uniform = uniform.clamp_(1e-12, 1.0)
-    noisy = scaled.double() - torch.log(-torch.log(uniform))
+    scaled = masked_scaled_logits(logits, vocab_size, temperature or 1.0)
+    noisy = scaled.double()
+    if temperature > 0:
+        uniform = torch.rand(scaled.shape, generator=generator, dtype=torch.float64, device=scaled.device)
+        noisy = noisy - torch.log(-torch.log(uniform.clamp_(1e-12, 1.0)))
     best, index = noisy.max(dim=-1)
     index = index + parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
     group = parallel_state.get_tensor_model_parallel_group()
@@ -50,47 +52,85 @@ def sample_vocab_parallel(logits: Tensor, vocab_size: int, temperature: float, g
     return mine
 
 
-@torch.no_grad()
-def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: float, seed: int) -> dict:
-    """Samples ``response_length`` tokens at ``temperature`` after equal-length prompts [B, P]
-    (no padding).
-
-    Returns a trainer batch on the platform's device: input_ids [B, P + R], attention_mask,
-    responses [B, R]. Every rank passes the same prompts, temperature and seed and gets the same
-    batch. Compute the batch's log-probs at the same temperature (``ActorConfig.temperature``).
-    """
-    if not temperature > 0:
-        raise SamplerError(f"temperature={temperature} must be > 0; use 1.0 to sample the raw policy.")
-    device = active_platform().device()
-    prompts = prompts.to(device)
-    b, p = prompts.shape
+def _prompt_batch(prompts: Tensor, attention_mask: Tensor | None, response_length: int) -> tuple[Tensor, Tensor]:
+    """input_ids and attention_mask [B, P + R]: the (left-padded) prompts, then R empty columns."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(prompts)
+    if attention_mask.shape != prompts.shape or not bool(attention_mask[:, -1].all()):
+        raise SamplerError(f"attention_mask {tuple(attention_mask.shape)} must match prompts "
+                           f"{tuple(prompts.shape)} and end every row with a token (left padding only).")
+    b = prompts.shape[0]
     ids = torch.cat([prompts, prompts.new_zeros(b, response_length)], dim=1)
-    mask = torch.cat([torch.ones_like(prompts), prompts.new_zeros(b, response_length)], dim=1)
-    engine, vocab = actor.engine, actor.engine.args.vocab_size
+    mask = torch.cat([attention_mask.to(prompts.dtype), prompts.new_zeros(b, response_length)], dim=1)
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: float, seed: int,
+             attention_mask: Tensor | None = None, eos_id: int | None = None, pad_id: int = 0) -> dict:
+    """Samples up to ``response_length`` tokens at ``temperature`` (0: greedy) after prompts
+    [B, P], left-padded where ``attention_mask`` [B, P] has zeros.
+
+    Returns a trainer batch on the platform's device: input_ids and attention_mask [B, P + R],
+    responses [B, R], and (temperature > 0) rollout_log_probs [B, R], the sampled tokens'
+    log-probs at ``temperature``. A response ends with its first ``eos_id``; later positions
+    hold ``pad_id`` with mask 0 and log-prob 0. Every rank passes the same arguments and gets the
+    same batch. Compute the batch's log-probs at the same temperature.
+    """
+    if not temperature >= 0:
+        raise SamplerError(f"temperature={temperature} must be >= 0 (0: greedy); use 1.0 to sample the raw policy.")
+    device = active_platform().device()
+    ids, mask = _prompt_batch(prompts.to(device), None if attention_mask is None else attention_mask.to(device),
+                              response_length)
+    p = prompts.shape[1]
+    log_probs = torch.zeros(ids.shape[0], response_length, device=device)
     # distinct noise per TP shard and per DP slice of rows, reproducible from ``seed``
     generator = torch.Generator(device=device).manual_seed(
         seed * 1_000_003 + 1009 * parallel_state.get_data_parallel_rank()
-        + parallel_state.get_tensor_model_parallel_rank()
-    )
+        + parallel_state.get_tensor_model_parallel_rank())
+    for step in range(response_length):
+        tokens, lp = _next_tokens(actor, ids, mask, p, step, temperature, generator)
+        ids[:, p + step], mask[:, p + step], log_probs[:, step] = tokens, 1, lp
+        if eos_id is not None and bool((ids[:, p:p + step + 1] == eos_id).any(1).all()):
+            break  # every row ended (all ranks hold the same tokens, so all stop here)
+    responses = ids[:, p:].clone()
+    if eos_id is not None:
+        is_eos = (responses == eos_id).long()
+        live = ((is_eos.cumsum(1) - is_eos) == 0) & (mask[:, p:] > 0)  # up to the first end-of-sequence
+        responses.masked_fill_(~live, pad_id)
+        ids[:, p:], mask[:, p:] = responses, live.to(mask.dtype)
+        log_probs *= live
+    out = {"input_ids": ids, "attention_mask": mask, "responses": responses}
+    if temperature > 0:
+        out["rollout_log_probs"] = log_probs
+    return out
+
+
+def _next_tokens(actor: Actor, ids: Tensor, mask: Tensor, p: int, step: int, temperature: float,
+                 generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """The tokens [B] sampled for column ``p + step`` of ``ids`` and their log-probs [B] (0 when greedy)."""
+    engine, vocab = actor.engine, actor.engine.args.vocab_size
     engine.train(False)
     # fixed micro-batches: dynamic ones would trim the empty response columns sampled next
     config = replace(actor.config, max_tokens_per_micro_batch=None, use_remove_padding=False)
-    for step in range(response_length):
-        # counted from the end: the micro-batcher may left-pad columns (sequence parallel)
-        from_end = p + step - 1 - ids.shape[1]  # these logits predict the next token
+    # counted from the end: the micro-batcher may left-pad columns (sequence parallel)
+    from_end = p + step - 1 - ids.shape[1]  # these logits predict the next token
 
-        def loss_fn(mb: dict, output: Tensor):
-            # under CP one rank holds the column; the others draw on zeros to keep their noise in
-            # step and contribute 0 to the CP sum below
-            at = local_column(mb["input_ids"].shape[1], mb["input_ids"].shape[1] + from_end)
-            logits = output[:, at] if at is not None else torch.zeros_like(output[:, 0])
-            token = sample_vocab_parallel(logits, vocab, temperature, generator) * (at is not None)
-            return output.sum() * 0.0, {"token": token.unsqueeze(1)}
+    def loss_fn(mb: dict, output: Tensor):
+        # under CP one rank holds the column; the others draw on zeros to keep their noise in
+        # step and contribute 0 to the CP sum below
+        at = local_column(mb["input_ids"].shape[1], mb["input_ids"].shape[1] + from_end)
+        logits = output[:, at] if at is not None else torch.zeros_like(output[:, 0])
+        token = sample_vocab_parallel(logits, vocab, temperature, generator)
+        lp = torch.zeros(token.shape, device=token.device)
+        if temperature > 0:
+            lp = log_probs_and_entropy(logits, token, vocab, temperature)[0]
+        owned = at is not None
+        return output.sum() * 0.0, {"token": (token * owned).unsqueeze(1), "log_prob": (lp * owned).unsqueeze(1)}
 
-        batch = {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:]}
-        plan = micro_batch_plan(local_rows(batch), config, engine)
-        pieces = engine.run(plan.batches, loss_fn, True)
-        tokens = gather_dp(all_reduce_cp(plan.restore([piece["token"] for piece in pieces]))[:, 0])
-        ids[:, p + step] = tokens
-        mask[:, p + step] = 1
-    return {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:].clone()}
+    batch = {"input_ids": ids, "attention_mask": mask, "responses": ids[:, p:]}
+    plan = micro_batch_plan(local_rows(batch), config, engine)
+    pieces = engine.run(plan.batches, loss_fn, True)
+    tokens = gather_dp(all_reduce_cp(plan.restore([piece["token"] for piece in pieces]))[:, 0])
+    log_probs = gather_dp(all_reduce_cp(plan.restore([piece["log_prob"] for piece in pieces]))[:, 0])
+    return tokens, log_probs

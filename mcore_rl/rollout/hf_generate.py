@@ -12,21 +12,35 @@ Tensor = torch.Tensor
 
 
 class TransformersRollout:
-    """``AutoModelForCausalLM`` from ``hf_dir`` in ``dtype`` on ``device``. Sampling is plain
+    """``AutoModelForCausalLM`` from ``source`` (a HF directory, or a transformers config: random
+    weights until the first ``update_weights``) in ``dtype`` on ``device``; ``eos_id``/``pad_id``
+    override the generation config's (e.g. the tokenizer's end-of-turn token). Sampling is plain
     softmax(logits / T): top-k, top-p, min-p and repetition penalties are switched off, and
     the rollout log-probs are computed from the raw logits at T (not the processed scores)."""
 
-    def __init__(self, hf_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+    collective = False  # one engine per model replica, on the replica's first rank
+
+    def __init__(self, source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 eos_id: int | None = None, pad_id: int | None = None) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+        if isinstance(source, str):
+            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_config(source, dtype=dtype)
+        self.model = self.model.to(device).eval()
         gen = self.model.generation_config or GenerationConfig()
-        self.eos_id = gen.eos_token_id if gen.eos_token_id is not None else self.model.config.eos_token_id
+        self.eos_id = eos_id if eos_id is not None else gen.eos_token_id
+        if self.eos_id is None:
+            self.eos_id = self.model.config.eos_token_id
         if isinstance(self.eos_id, list):
             self.eos_id = self.eos_id[0]
-        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else self.eos_id
+        self.pad_id = pad_id if pad_id is not None else gen.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.eos_id
         if self.eos_id is None:
-            raise RolloutError(f"{hf_dir}: no eos_token_id in generation_config.json or config.json; add one.")
+            raise RolloutError(f"{source if isinstance(source, str) else 'the config'}: no eos_token_id in "
+                               "generation_config.json or config.json; add one.")
         # tied embeddings: both names reach the same parameter
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
         self.device = torch.device(device)
@@ -50,28 +64,32 @@ class TransformersRollout:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int) -> Rollout:
-        """One sampled response per prompt; the caller's torch RNG is left as it was."""
-        if not temperature > 0:
-            raise RolloutError(f"temperature={temperature} must be > 0 (greedy decoding has no log-probs to "
-                               "compare); use 1.0 for the raw policy.")
+        """One response per prompt, sampled at ``temperature`` (0: greedy, no log-probs); the
+        caller's torch RNG is left as it was."""
+        if not temperature >= 0:
+            raise RolloutError(f"temperature={temperature} must be >= 0 (0: greedy); use 1.0 for the raw policy.")
         ids, mask = left_pad(prompts, self.pad_id)
         ids, mask = ids.to(self.device), mask.to(self.device)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None) if temperature > 0 \
+            else dict(do_sample=False, temperature=None, top_k=None, top_p=None)
         with torch.random.fork_rng(devices=[] if self.device.type == "cpu" else [self.device]):
             torch.manual_seed(seed)
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-                min_p=None, repetition_penalty=1.0, max_new_tokens=max_new_tokens, output_logits=True,
-                return_dict_in_generate=True, pad_token_id=self.pad_id, eos_token_id=self.eos_id)
+                input_ids=ids, attention_mask=mask, **sampling, repetition_penalty=1.0,
+                max_new_tokens=max_new_tokens, output_logits=temperature > 0, return_dict_in_generate=True,
+                pad_token_id=self.pad_id, eos_token_id=self.eos_id)
         responses = out.sequences[:, ids.shape[1]:]
-        logits = torch.stack(out.logits, dim=1).float()  # raw logits [B, R', V]
-        log_probs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
         is_eos = (responses == self.eos_id).long()
         live = (is_eos.cumsum(1) - is_eos) == 0  # up to and including the first end-of-sequence token
+        log_probs = None
+        if temperature > 0:
+            logits = torch.stack(out.logits, dim=1).float()  # raw logits [B, R', V]
+            log_probs = torch.log_softmax(logits / temperature, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+            log_probs = log_probs * live
         extra = max_new_tokens - responses.shape[1]  # generate stops early once every row ended
         if extra:
             responses = torch.nn.functional.pad(responses, (0, extra), value=self.pad_id)
             live = torch.nn.functional.pad(live, (0, extra), value=False)
-            log_probs = torch.nn.functional.pad(log_probs, (0, extra))
+            log_probs = None if log_probs is None else torch.nn.functional.pad(log_probs, (0, extra))
         responses = responses.masked_fill(~live, self.pad_id)
-        return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, live.long()], 1), responses,
-                       log_probs * live)
+        return Rollout(torch.cat([ids, responses], 1), torch.cat([mask, live.long()], 1), responses, log_probs)
