@@ -1,6 +1,6 @@
 # One command each for a fresh machine: `make test` (the whole suite), `make demo` (the main job:
 # GRPO on CPU with torchrun, 2 processes); `make demo-ppo` runs the PPO-with-critic variant,
-# `make demo-moe` a MoE actor with expert parallelism (ep=2).
+# `make demo-moe` a MoE actor with expert parallelism (ep=2), `make demo-smollm2` GRPO on a real model.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -52,6 +52,11 @@ demo-ppo: $(STAMP)
 
 demo-moe: $(STAMP)
 	launch/run.sh 2 configs/grpo_moe_demo.yaml
+
+# GRPO on the real model (SmolLM2-135M-Instruct, arithmetic task, transformers rollout engines):
+# about 25 minutes on 2 cores
+demo-smollm2: prepare-smollm2
+	launch/run.sh 2 configs/grpo_smollm2.yaml model.hf_dir=$${MCORE_RL_CACHE:-$$HOME/.cache/mcore_rl}/smollm2/hf
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV)

@@ -141,6 +141,11 @@ def test_derived_values_follow_unless_set(tmp_path):
     (["task.response_length=0"], "task: invalid TaskConfig: response_length=0 must be >= 1"),
     (["task.prompt_length=0"], "task: invalid TaskConfig: prompt_length=0 must be >= 1"),
     (["steps=-1"], "<top level>: invalid JobConfig: steps=-1 must be >= 0"),
+    (["rollout.engine=vllm"], "rollout.engine: expected one of 'builtin', 'transformers', got 'vllm'"),
+    (["rollout.sync_bucket_mb=0"], "rollout: invalid RolloutConfig: sync_bucket_mb=0 must be >= 1"),
+    (["task.name=math"], "task.name: expected one of 'toy', 'arithmetic', got 'math'"),
+    (["task.arithmetic.operations=[/]"], "task.arithmetic: invalid ArithmeticConfig: operations=['/']: each must be one of"),
+    (["task.arithmetic.eval_questions=-1"], "eval_questions=-1 must be >= 0"),
 ])
 def test_schema_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

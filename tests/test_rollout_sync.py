@@ -34,7 +34,6 @@ class _Broken:
 
 
 def _run(hf_dir: str, layout_kwargs: dict, skip: str | None, transpose: str | None, steps: int) -> list[dict]:
-    from megatron.core import parallel_state
     from transformers import AutoTokenizer
 
     from mcore_rl.models.builder import BuildOptions
@@ -44,7 +43,8 @@ def _run(hf_dir: str, layout_kwargs: dict, skip: str | None, transpose: str | No
     from mcore_rl.rl.actor import Actor, ActorConfig
     from mcore_rl.rl.batch import response_mask
     from mcore_rl.rl.engine import ModelEngine, OptimConfig
-    from mcore_rl.rollout.engine import broadcast_rollout, engine_rank, sync_weights
+    from mcore_rl.rollout.engine import broadcast_rollout, sync_weights
+    from mcore_rl.rollout.group import replica_group
     from mcore_rl.rollout.hf_generate import TransformersRollout
 
     layout = ParallelLayout(**layout_kwargs)
@@ -52,7 +52,7 @@ def _run(hf_dir: str, layout_kwargs: dict, skip: str | None, transpose: str | No
     args = model_args_from_hf(hf_dir)
     engine = ModelEngine(args, layout, "actor", active_platform(), BuildOptions(), OptimConfig(lr=2e-5), hf_dir)
     actor = Actor(engine, ActorConfig(temperature=0.9, micro_batch_size=4, ppo_mini_batch_size=8))
-    src = engine_rank()
+    src, replica = replica_group()
     rollout = None
     if torch.distributed.get_rank() == src:
         rollout = _Broken(TransformersRollout(hf_dir), skip, transpose)
@@ -63,7 +63,7 @@ def _run(hf_dir: str, layout_kwargs: dict, skip: str | None, transpose: str | No
     out = []
     for step in range(steps):
         r = rollout.generate(prompts, 8, 0.9, seed=step) if rollout is not None else None
-        batch = broadcast_rollout(r, src, group=parallel_state.get_model_parallel_group()).batch()
+        batch = broadcast_rollout(r, src, group=replica).batch()
         old = actor.compute_log_prob(batch)["log_probs"]
         mask = response_mask(batch)
         metrics = rollout_corr_metrics(old, batch["rollout_log_probs"], mask)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_rl.config_loader import ConfigError
 from mcore_rl.job.prompts import Prompts
 
 Tensor = torch.Tensor
@@ -86,11 +87,11 @@ class ArithmeticTask:
         from transformers import AutoTokenizer
 
         if tokenizer_dir is None:
-            raise ValueError("task.name=arithmetic needs a tokenizer with a chat template: start from "
+            raise ConfigError("task.name=arithmetic needs a tokenizer with a chat template: start from "
                              "model.hf_dir or model.mcore_dir, not the embedded tiny model")
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         if not tokenizer.chat_template:
-            raise ValueError(f"the tokenizer in {tokenizer_dir} has no chat template; task.name=arithmetic "
+            raise ConfigError(f"the tokenizer in {tokenizer_dir} has no chat template; task.name=arithmetic "
                              "formats questions with it (use an instruct model's directory)")
         return cls(config.arithmetic, tokenizer, seed)
 

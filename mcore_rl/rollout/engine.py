@@ -3,10 +3,10 @@
 A rollout engine generates responses with the log-probs of the sampled tokens under its own
 model (raw logits at the sampling temperature, no top-k/top-p) and takes new weights as an
 iterable of (HF name, full tensor). Where engines live: one per model replica (data-parallel
-rank), on the replica's first rank (``engine_rank``); that rank generates and broadcasts the batch, and every
-rank runs the weight sync (``sync_weights``, collective: ``export_hf_buckets`` gathers TP/PP/EP
-shards bucket by bucket, so the trainer never holds a full copy; the engine rank copies each
-bucket into its model). Memory: one full model in the engine's dtype on that rank, plus one
+index), on the replica's first rank (``group.replica_group``); that rank generates and broadcasts
+the batch (``group.RolloutGroup``), and every rank runs the weight sync (``sync_weights``,
+collective: ``export_hf_buckets`` gathers TP/PP/EP shards bucket by bucket, so the trainer never
+holds a full copy; the engine rank copies each bucket into its model). Memory: one full model in the engine's dtype on that rank, plus one
 bucket in transit on every rank.
 """
 from __future__ import annotations
@@ -66,14 +66,6 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)  # host: token ids from a Python list
         mask[i, width - len(p):] = 1
     return ids, mask
-
-
-def engine_rank() -> int:
-    """The global rank holding this model replica's rollout engine: the first rank of the
-    replica's model-parallel group (TP x PP x CP); each data-parallel replica has one engine."""
-    from megatron.core import parallel_state
-
-    return min(torch.distributed.get_process_group_ranks(parallel_state.get_model_parallel_group()))
 
 
 def sync_weights(engine: RolloutEngine | None, chunks: list, args, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> int:

@@ -1,0 +1,124 @@
+"""Rollout engines behind one contract, on tiny models: the builtin sampler (left-padded prompts,
+end-of-sequence, greedy, rollout log-probs equal to the trainer's) and per-replica transformers
+engines placed on each replica's first rank (DP, TP, CP), refreshed after an update; greedy
+answers of both engines agree on the same weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.tiny import tiny_config, tiny_hf_model
+
+BOUND = 1e-4  # max |rollout log-prob - trainer log-prob| for the same fp32 weights
+EOS = 3
+PROMPTS = [[5, 9, 2], [7, 1, 1, 4, 8, 2], [11], [4, 4, 6, 12]] * 2  # different lengths: left padding
+
+
+def _actor(hf_dir: str, layout: dict, lr: float = 1e-2):
+    from mcore_rl.models.builder import BuildOptions
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.platform import active_platform
+    from mcore_rl.rl.actor import Actor, ActorConfig
+    from mcore_rl.rl.engine import ModelEngine, OptimConfig
+
+    layout = ParallelLayout(**layout)
+    initialize_parallel_state(layout, seed=5)
+    args = model_args_from_hf(hf_dir)
+    engine = ModelEngine(args, layout, "actor", active_platform(), BuildOptions(), OptimConfig(lr=lr, warmup_steps=0), hf_dir)
+    return Actor(engine, ActorConfig(temperature=0.8, micro_batch_size=4, ppo_mini_batch_size=8))
+
+
+def _builtin(hf_dir: str, layout: dict) -> dict:
+    from mcore_rl.rl.batch import response_mask
+    from mcore_rl.rollout.builtin import BuiltinRollout
+    from mcore_rl.rollout.hf_generate import TransformersRollout
+
+    actor = _actor(hf_dir, layout)
+    engine = BuiltinRollout(actor, eos_id=EOS, pad_id=0)
+    sampled = engine.generate(PROMPTS, 6, 0.8, seed=4)
+    batch = sampled.batch()
+    old = actor.compute_log_prob(batch)["log_probs"]
+    greedy = engine.generate(PROMPTS, 6, 0.0, seed=0)
+    reference = TransformersRollout(hf_dir, eos_id=EOS, pad_id=0).generate(PROMPTS, 6, 0.0, seed=0)
+    return {"batch": batch, "old": old, "mask": response_mask(batch), "greedy": greedy.responses,
+            "greedy_lp": greedy.rollout_log_probs, "hf_greedy": reference.responses}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "hf"
+    tiny_hf_model(tiny_config("llama", vocab_size=16, num_hidden_layers=2)).save_pretrained(path)
+    return str(path)
+
+
+def test_builtin_sampler_behind_the_engine_contract(tiny_dir):
+    ranks = run_ranks(2, _builtin, tiny_dir, dict(tp=2))
+    for other in ranks[1:]:  # every rank gets the same rows
+        assert torch.equal(other["batch"]["input_ids"], ranks[0]["batch"]["input_ids"])
+        assert torch.equal(other["greedy"], ranks[0]["greedy"])
+    r = ranks[0]
+    batch, mask = r["batch"], r["mask"].bool()
+    width = max(len(p) for p in PROMPTS)
+    for i, p in enumerate(PROMPTS):  # prompts right-aligned, padding masked
+        assert batch["input_ids"][i, width - len(p):width].tolist() == p
+        assert batch["attention_mask"][i, :width].sum() == len(p)
+    ended = (batch["responses"] == EOS) & mask
+    assert ended.any() and not ended.any(1).all(), "the seed must end some rows early and not others"
+    for row, live in zip(batch["responses"], mask):
+        n = int(live.sum())
+        assert live[:n].all() and not live[n:].any()  # one contiguous response, then padding
+        assert (row[:n - 1] != EOS).all() and (row[n:] == 0).all()
+    diff = ((r["old"] - batch["rollout_log_probs"]).abs() * mask).max()
+    assert diff <= BOUND and (batch["rollout_log_probs"][~mask] == 0).all()
+    assert (batch["rollout_log_probs"][mask] < 0).all()
+    assert r["greedy_lp"] is None
+    assert torch.equal(r["greedy"], r["hf_greedy"])  # both engines pick the same argmax tokens
+
+
+def _group(hf_dir: str, layout: dict, sync: bool) -> dict:
+    from megatron.core import parallel_state
+
+    from mcore_rl.rl.batch import response_mask
+    from mcore_rl.rollout.group import RolloutGroup, replica_group
+    from mcore_rl.rollout.hf_generate import TransformersRollout
+    from mcore_rl.rollout.metrics import rollout_corr_metrics
+    from transformers import AutoConfig
+
+    actor = _actor(hf_dir, layout)
+    src, group = replica_group()
+    mine = torch.distributed.get_rank() == src
+    engine = TransformersRollout(AutoConfig.from_pretrained(hf_dir), eos_id=EOS, pad_id=0) if mine else None
+    rollouts = RolloutGroup(engine, 0, torch.device("cpu"), bucket_bytes=4096, replica=(src, group))
+    rollouts.sync(actor.engine.model, actor.engine.args)  # random weights -> the actor's
+    out = []
+    for step in range(2):
+        batch = rollouts.generate(PROMPTS, 5, 0.8, seed=step).batch()
+        rollout_lp = batch.pop("rollout_log_probs")
+        old = actor.compute_log_prob(batch)["log_probs"]
+        out.append(rollout_corr_metrics(old, rollout_lp, response_mask(batch)))
+        sign = torch.tensor([1.0, -1.0] * (len(PROMPTS) // 2)).unsqueeze(1)
+        actor.update_policy({**batch, "old_log_probs": old, "advantages": sign * response_mask(batch)})
+        if sync:
+            rollouts.sync(actor.engine.model, actor.engine.args)
+    return {"metrics": out, "engine": mine, "dp": parallel_state.get_data_parallel_rank(), "ids": batch["input_ids"]}
+
+
+@pytest.mark.parametrize("layout", [dict(tp=1), dict(tp=2), dict(tp=1, cp=2)], ids=["dp2", "tp2", "cp2"])
+def test_per_replica_engines_are_placed_and_synced(tiny_dir, layout):
+    ranks = run_ranks(2, _group, tiny_dir, layout, True)
+    dp = 2 if layout == dict(tp=1) else 1
+    assert sum(r["engine"] for r in ranks) == dp  # one engine per model replica, on its first rank
+    assert all(torch.equal(r["ids"], ranks[0]["ids"]) for r in ranks)
+    if dp == 2:  # the two replicas drew different samples for the same prompts (distinct seeds)
+        half = len(PROMPTS) // 2
+        assert not torch.equal(ranks[0]["ids"][:half], ranks[0]["ids"][half:])
+    for m in ranks[0]["metrics"]:
+        assert m["rollout_corr/max_abs_log_prob_diff"] <= BOUND, m
+
+
+def test_engine_without_sync_is_caught_by_the_mismatch_metric(tiny_dir):
+    metrics = run_ranks(2, _group, tiny_dir, dict(tp=1), False)[0]["metrics"]
+    assert metrics[0]["rollout_corr/max_abs_log_prob_diff"] <= BOUND
+    assert metrics[1]["rollout_corr/max_abs_log_prob_diff"] >= 10 * BOUND, metrics[1]
