@@ -122,3 +122,52 @@ def test_engine_without_sync_is_caught_by_the_mismatch_metric(tiny_dir):
     metrics = run_ranks(2, _group, tiny_dir, dict(tp=1), False)[0]["metrics"]
     assert metrics[0]["rollout_corr/max_abs_log_prob_diff"] <= BOUND
     assert metrics[1]["rollout_corr/max_abs_log_prob_diff"] >= 10 * BOUND, metrics[1]
+
+
+def _bucket_lifetimes(hf_dir: str) -> dict:
+    """While each parameter is fetched (the next bucket filling), how many tensors of buckets the
+    consumer already handled and dropped are still alive: from export_hf_buckets and inside
+    sync_weights. ``_fetch`` is wrapped to look, and otherwise runs unchanged."""
+    import weakref
+
+    from mcore_rl.mapping import weights
+    from mcore_rl.models.hf_weights import export_hf_buckets
+    from mcore_rl.rollout.engine import sync_weights
+
+    actor = _actor(hf_dir, dict(tp=2))
+    chunks, args = actor.engine.model, actor.engine.args
+
+    class Probe:  # an engine that only remembers what it was handed
+        def __init__(self) -> None:
+            self.refs, self.alive, self.sizes = [], [], []
+
+        def update_weights(self, named) -> int:
+            self.refs = [weakref.ref(t) for _, t in named]
+            self.sizes.append(len(self.refs))
+            return len(self.refs)
+
+    fetch = weights._fetch
+
+    def watched(*a, **k):
+        probe.alive.append(sum(r() is not None for r in probe.refs))
+        return fetch(*a, **k)
+
+    weights._fetch = watched
+    try:
+        probe = direct = Probe()
+        for bucket in export_hf_buckets(chunks, args, "actor", 64 << 10):
+            direct.update_weights(bucket)
+            del bucket
+        probe = synced = Probe()
+        sync_weights(synced, chunks, args, 64 << 10)
+    finally:
+        weights._fetch = fetch
+    return {"direct": (direct.alive, direct.sizes), "sync": (synced.alive, synced.sizes)}
+
+
+def test_weight_sync_keeps_one_bucket_alive(tiny_dir):
+    """Extra memory of a sync is one bucket + one parameter in transit, not two buckets: while
+    the next bucket fills, nothing of the one the engine took is still alive."""
+    for alive, sizes in run_ranks(2, _bucket_lifetimes, tiny_dir)[0].values():
+        assert max(sizes) >= 4, sizes  # buckets hold several tensors: a second alive bucket would show
+        assert max(alive) == 0, (alive, sizes)

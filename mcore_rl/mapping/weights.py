@@ -291,6 +291,7 @@ def _broadcast(tensors: list[Tensor] | None, item: _Item, owner: int, group) -> 
     return out
 
 
+@torch.no_grad()
 def _fetch(item: _Item, param, wmap: WeightMap, tensor_of: Callable) -> list[Tensor]:
     """The full HF tensors of one parameter on every rank: TP/ETP gather on its holders, then
     broadcast from its expert owner over EP and from its stage over PP."""
@@ -323,7 +324,9 @@ def iter_hf_buckets(
     (vocab padding stripped; a tied LM head appears once, as the embedding).
 
     Peak extra memory per rank: the bucket being filled plus one parameter in transit (its TP
-    shards and its full HF tensors); the buckets already yielded are the caller's to keep or drop.
+    shards and its full HF tensors); the buckets already yielded are the caller's to keep or drop
+    (``for bucket in ...: use(bucket); del bucket`` keeps one bucket alive: the loop variable
+    would otherwise hold the previous one while the next fills).
     Tensors are views of the parameters where no gather was needed: copy before changing them.
     ``tensor_of`` picks what to export per parameter (``lambda p: p.main_grad`` for gradients).
     """
@@ -334,7 +337,8 @@ def iter_hf_buckets(
     return _buckets(chunks, wmap, bucket_bytes, tensor_of)
 
 
-@torch.no_grad()
+# no torch.no_grad() here: on a generator its wrapper holds the last yielded bucket while the next
+# one fills (two buckets alive); _fetch carries it instead
 def _buckets(chunks, wmap: WeightMap, bucket_bytes: int, tensor_of: Callable) -> Iterator[list]:
     local, params = _local_items(chunks, wmap, tensor_of)
     bucket: list[tuple[str, Tensor]] = []

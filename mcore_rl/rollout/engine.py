@@ -77,6 +77,7 @@ def sync_weights(engine: RolloutEngine | None, chunks: list, args, bucket_bytes:
     for bucket in export_hf_buckets(chunks, args, "actor", bucket_bytes):
         if engine is not None:
             taken += engine.update_weights(bucket)
+        del bucket  # freed before the next bucket fills: one bucket alive, not two
     return taken
 
 
