@@ -18,6 +18,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # megatron's TP overlap orders kernels on one CUDA connection (it warns without this)
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 
+# a config mistake is one error line and exit code 2 here, before torchrun starts the ranks
+"$bin/python" launch/train.py --check --config "$config" "$@" || exit $?
+
 multi=(NNODES NODE_RANK MASTER_ADDR MASTER_PORT)
 set_count=0
 missing=()

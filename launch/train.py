@@ -29,12 +29,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML file (configs/*.yaml); omitted: schema defaults")
     parser.add_argument("overrides", nargs="*", help="key.path=value, e.g. steps=10 actor_optim.lr=1e-3")
+    parser.add_argument("--check", action="store_true", help="only load and validate the config (launch/run.sh "
+                        "does this before starting ranks)")
     args = parser.parse_args()
     quiet_third_party(int(os.environ.get("RANK", "0")))
+    from mcore_rl.config_loader import ConfigError
     from mcore_rl.job.loop import run  # after the filters: megatron warns at import
     from mcore_rl.job.schema import load_job_config
 
-    run(load_job_config(args.config, args.overrides))
+    try:
+        cfg = load_job_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as error:  # a typo is one line, not a traceback per rank
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if not args.check:
+        run(cfg)
 
 
 if __name__ == "__main__":  # megatron's checkpoint writers re-import the main module

@@ -81,6 +81,19 @@ def test_torchrun_entry_point_is_quiet(tmp_path):
                      summary[0]), output
 
 
+@pytest.mark.parametrize("args,message", [
+    (["configs/grpo_demo.yaml", "rollout.engin=transformers"], "error: unknown key 'rollout.engin'"),
+    (["configs/grpo_demo.yaml", "rollout.engine=vllm"], "error: rollout.engine: expected one of 'builtin', 'transformers'"),
+    (["configs/no_such.yaml"], "error: "),
+])
+def test_launcher_config_mistake_is_one_line(args, message):
+    done = subprocess.run(["bash", "launch/run.sh", "2", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines
+
+
 def test_quiet_rank_still_shows_its_traceback():
     code = ("import sys; sys.path.insert(0, 'launch'); import train; train.quiet_third_party(1); "
             "import warnings; warnings.warn('noise'); print('hidden'); raise RuntimeError('rank 1 failed')")
