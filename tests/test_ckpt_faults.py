@@ -4,7 +4,7 @@ MCORE_RL_CKPT_FAULT_RANK), saving every 2 steps with max_ckpt_to_keep=2. After e
 tracker names a complete step, no complete step is gone (a replaced step sits beside its root
 until the next start finishes the swap), and the next run of the same command resumes from the
 step the tracker names; every run's metrics.jsonl equals the prefix of one uninterrupted 10-step
-run (lines identical but for time_s, keys in the order written). One shared sequence of runs keeps the
+run (lines identical but for the wall-clock metrics, keys in the order written). One shared sequence of runs keeps the
 suite small: each kill run is itself the resume check of the kill before it."""
 from __future__ import annotations
 
@@ -80,7 +80,9 @@ def _job(out, steps: int, fault: str | None = None, rank: int | None = None,
 
 def _lines(out) -> list[dict]:
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    return [{k: v for k, v in m.items() if k != "time_s"} for m in lines]
+    from mcore_rl.job.loop import wall_clock
+
+    return [{k: v for k, v in m.items() if not wall_clock(k)} for m in lines]
 
 
 def _key_orders(out) -> list[list[str]]:

@@ -22,6 +22,7 @@ import sys
 import uuid
 
 from mcore_rl.checkpoint.faults import ENV, RANK_ENV
+from mcore_rl.job.loop import wall_clock
 from tests.two_node_ckpt_script import file_digests  # one hashing helper for both
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -176,7 +177,7 @@ def _two_node_job(tmp_path, steps: int, shared: str, disks: list[str],
 
 def _metrics(path: str) -> list[dict]:
     with open(path) as f:
-        return [{k: v for k, v in json.loads(line).items() if k != "time_s"} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if not wall_clock(k)} for line in f]
 
 
 def _disk_state(disk: str) -> dict:

@@ -179,6 +179,11 @@ def train_step(cfg: JobConfig, actor: Actor, critic: Critic | None, task: Task, 
     return metrics
 
 
+def wall_clock(key: str) -> bool:
+    """Whether a metric measures time (it differs between runs that compute the same thing)."""
+    return key in ("time_s", "tokens_per_s") or key.startswith("timing/")
+
+
 def plot_rewards(history: list[dict], path: str) -> None:
     """reward per step as a PNG (matplotlib, no display needed)."""
     import matplotlib
