@@ -38,6 +38,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_gguf_to_hf_refusals(tmp_path):
+    from mcore_rl.checkpoint.gguf_convert import gguf_to_hf
+    from mcore_rl.errors import McoreRLError
+
     garbage = tmp_path / "bad.gguf"
     garbage.write_bytes(b"not a gguf file")
     full = tmp_path / "full"
@@ -45,17 +48,19 @@ def test_gguf_to_hf_refusals(tmp_path):
     (full / "keep.txt").write_text("x")
     inside = full / "m.gguf"
     inside.write_bytes(b"GGUF")
-    cases = [
-        (["--gguf_path", str(tmp_path / "missing.gguf"), "--output_path", str(tmp_path / "o1")], "is not a file"),
-        (["--gguf_path", str(garbage), "--output_path", str(tmp_path / "o2")], "not a readable GGUF file"),
-        (["--gguf_path", str(garbage), "--output_path", str(full)], "is not empty"),
-        (["--gguf_path", str(inside), "--output_path", str(full), "--overwrite"], "contains --gguf_path"),
+    cases = [  # the library's refusals, in-process (a CLI start costs ~5 s each)
+        ((tmp_path / "missing.gguf", tmp_path / "o1", False), "is not a file"),
+        ((garbage, tmp_path / "o2", False), "not a readable GGUF file"),
+        ((garbage, full, False), "is not empty"),
     ]
-    for args, message in cases:
-        done = _cli(*args)
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
-            (args, done.stderr)
+    for (src, dst, overwrite), message in cases:
+        with pytest.raises(McoreRLError, match=message):
+            gguf_to_hf(str(src), str(dst), overwrite)
+    # the CLI: one error line, exit code 2
+    done = _cli("--gguf_path", str(inside), "--output_path", str(full), "--overwrite")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") \
+        and "contains --gguf_path" in lines[0], done.stderr
     assert sorted(os.listdir(tmp_path)) == ["bad.gguf", "full"]
     assert sorted(os.listdir(full)) == ["keep.txt", "m.gguf"]
     typo = _cli("--gguf_pth", "x", "--output_path", str(tmp_path / "o3"))
