@@ -39,7 +39,7 @@ def main() -> None:
 
     try:
         cfg = load_job_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as error:  # a typo is one line, not a traceback per rank
+    except ConfigError as error:  # a typo is one line, not a traceback per rank
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

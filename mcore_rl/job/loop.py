@@ -22,7 +22,7 @@ from mcore_rl.job.schema import JobConfig, TinyModelConfig, dump_job_config
 from mcore_rl.job.start import Start, actor_start, critic_start
 from mcore_rl.job.task import Task, make_task
 from mcore_rl.models.builder import BuildOptions
-from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
+from mcore_rl.models.hf_config import ModelArgs, load_hf_config, model_args_from_hf
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
 from mcore_rl.platform import Platform, init_distributed, setup_platform
 from mcore_rl.rl import losses
@@ -245,19 +245,10 @@ def setup_rollout(cfg: JobConfig, actor: Actor, begin: tuple[Start, Start | None
     hf_source = (begin or starts(cfg))[0].hf_files  # a HF directory (config, tokenizer) or a config
     task = make_task(cfg.task, cfg.seed, actor.engine.args.vocab_size,
                      hf_source if isinstance(hf_source, str) else None)
-    rollouts = build_rollouts(cfg.rollout.engine, actor, task, _hf_config(hf_source), cfg.model.dtype,
+    rollouts = build_rollouts(cfg.rollout.engine, actor, task, load_hf_config(hf_source), cfg.model.dtype,
                               cfg.rollout.sync_bucket_mb)
     rollouts.sync(actor.engine.model, actor.engine.args)
     return task, rollouts
-
-
-def _hf_config(source):
-    """The actor's transformers config from a HF directory (or the tiny model's config itself)."""
-    if not isinstance(source, str):
-        return source
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(source)
 
 
 def _evaluate(cfg: JobConfig, task: Task, rollouts: RolloutGroup, step: int, rank0: bool) -> dict | None:

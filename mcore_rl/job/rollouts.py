@@ -49,8 +49,8 @@ def evaluate(task: Task, rollouts: RolloutGroup, max_new_tokens: int) -> dict[st
 
     dp = parallel_state.get_data_parallel_world_size()
     count = len(held.token_ids)
-    padded = Prompts(held.token_ids + held.token_ids[: (-count) % dp], held.references)  # rows split over replicas
-    out = rollouts.generate(padded.token_ids, max_new_tokens, 0.0, seed=0)
+    rows = held.token_ids + held.token_ids[: (-count) % dp]  # whole shares per replica; extra rows dropped below
+    out = rollouts.generate(rows, max_new_tokens, 0.0, seed=0)
     mask = out.attention_mask[:count, -out.responses.shape[1]:]
     metrics = task.eval_metrics(held, out.responses[:count], mask)
     return {"questions": count, **metrics}

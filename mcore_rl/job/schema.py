@@ -22,6 +22,7 @@ from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.rl.actor import ActorConfig
 from mcore_rl.rl.critic import CriticConfig
 from mcore_rl.rl.engine import OptimConfig
+from mcore_rl.rollout.engine import DEFAULT_SYNC_BUCKET_BYTES
 
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 # MoE keys of TinyModelConfig -> the model types that read them
@@ -134,7 +135,7 @@ class RolloutConfig:
     samples_per_prompt: int = 8
     temperature: float = 1.0
     engine: Literal["builtin", "transformers"] = "builtin"
-    sync_bucket_mb: int = 256
+    sync_bucket_mb: int = DEFAULT_SYNC_BUCKET_BYTES >> 20
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "samples_per_prompt"):
