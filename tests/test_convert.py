@@ -23,10 +23,11 @@ VARIANTS = {  # name -> (model_type, overrides, role)
     "qwen2_moe": ("qwen2_moe", {}, "actor"),  # shared expert + its gate
     "qwen3_moe": ("qwen3_moe", {}, "actor"),
     "mixtral": ("mixtral", {}, "actor"),
+    "glm4_moe": ("glm4_moe", {}, "actor"),  # sigmoid router: its correction bias is a buffer
     "llama_critic": ("llama", {}, "critic"),  # role from *ForTokenClassification
     "qwen2_bf16": ("qwen2", {}, "actor"),  # converted with --dtype bf16
 }
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
 
 
 def _convert_all(jobs: list[tuple[str, str]], split: dict | None = None) -> dict:
@@ -115,6 +116,8 @@ def test_every_architecture_round_trips_bit_exact_at_another_layout(converted, t
     run_ranks(2, _convert_all, [(hf_dirs["qwen3_moe"], split["qwen3_moe"])], dict(ep=2))
     split["mixtral"] = str(tmp_path / "mixtral_tp2_ep2")  # TP x EP: dense parts by TP, experts by EP
     run_ranks(4, _convert_all, [(hf_dirs["mixtral"], split["mixtral"])], dict(tp=2, ep=2))
+    split["glm4_moe"] = str(tmp_path / "glm4_moe_ep2")  # dense first layer: per-layer keys
+    run_ranks(2, _convert_all, [(hf_dirs["glm4_moe"], split["glm4_moe"])], dict(ep=2))
     dirs = {name: str(base / f"out_{name}") for name in VARIANTS}
     dirs.update({f"{k}_split": v for k, v in split.items()})
     results = run_ranks(4, _load_and_export, dirs)[0]

@@ -22,6 +22,10 @@ PARITY = {  # name -> (model_type, overrides)
     "qwen3_moe_no_norm_topk": ("qwen3_moe", dict(norm_topk_prob=False)),
     "mixtral": ("mixtral", {}),
     "mixtral_tied": ("mixtral", dict(tie_word_embeddings=True)),
+    "glm4_moe": ("glm4_moe", {}),  # QKV bias, QK norm, partial rotary, 1 dense layer, scaling 2.5
+    # no bias or norm; two groups of 4 experts, the best group only (topk 2 = 2 * topk_group 1)
+    "glm4_moe_groups": ("glm4_moe", dict(attention_bias=False, use_qk_norm=False, n_group=2,
+                                         topk_group=1, first_k_dense_replace=2, routed_scaling_factor=1.0)),
 }
 LAYOUTS = {  # name -> (world size, layout, MoE options)
     "ep2_allgather": (2, dict(ep=2), dict(dispatcher="allgather")),
@@ -185,3 +189,25 @@ def test_unsupported_router_score_function():
     cfg.scoring_func = "sigmoid"
     with pytest.raises(MoEConfigError, match="router scoring_func='sigmoid' is not supported for qwen3_moe; supported: softmax"):
         model_args_from_hf(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(n_group=4, topk_group=1, num_experts_per_tok=4),
+         r"num_experts_per_tok\(4\) != 2 \* topk_group\(1\) is not supported: HF scores a group by its top-2"),
+        (dict(n_group=3), r"n_group\(3\) does not divide the expert count \(8\)"),
+        (dict(norm_topk_prob=False), r"norm_topk_prob=False with num_experts_per_tok=2 is not supported"),
+    ],
+)
+def test_sigmoid_router_configs_that_would_route_differently(overrides, message):
+    with pytest.raises(MoEConfigError, match=message):
+        model_args_from_hf(tiny_config("glm4_moe", **overrides))
+
+
+def test_glm4_moe_features_follow_the_config():
+    on = model_args_from_hf(tiny_config("glm4_moe"))
+    off = model_args_from_hf(tiny_config("glm4_moe", attention_bias=False, use_qk_norm=False))
+    assert (on.qkv_bias, on.qk_norm, off.qkv_bias, off.qk_norm) == (True, True, False, False)
+    assert on.moe.moe_layers == (False, True, True, True) and on.moe.shared_expert_ffn == 48
+    assert (on.rope.dim, on.moe.score_function, on.moe.scaling_factor) == (12, "sigmoid", 2.5)

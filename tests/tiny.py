@@ -24,6 +24,11 @@ MOE = {  # 4 experts, top-2; expert ffn != dense ffn so a mix-up shows as a shap
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       norm_topk_prob=True, head_dim=24),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+    # sigmoid router, correction bias, shared expert, a dense first layer, partial rotary
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                     use_qk_norm=True, head_dim=24, partial_rotary_factor=0.5),
 }
 
 
@@ -47,6 +52,9 @@ def tiny_hf_model(config, role: str = "actor", seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a trained router's balancing bias
+                b.copy_(torch.randn_like(b) * 0.05)
     return model.eval()
 
 

@@ -106,17 +106,31 @@ def open_model_dir(local_dir: str) -> ModelDir:
     return ModelDir(local_dir, role, args, reader, hf_dir, meta)
 
 
-def dist_key(canonical: str) -> tuple[str, tuple[int, ...]]:
-    """Canonical megatron name -> (on-disk key, leading index): the layer (and expert) index
-    become leading dims, e.g. ``decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight``
-    -> (``decoder.layers.mlp.experts.experts.linear_fc2.weight``, (3, 1))."""
+def dist_key(canonical: str, stacked: bool = True) -> tuple[str, tuple[int, ...]]:
+    """Canonical megatron name -> (on-disk key, leading index). ``stacked`` (layers all of one
+    kind): the layer (and expert) index become leading dims, e.g.
+    ``decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight`` ->
+    (``decoder.layers.mlp.experts.experts.linear_fc2.weight``, (3, 1)); dense layers mixed with
+    MoE layers keep the layer in the key: (``decoder.layers.3.mlp.experts.experts.linear_fc2.weight``, (1,))."""
     m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", canonical)
     if m is None:
         return canonical, ()
+    layer = () if stacked else (m[1],)
+    prefix = ".".join(("decoder.layers",) + layer)
     e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$", m[2])
+    lead = (int(m[1]),) if stacked else ()
     if e:
-        return f"decoder.layers.{_EXPERT_DIST[1]}{e[2]}", (int(m[1]), int(e[1]))
-    return f"decoder.layers.{m[2]}", (int(m[1]),)
+        return f"{prefix}.{_EXPERT_DIST[1]}{e[2]}", lead + (int(e[1]),)
+    return f"{prefix}.{m[2]}", lead
+
+
+def _locate(reader: TorchDistReader, canonical: str) -> tuple[str, tuple[int, ...]] | None:
+    """Where ``canonical`` is on disk (stacked or per-layer key), or None."""
+    for stacked in (True, False):
+        key, index = dist_key(canonical, stacked)
+        if key in reader.tensors and reader.covers(key, index):
+            return key, index
+    return None
 
 
 def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str], Transform]]:
@@ -124,7 +138,7 @@ def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str]
     in file order: embedding, layer by layer (table order, experts inner), final norm, head.
     Tied embeddings (actor): no lm_head."""
     table = args.arch.table
-    rows = table.rows(role)
+    rows = table.rows(role, args.features)
     tied = args.tie_embeddings and role == "actor"
     kinds = args.moe.moe_layers if args.moe else (False,) * args.num_layers
     experts = range(args.moe.num_experts) if args.moe else range(0)
@@ -154,10 +168,12 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
                 embed.shape[0] if embed else args.vocab_size)
     units, missing, used = [], [], set()
     for canonical, hf_names, transform in canonical_rules(args, model.role):
-        key, index = dist_key(canonical)
-        if key not in reader.tensors or not reader.covers(key, index):
+        found = _locate(reader, canonical)
+        if found is None:
+            key, index = dist_key(canonical)
             missing.append(f"{canonical} (key {key!r}, index {index}) for {hf_names}")
             continue
+        key, index = found
         used.add(key)
         info = reader.tensors[key]
         probe = torch.empty(info.shape[len(index):], dtype=info.dtype, device="meta")

@@ -6,6 +6,8 @@ are also the dist-checkpoint keys of both specs (the local CPU spec's ``input_la
 ``pre_mlp_layernorm`` are renamed to them). Names on the HF side are the Hub's safetensors keys.
 Placeholders: ``{layer}`` and ``{expert}``. Rows are grouped by where they apply: every layer
 (``attention``), dense-MLP layers only (``dense_mlp``) or MoE layers only (``moe_mlp``).
+``variants`` are attention rows that exist only when the model has the named feature (GLM-4.5's
+optional QKV bias and QK norm; DeepSeek-V3's low-rank or full query projection).
 """
 from __future__ import annotations
 
@@ -35,11 +37,14 @@ class MappingTable:
     moe_mlp: dict[str, Row] = field(default_factory=dict)
     lm_head: dict[str, Row] = field(default_factory=dict)
     value_head: dict[str, Row] = field(default_factory=dict)
+    variants: dict[str, dict[str, Row]] = field(default_factory=dict)
 
-    def rows(self, role: str) -> dict[str, Row]:
-        """Every row for ``role`` ('actor' has the LM head, 'critic' the value head)."""
+    def rows(self, role: str, features: frozenset[str] = frozenset()) -> dict[str, Row]:
+        """Every row for ``role`` ('actor' has the LM head, 'critic' the value head) of a model
+        with ``features`` (names of ``variants``)."""
         head = {"actor": self.lm_head, "critic": self.value_head}[role]
-        return {**self.globals_, **self.attention, **self.dense_mlp, **self.moe_mlp, **head}
+        extra = {k: v for name in sorted(features & self.variants.keys()) for k, v in self.variants[name].items()}
+        return {**self.globals_, **self.attention, **extra, **self.dense_mlp, **self.moe_mlp, **head}
 
 
 _L = "model.layers.{layer}"
@@ -107,6 +112,17 @@ _MIXTRAL_MOE: dict[str, Row] = {
     f"{_E}.linear_fc2.weight": ((f"{_M}.experts.{{expert}}.w2.weight",), EXPERT_ROW),
 }
 
+# DeepSeek-V3 / GLM-4.5: sigmoid router with a score-correction bias, shared experts ungated
+_SIGMOID_MOE: dict[str, Row] = {
+    **_QWEN_MOE,
+    f"{_D}.mlp.router.expert_bias": ((f"{_L}.mlp.gate.e_score_correction_bias",), REPLICATED),
+    f"{_D}.mlp.shared_experts.linear_fc1.weight": (
+        (f"{_L}.mlp.shared_experts.gate_proj.weight", f"{_L}.mlp.shared_experts.up_proj.weight"),
+        GATE_UP,
+    ),
+    f"{_D}.mlp.shared_experts.linear_fc2.weight": ((f"{_L}.mlp.shared_experts.down_proj.weight",), ROW),
+}
+
 _LM_HEAD: dict[str, Row] = {"output_layer.weight": (("lm_head.weight",), VOCAB)}
 
 # The critic's hidden -> 1 head, named as in transformers' *ForTokenClassification.
@@ -131,3 +147,11 @@ QWEN3_MOE = MappingTable(
     _GLOBALS, {**_ATTENTION, **_QK_NORM}, dense_mlp=_DENSE_MLP, moe_mlp=_QWEN_MOE, **_HEADS
 )
 MIXTRAL = MappingTable(_GLOBALS, _ATTENTION, moe_mlp=_MIXTRAL_MOE, **_HEADS)
+GLM4_MOE = MappingTable(
+    _GLOBALS,
+    _ATTENTION,
+    dense_mlp=_DENSE_MLP,  # first_k_dense_replace
+    moe_mlp=_SIGMOID_MOE,
+    variants={"qkv_bias": _QKV_BIAS, "qk_norm": _QK_NORM},
+    **_HEADS,
+)

@@ -7,6 +7,7 @@ owner over EP and from its stage over PP, so no rank ever holds the whole model.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, NamedTuple
@@ -122,10 +123,16 @@ def _canonical_layer_name(layer: torch.nn.Module, rest: str) -> str:
     return f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[local]}.{tail}"
 
 
+# buffers that are model state (checkpointed, converted): the routers' score-correction bias
+STATE_BUFFERS = ("mlp.router.expert_bias",)
+
+
 def canonical_params(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(canonical name, parameter): global layer and expert indices, checkpoint key spelling."""
+    """(canonical name, parameter): global layer and expert indices, checkpoint key spelling.
+    The state buffers (``STATE_BUFFERS``) come after the parameters, as tensors."""
     model = unwrap(chunk)
-    for name, param in model.named_parameters():
+    buffers = ((n, b) for n, b in model.named_buffers() if n.endswith(STATE_BUFFERS))
+    for name, param in itertools.chain(model.named_parameters(), buffers):
         m = _LAYER.match(name)
         if m is None:
             yield name, param

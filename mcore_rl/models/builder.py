@@ -149,8 +149,8 @@ def transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=args.arch.qkv_bias,
-        qk_layernorm=args.arch.qk_norm,
+        add_qkv_bias=args.qkv_bias,
+        qk_layernorm=args.qk_norm,
         hidden_dropout=options.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_std,
@@ -198,7 +198,7 @@ def _build_chunk(
         config=config,
         transformer_layer_spec=block_spec(
             config,
-            args.arch.qk_norm,
+            args.qk_norm,
             platform.transformer_engine,
             vp_stage,
             args.moe.moe_layers if args.moe else None,
@@ -211,6 +211,7 @@ def _build_chunk(
         share_embeddings_and_output_weights=args.tie_embeddings and role == "actor",
         position_embedding_type="rope",
         rotary_base=int(args.rope.theta),
+        rotary_percent=args.rope.partial,
         vp_stage=vp_stage,
     )
     # megatron hard-codes parts of llama3 scaling; our frequencies honour the whole HF config

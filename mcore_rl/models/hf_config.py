@@ -40,6 +40,13 @@ class ModelArgs:
     init_std: float
     value_head_bias: bool
     moe: MoEArgs | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @property
+    def features(self) -> frozenset[str]:
+        """Optional row groups of the mapping table this model has (``MappingTable.variants``)."""
+        return frozenset(n for n, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm)) if on)
 
 
 def load_hf_config(source: Any):
@@ -82,7 +89,7 @@ def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported; {arch.model_type} needs 'silu'.")
-    if getattr(cfg, "attention_bias", False) and not arch.qkv_bias:
+    if getattr(cfg, "attention_bias", False) and not arch.qkv_bias and arch.qkv_bias_field != "attention_bias":
         raise ConfigError(
             f"attention_bias=True ({arch.model_type}) puts a bias on o_proj, which megatron-core's "
             "GPT layers lack; only checkpoints with attention_bias=False are supported."
@@ -131,4 +138,11 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         init_std=float(getattr(cfg, "initializer_range", 0.02)),
         value_head_bias=bool(getattr(cfg, "token_classification_bias", True)),
         moe=moe_args_from_hf(cfg, arch.moe, num_layers) if arch.moe else None,
+        qkv_bias=_switch(cfg, arch.qkv_bias, arch.qkv_bias_field),
+        qk_norm=_switch(cfg, arch.qk_norm, arch.qk_norm_field),
     )
+
+
+def _switch(cfg: Any, fixed: bool, field: str | None) -> bool:
+    """An architecture's fixed feature, or the value of the config field that switches it."""
+    return bool(getattr(cfg, field, False)) if field else fixed

@@ -24,7 +24,7 @@ def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> 
         padded_vocab_size=padded_vocab_size(args.vocab_size, tp),
     )
     table = args.arch.table
-    rows = table.rows(role)
+    rows = table.rows(role, args.features)
     head = table.lm_head if role == "actor" else table.value_head
     if not with_head:
         rows = {k: v for k, v in rows.items() if k not in head}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mcore_rl.mapping.tables import LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, MappingTable
+from mcore_rl.mapping.tables import GLM4_MOE, LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, MappingTable
 from mcore_rl.models.moe import MoEFields
 from mcore_rl.errors import McoreRLError
 
@@ -22,10 +22,27 @@ class ArchSpec:
     table: MappingTable
     qkv_bias: bool = False
     qk_norm: bool = False
+    # where the config switches them per checkpoint (GLM-4.5: attention_bias, use_qk_norm)
+    qkv_bias_field: str | None = None
+    qk_norm_field: str | None = None
     # mistral applies `sliding_window` unless it is null; qwen only with use_sliding_window=True
     sliding_window_default: bool = False
     moe: MoEFields | None = None  # None: dense
 
+
+# DeepSeek-V3 and GLM-4.5 routers: sigmoid scores + correction bias, groups, scaled weights
+SIGMOID_MOE = MoEFields(
+    num_experts=("n_routed_experts",),
+    sparse_step=None,
+    mlp_only_layers=None,
+    first_dense_layers="first_k_dense_replace",
+    shared_expert_count="n_shared_experts",
+    score_function="sigmoid",
+    expert_bias=True,
+    num_groups="n_group",
+    group_topk="topk_group",
+    scaling_factor="routed_scaling_factor",
+)
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.model_type: spec
@@ -68,6 +85,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                 sparse_step=None,
                 mlp_only_layers=None,
             ),
+        ),
+        ArchSpec(
+            "glm4_moe",
+            "Glm4MoeForCausalLM",
+            "Glm4MoeForTokenClassification",
+            GLM4_MOE,
+            qkv_bias_field="attention_bias",  # q/k/v only: GLM's o_proj never has a bias
+            qk_norm_field="use_qk_norm",
+            moe=SIGMOID_MOE,
         ),
     )
 }

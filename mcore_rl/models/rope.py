@@ -26,11 +26,12 @@ class RopeSpec:
 
     rope_type: str
     theta: float
-    dim: int
+    dim: int  # rotary dims of a head: head_dim * partial
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial: float = 1.0  # the first dim of each head's head_dim rotate, the rest pass through
 
 
 def rope_spec_from_hf(cfg: Any, head_dim: int) -> RopeSpec:
@@ -46,10 +47,15 @@ def rope_spec_from_hf(cfg: Any, head_dim: int) -> RopeSpec:
             "Use a checkpoint with one of these, or remove rope scaling from config.json."
         )
     partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        raise RopeError(f"partial_rotary_factor={partial} is not supported; only 1.0 is.")
+    partial = 1.0 if partial is None else float(partial)
+    dim = int(head_dim * partial)  # as HF: the rotary dims are truncated, not rounded
+    if not 0 < partial <= 1 or dim % 2:
+        raise RopeError(
+            f"partial_rotary_factor={partial} with head_dim={head_dim} gives {dim} rotary dims; "
+            "it must be in (0, 1] and give an even number of dims."
+        )
     theta = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    spec = RopeSpec(rope_type=rope_type, theta=float(theta), dim=head_dim)
+    spec = RopeSpec(rope_type=rope_type, theta=float(theta), dim=dim, partial=partial)
     if rope_type == "default":
         return spec
     if "factor" not in params:
