@@ -23,13 +23,14 @@ def hf_dir_for(tmp: str, model_type: str, role: str) -> str:
 
 def engine_settings(bf16: bool) -> tuple:
     """(BuildOptions, OptimConfig) of every checkpoint test engine: hidden dropout 0.1, an exact
-    MoE router, Adam with a short warmup and linear decay."""
+    MoE router (correction-bias updates on), Adam with a short warmup and linear decay."""
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.moe import MoEOptions
     from mcore_rl.rl.engine import OptimConfig
 
+    # sigmoid routers move their correction bias every step (state the resume must restore)
     options = BuildOptions(params_dtype=torch.bfloat16 if bf16 else torch.float32, hidden_dropout=0.1,
-                           moe=MoEOptions(**EXACT_MOE))
+                           moe=MoEOptions(**EXACT_MOE, expert_bias_update_rate=0.01))
     return options, OptimConfig(lr=0.02, eps=1e-3, warmup_steps=2, total_steps=6, decay_style="linear")
 
 
