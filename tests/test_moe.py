@@ -22,10 +22,6 @@ PARITY = {  # name -> (model_type, overrides)
     "qwen3_moe_no_norm_topk": ("qwen3_moe", dict(norm_topk_prob=False)),
     "mixtral": ("mixtral", {}),
     "mixtral_tied": ("mixtral", dict(tie_word_embeddings=True)),
-    "glm4_moe": ("glm4_moe", {}),  # QKV bias, QK norm, partial rotary, 1 dense layer, scaling 2.5
-    # no bias or norm; two groups of 4 experts, the best group only (topk 2 = 2 * topk_group 1)
-    "glm4_moe_groups": ("glm4_moe", dict(attention_bias=False, use_qk_norm=False, n_group=2,
-                                         topk_group=1, first_k_dense_replace=2, routed_scaling_factor=1.0)),
 }
 LAYOUTS = {  # name -> (world size, layout, MoE options)
     "ep2_allgather": (2, dict(ep=2), dict(dispatcher="allgather")),

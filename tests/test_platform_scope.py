@@ -101,12 +101,12 @@ from mcore_rl.platform.cpu_shim import NamespaceProxy
 
 platform = setup_platform("cpu")
 assert "megatron.core.models.gpt.gpt_model" not in sys.modules
-assert "megatron.core.transformer.attention" not in sys.modules
+assert "megatron.core.transformer.transformer_block" not in sys.modules
 init_distributed(platform, 0, 1, init_method="file://" + sys.argv[2])
 from tests.steps import train_step  # imports megatron's model, DDP, schedule modules now
 
 out = train_step(sys.argv[1], {})
-late = ("megatron.core.models.gpt.gpt_model", "megatron.core.transformer.attention")
+late = ("megatron.core.models.gpt.gpt_model", "megatron.core.transformer.transformer_block")
 proxied = [isinstance(sys.modules[name].torch, NamespaceProxy) for name in late]
 torch.save({"grads": out["grads"], "outputs": out["outputs"], "proxied": proxied}, sys.argv[3])
 torch.distributed.destroy_process_group()

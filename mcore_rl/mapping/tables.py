@@ -14,9 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mcore_rl.mapping.transforms import (
+    COLUMN,
     EXPERT_GATE_UP,
     EXPERT_ROW,
     GATE_UP,
+    MLA_KV_DOWN,
+    MLA_QUERY,
     QKV,
     REPLICATED,
     ROW,
@@ -123,6 +126,23 @@ _SIGMOID_MOE: dict[str, Row] = {
     f"{_D}.mlp.shared_experts.linear_fc2.weight": ((f"{_L}.mlp.shared_experts.down_proj.weight",), ROW),
 }
 
+# DeepSeek-V3 multi-latent attention (megatron's MLASelfAttention, TE key spelling: the q/kv
+# norms are fused into the up-projections, the input norm stays a module of its own)
+_S, _A = f"{_D}.self_attention", f"{_L}.self_attn"
+_MLA: dict[str, Row] = {
+    f"{_D}.input_layernorm.weight": ((f"{_L}.input_layernorm.weight",), REPLICATED),
+    f"{_S}.linear_kv_down_proj.weight": ((f"{_A}.kv_a_proj_with_mqa.weight",), MLA_KV_DOWN),
+    f"{_S}.linear_kv_up_proj.layer_norm_weight": ((f"{_A}.kv_a_layernorm.weight",), REPLICATED),
+    f"{_S}.linear_kv_up_proj.weight": ((f"{_A}.kv_b_proj.weight",), COLUMN),
+    f"{_S}.linear_proj.weight": ((f"{_A}.o_proj.weight",), ROW),
+}
+_MLA_Q_LORA: dict[str, Row] = {
+    f"{_S}.linear_q_down_proj.weight": ((f"{_A}.q_a_proj.weight",), REPLICATED),
+    f"{_S}.linear_q_up_proj.layer_norm_weight": ((f"{_A}.q_a_layernorm.weight",), REPLICATED),
+    f"{_S}.linear_q_up_proj.weight": ((f"{_A}.q_b_proj.weight",), MLA_QUERY),
+}
+_MLA_Q_FULL: dict[str, Row] = {f"{_S}.linear_q_proj.weight": ((f"{_A}.q_proj.weight",), MLA_QUERY)}
+
 _LM_HEAD: dict[str, Row] = {"output_layer.weight": (("lm_head.weight",), VOCAB)}
 
 # The critic's hidden -> 1 head, named as in transformers' *ForTokenClassification.
@@ -153,5 +173,13 @@ GLM4_MOE = MappingTable(
     dense_mlp=_DENSE_MLP,  # first_k_dense_replace
     moe_mlp=_SIGMOID_MOE,
     variants={"qkv_bias": _QKV_BIAS, "qk_norm": _QK_NORM},
+    **_HEADS,
+)
+DEEPSEEK_V3 = MappingTable(
+    _GLOBALS,
+    _MLA,
+    dense_mlp=_DENSE_MLP,  # first_k_dense_replace
+    moe_mlp=_SIGMOID_MOE,
+    variants={"q_lora": _MLA_Q_LORA, "q_full": _MLA_Q_FULL},
     **_HEADS,
 )

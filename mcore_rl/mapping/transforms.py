@@ -25,6 +25,10 @@ class Dims:
     head_dim: int
     vocab_size: int
     padded_vocab_size: int
+    # multi-latent attention: rope rows of each query head and of the KV down-projection
+    qk_rope_head_dim: int = 0
+    kv_lora_rank: int = 0
+    rope_rows_split: bool = False  # HF rope_interleave=False: rows [first halves | second halves]
 
 
 class Transform:
@@ -131,6 +135,43 @@ class _GateUp(Transform):
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
+def _interleave(rows: Tensor) -> Tensor:
+    """Rope rows [a_0..a_{n-1} | b_0..b_{n-1}] -> pairs (a_0, b_0), (a_1, b_1), ... (dim 0)."""
+    a, b = rows.chunk(2, dim=0)
+    return torch.stack([a, b], dim=1).reshape(rows.shape)
+
+
+def _deinterleave(rows: Tensor) -> Tensor:
+    return torch.cat([rows[0::2], rows[1::2]], dim=0)
+
+
+class _MlaRopeRows(Transform):
+    """MLA weights whose rope rows megatron rotates as interleaved pairs: the query projection
+    (per head [nope | rope], ``per_head``) and the KV down-projection ([kv_lora | rope]). HF
+    checkpoints with rope_interleave=False keep those rows as halves: interleaved on import,
+    de-interleaved on export; otherwise the layout is the same (identity)."""
+
+    def __init__(self, name: str, split_dim: int | None, per_head: bool) -> None:
+        super().__init__(name, split_dim)
+        self.per_head = per_head
+
+    def _apply(self, tensor: Tensor, dims: Dims, fn) -> Tensor:
+        if not dims.rope_rows_split:
+            return tensor
+        r = dims.qk_rope_head_dim
+        if not self.per_head:
+            return torch.cat([tensor[:-r], fn(tensor[-r:])])
+        heads = tensor.reshape(-1, tensor.shape[0] // dims.num_heads, *tensor.shape[1:])
+        return torch.cat([heads[:, :-r], torch.stack([fn(h[-r:]) for h in heads])], dim=1).reshape(tensor.shape)
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        (tensor,) = hf
+        return self._apply(tensor, dims, _interleave)
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        return [self._apply(full, dims, _deinterleave).contiguous()]
+
+
 REPLICATED = Transform("replicated")
 COLUMN = Transform("column", split_dim=0)
 ROW = Transform("row", split_dim=1)
@@ -139,3 +180,5 @@ QKV = _Qkv("qkv", split_dim=0)
 GATE_UP = _GateUp("gate_up", split_dim=0)
 EXPERT_GATE_UP = _GateUp("expert_gate_up", split_dim=0, expert=True)
 EXPERT_ROW = Transform("expert_row", split_dim=1, expert=True)
+MLA_QUERY = _MlaRopeRows("mla_query", split_dim=0, per_head=True)
+MLA_KV_DOWN = _MlaRopeRows("mla_kv_down", split_dim=None, per_head=False)

@@ -8,6 +8,7 @@ owner over EP and from its stage over PP, so no rank ever holds the whole model.
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, NamedTuple
@@ -26,6 +27,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # Transformer Engine's grouped experts name their weights linear_fc1.weight<i> instead
 _TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _TIED_OUTPUT = "output_layer.weight"
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class MappingError(McoreRLError, KeyError):
@@ -53,6 +55,7 @@ class WeightMap:
     moe_layers: tuple[bool, ...] | None = None
     num_experts: int = 0
     skipped: frozenset[str] = frozenset()  # megatron names left as initialised (e.g. a new head)
+    mtp_layers: int = 0  # HF layers after the last one: multi-token prediction, not loaded
 
     def __post_init__(self) -> None:
         if self.tied_embeddings:  # the last stage's copy of the embedding comes from it
@@ -141,8 +144,22 @@ def canonical_params(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Par
         yield f"decoder.layers.{layer.layer_number - 1}.{_canonical_layer_name(layer, m[2])}", param
 
 
+def _mtp_keys(wmap: WeightMap, source_keys: set[str]) -> set[str]:
+    """The source's tensors of multi-token-prediction layers (HF layers num_layers.. after the
+    model's own), logged once: RL trains and exports the base model only."""
+    extra = range(wmap.num_layers, wmap.num_layers + wmap.mtp_layers)
+    keys = {k for k in source_keys if (m := _HF_LAYER.match(k)) and int(m[1]) in extra}
+    if keys:
+        logging.getLogger("mcore_rl").warning(
+            "skipping %d tensors of multi-token-prediction layers %s (num_nextn_predict_layers=%d): "
+            "mcore_rl loads, trains and exports the base model only", len(keys), list(extra), wmap.mtp_layers)
+    return keys
+
+
 def check_hf_keys(wmap: WeightMap, source_keys: set[str], ignore: set[str] = frozenset()) -> None:
-    """Errors naming HF tensors the table cannot place and tensors the model needs but lacks."""
+    """Errors naming HF tensors the table cannot place and tensors the model needs but lacks
+    (multi-token-prediction layers are skipped with a log line)."""
+    source_keys = source_keys - _mtp_keys(wmap, source_keys)
     expected = wmap.hf_keys()
     aliases = {"lm_head.weight"} if wmap.tied_embeddings else set()
     unmapped = sorted(source_keys - expected - aliases - set(ignore))

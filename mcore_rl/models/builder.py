@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.layers import ValueHead
+from mcore_rl.models.mla import mla_config_kwargs
 from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
 from mcore_rl.models.rope import inv_freq
 from mcore_rl.models.specs import block_spec
@@ -137,7 +138,11 @@ def transformer_config(
         raise ConfigError(f"recompute={options.recompute!r}; use None, 'full' or 'selective'.")
     dtype = options.params_dtype
     moe = moe_config_kwargs(args.moe, options.moe) if args.moe else {}
-    return TransformerConfig(
+    config_class, mla = TransformerConfig, {}
+    if args.mla is not None:
+        config_class = MLATransformerConfig
+        mla = mla_config_kwargs(args.mla, args.rope, args.max_position_embeddings)
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -185,6 +190,7 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         **recompute,
         **moe,
+        **mla,
     )
 
 
@@ -202,6 +208,7 @@ def _build_chunk(
             platform.transformer_engine,
             vp_stage,
             args.moe.moe_layers if args.moe else None,
+            mla=args.mla is not None,
         ),
         vocab_size=padded_vocab_size(args.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
@@ -215,7 +222,9 @@ def _build_chunk(
         vp_stage=vp_stage,
     )
     # megatron hard-codes parts of llama3 scaling; our frequencies honour the whole HF config
-    model.rotary_pos_emb.inv_freq = inv_freq(args.rope).to(device)
+    # (MLA layers own their rotary embedding, megatron's default or YaRN: models/mla.py)
+    if args.mla is None:
+        model.rotary_pos_emb.inv_freq = inv_freq(args.rope).to(device)
     if post and role == "critic":
         model.output_layer = ValueHead(config, args.hidden_size, bias=args.value_head_bias)
     return model

@@ -8,7 +8,7 @@ output ([b, s, vocab/tp] logits for the actor, [b, s, 1] values for the critic) 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -18,6 +18,14 @@ from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, cp_stream_columns, p
 
 Tensor = torch.Tensor
 LossFn = Callable[[dict, Tensor], tuple[Tensor, dict]]
+
+
+class ForwardHooks(Protocol):
+    """Called around each chunk's forward of each micro-batch (e.g. models.routing.EngineRouting)."""
+
+    def before_forward(self, chunk: int, mb: dict) -> None: ...
+
+    def after_forward(self, chunk: int, mb: dict) -> None: ...
 
 
 def padding_mask(attention_mask: Tensor) -> Tensor:
@@ -49,6 +57,7 @@ def run_schedule(
     micro_batches: list[dict],
     loss_fn: LossFn,
     forward_only: bool,
+    hooks: ForwardHooks | None = None,
 ) -> list[dict]:
     """Forward (and backward unless ``forward_only``) over all micro-batches with megatron's
     schedule for the current PP/VPP layout; returns loss_fn's metrics on the last stage, [] else.
@@ -59,7 +68,13 @@ def run_schedule(
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        return chunk_forward(model, batch), partial(loss_fn, batch)
+        if hooks is None:
+            return chunk_forward(model, batch), partial(loss_fn, batch)
+        chunk = next(i for i, c in enumerate(chunks) if c is model)
+        hooks.before_forward(chunk, batch)
+        output = chunk_forward(model, batch)
+        hooks.after_forward(chunk, batch)
+        return output, partial(loss_fn, batch)
 
     iterators: Any = [iter(micro_batches) for _ in chunks]
     return get_forward_backward_func()(

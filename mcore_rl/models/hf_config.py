@@ -10,9 +10,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.registry import ArchSpec, lookup_arch
-from mcore_rl.models.rope import RopeSpec, rope_spec_from_hf
+from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf
 from mcore_rl.errors import McoreRLError
 
 
@@ -42,11 +43,16 @@ class ModelArgs:
     moe: MoEArgs | None = None
     qkv_bias: bool = False
     qk_norm: bool = False
+    mla: MLAArgs | None = None  # multi-latent attention (head_dim is then its q/k head size)
+    mtp_layers: int = 0  # multi-token-prediction layers a HF checkpoint may hold (not built)
 
     @property
     def features(self) -> frozenset[str]:
         """Optional row groups of the mapping table this model has (``MappingTable.variants``)."""
-        return frozenset(n for n, on in (("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm)) if on)
+        on = {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm}
+        if self.mla is not None:
+            on["q_lora" if self.mla.q_lora_rank else "q_full"] = True
+        return frozenset(n for n, v in on.items() if v)
 
 
 def load_hf_config(source: Any):
@@ -89,7 +95,8 @@ def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported; {arch.model_type} needs 'silu'.")
-    if getattr(cfg, "attention_bias", False) and not arch.qkv_bias and arch.qkv_bias_field != "attention_bias":
+    bias_read = arch.qkv_bias_field == "attention_bias" or arch.attention == "mla"  # MLA: its own error
+    if getattr(cfg, "attention_bias", False) and not arch.qkv_bias and not bias_read:
         raise ConfigError(
             f"attention_bias=True ({arch.model_type}) puts a bias on o_proj, which megatron-core's "
             "GPT layers lack; only checkpoints with attention_bias=False are supported."
@@ -121,6 +128,13 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     _check_unsupported(cfg, arch, max_seq_len)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     num_layers = _require(cfg, "num_hidden_layers")
+    mla = mla_args_from_hf(cfg) if arch.attention == "mla" else None
+    if mla is not None:  # HF's head_dim is the rope part; megatron's query/key heads are whole
+        rope = rope_spec_from_hf(cfg, mla.qk_rope_head_dim, MLA_ROPE_TYPES)
+        mla_rope_kwargs(rope, max_pos)  # refuses YaRN settings megatron cannot express, now
+        head_dim = mla.qk_head_dim
+    else:
+        rope = rope_spec_from_hf(cfg, head_dim)
     return ModelArgs(
         arch=arch,
         vocab_size=_require(cfg, "vocab_size"),
@@ -128,18 +142,20 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         ffn_hidden_size=_require(cfg, "intermediate_size"),
         num_layers=num_layers,
         num_heads=heads,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        num_kv_heads=heads if mla else getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         norm_eps=_require(cfg, "rms_norm_eps"),
         max_position_embeddings=max_pos,
         tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        rope=rope_spec_from_hf(cfg, head_dim),
+        rope=rope,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_std=float(getattr(cfg, "initializer_range", 0.02)),
         value_head_bias=bool(getattr(cfg, "token_classification_bias", True)),
         moe=moe_args_from_hf(cfg, arch.moe, num_layers) if arch.moe else None,
         qkv_bias=_switch(cfg, arch.qkv_bias, arch.qkv_bias_field),
         qk_norm=_switch(cfg, arch.qk_norm, arch.qk_norm_field),
+        mla=mla,
+        mtp_layers=int(getattr(cfg, arch.mtp_layers_field, 0) or 0) if arch.mtp_layers_field else 0,
     )
 
 

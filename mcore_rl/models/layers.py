@@ -31,6 +31,8 @@ class TorchCoreAttention(MegatronModule):
 
     forward: query [s, b, heads_local, d], key/value [s, b, groups_local, d],
     attention_mask None or bool [b, 1, 1, s] (True = padding key) -> [s, b, heads_local * d].
+    Multi-latent attention's values are narrower than its keys (``v_channels`` < ``k_channels``):
+    they are zero-padded to the key width and the padding columns dropped from the output.
     A padding query attends to itself only, so no row is fully masked (no NaN reaches later
     layers through padded positions).
     """
@@ -45,6 +47,8 @@ class TorchCoreAttention(MegatronModule):
         softmax_scale: Optional[float] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
     ) -> None:
         super().__init__(config=config)
         self.cp = config.context_parallel_size
@@ -64,6 +68,14 @@ class TorchCoreAttention(MegatronModule):
     ) -> Tensor:
         if attention_bias is not None:
             raise LayoutError("attention bias is not supported by TorchCoreAttention; pass attention_bias=None.")
+        d, dv = query.shape[-1], value.shape[-1]
+        if dv == d:
+            return self._attend(query, key, value, attention_mask, packed_seq_params)
+        out = self._attend(query, key, F.pad(value, (0, d - dv)), attention_mask, packed_seq_params)
+        return out.unflatten(-1, (query.shape[-2], d))[..., :dv].flatten(-2)
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                packed_seq_params: Any) -> Tensor:
         dropout = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None:  # THD: [t, heads, d], attention within each sequence
             cu = packed_seq_params.cu_seqlens_q

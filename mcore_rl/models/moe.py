@@ -223,4 +223,6 @@ def moe_config_kwargs(moe: MoEArgs, options: MoEOptions) -> dict:
         moe_aux_loss_coeff=options.aux_loss_coeff,
         moe_z_loss_coeff=options.z_loss_coeff,
         moe_expert_capacity_factor=options.capacity_factor,
+        # a RouterReplay per router (idle unless an engine records or replays: models/routing.py)
+        moe_enable_routing_replay=True,
     )

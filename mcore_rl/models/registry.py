@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from mcore_rl.mapping.tables import GLM4_MOE, LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, MappingTable
+from mcore_rl.mapping.tables import DEEPSEEK_V3, GLM4_MOE, LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, MappingTable
 from mcore_rl.models.moe import MoEFields
 from mcore_rl.errors import McoreRLError
 
@@ -28,6 +29,8 @@ class ArchSpec:
     # mistral applies `sliding_window` unless it is null; qwen only with use_sliding_window=True
     sliding_window_default: bool = False
     moe: MoEFields | None = None  # None: dense
+    attention: Literal["gqa", "mla"] = "gqa"  # mla: DeepSeek's multi-latent attention
+    mtp_layers_field: str | None = None  # config field counting multi-token-prediction layers
 
 
 # DeepSeek-V3 and GLM-4.5 routers: sigmoid scores + correction bias, groups, scaled weights
@@ -94,6 +97,17 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             qkv_bias_field="attention_bias",  # q/k/v only: GLM's o_proj never has a bias
             qk_norm_field="use_qk_norm",
             moe=SIGMOID_MOE,
+            mtp_layers_field="num_nextn_predict_layers",
+        ),
+        # also Kimi-K2 and Moonlight checkpoints (model_type deepseek_v3)
+        ArchSpec(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            "DeepseekV3ForTokenClassification",
+            DEEPSEEK_V3,
+            moe=SIGMOID_MOE,
+            attention="mla",
+            mtp_layers_field="num_nextn_predict_layers",
         ),
     )
 }

@@ -14,10 +14,24 @@ import torch
 from mcore_rl.errors import McoreRLError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+MLA_ROPE_TYPES = ("default", "yarn")  # multi-latent attention: megatron's own rotary classes
 
 
 class RopeError(McoreRLError, ValueError):
     """A rope configuration mcore_rl does not implement."""
+
+
+@dataclass(frozen=True)
+class YarnSpec:
+    """HF's YaRN parameters (beta_fast / beta_slow: HF's defaults for unset or 0 values)."""
+
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -32,18 +46,20 @@ class RopeSpec:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial: float = 1.0  # the first dim of each head's head_dim rotate, the rest pass through
+    yarn: YarnSpec | None = None
 
 
-def rope_spec_from_hf(cfg: Any, head_dim: int) -> RopeSpec:
-    """Reads transformers 5 ``rope_parameters`` (or legacy ``rope_scaling``/``rope_theta``)."""
+def rope_spec_from_hf(cfg: Any, head_dim: int, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES) -> RopeSpec:
+    """Reads transformers 5 ``rope_parameters`` (or legacy ``rope_scaling``/``rope_theta``);
+    ``supported``: the rope types the attention implements (MLA: ``MLA_ROPE_TYPES``)."""
     params = dict(getattr(cfg, "rope_parameters", None) or {})
     legacy = getattr(cfg, "rope_scaling", None)
     if not params and legacy:
         params = dict(legacy)
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in supported:
         raise RopeError(
-            f"rope_type={rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}. "
+            f"rope_type={rope_type!r} is not supported; supported: {', '.join(supported)}. "
             "Use a checkpoint with one of these, or remove rope scaling from config.json."
         )
     partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
@@ -60,6 +76,8 @@ def rope_spec_from_hf(cfg: Any, head_dim: int) -> RopeSpec:
         return spec
     if "factor" not in params:
         raise RopeError(f"rope_type={rope_type!r} needs 'factor' in rope parameters {params}.")
+    if rope_type == "yarn":
+        return _yarn(spec, params)
     extra = {"factor": float(params["factor"])}
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
@@ -67,6 +85,22 @@ def rope_spec_from_hf(cfg: Any, head_dim: int) -> RopeSpec:
                 raise RopeError(f"rope_type='llama3' needs {key!r} in rope parameters {params}.")
             extra[key] = params[key]
     return RopeSpec(**{**spec.__dict__, **extra})
+
+
+def _yarn(spec: RopeSpec, params: dict) -> RopeSpec:
+    if "original_max_position_embeddings" not in params:
+        raise RopeError(f"rope_type='yarn' needs 'original_max_position_embeddings' in {params}.")
+    yarn = YarnSpec(
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )
+    factor = params["factor"]  # None: max_position_embeddings / original, as HF derives it
+    return RopeSpec(**{**spec.__dict__, "factor": float(factor) if factor else 0.0, "yarn": yarn})
 
 
 def inv_freq(spec: RopeSpec) -> torch.Tensor:

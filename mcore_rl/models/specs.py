@@ -17,6 +17,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.post_training.modelopt.layers import Linear as ReplicatedLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -41,6 +43,11 @@ DENSE_TO_TE_KEYS = {
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
 MOE_TO_TE_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+# MLA: TE fuses the q/kv norms into the up-projections; the input norm stays its own module
+MLA_TO_TE_KEYS = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
 
 _LOCAL_MLP = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
 _LOCAL_MOE = ModuleSpec(
@@ -52,40 +59,69 @@ _LOCAL_MOE = ModuleSpec(
 )
 
 
-def local_layer_spec(qk_norm: bool, moe: bool = False) -> ModuleSpec:
-    """CPU spec: megatron's TransformerLayer/SelfAttention/MLP (or MoELayer with SequentialMLP
-    experts) with our norm and core attention."""
-    mlp = _LOCAL_MOE if moe else ModuleSpec(module=MLP, submodules=_LOCAL_MLP)
+def _gqa_attention(qk_norm: bool) -> ModuleSpec:
     return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.padding_causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=TorchCoreAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=RMSNorm if qk_norm else IdentityOp,
-                    k_layernorm=RMSNorm if qk_norm else IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
-            mlp=mlp,
-            mlp_bda=get_bias_dropout_add,
-            sharded_state_dict_keys_map=dict(MOE_TO_TE_KEYS if moe else DENSE_TO_TE_KEYS),
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.padding_causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=TorchCoreAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=RMSNorm if qk_norm else IdentityOp,
+            k_layernorm=RMSNorm if qk_norm else IdentityOp,
         ),
     )
 
 
-def te_layer_spec(qk_norm: bool, num_experts: int | None = None) -> ModuleSpec:
+# The down-projections are replicated over TP, as TE's 'duplicated' linears: megatron's MLA then
+# all-gathers the shared rope key over SP with a reduce-scatter backward, where its TP-split
+# (ColumnParallelLinear) branch drops the other ranks' gradient of that key (Megatron-LM #1699).
+_MLA_ATTENTION = ModuleSpec(
+    module=MLASelfAttention,
+    params={"attn_mask_type": AttnMaskType.padding_causal},
+    submodules=MLASelfAttentionSubmodules(
+        linear_q_proj=ColumnParallelLinear,
+        linear_q_down_proj=ReplicatedLinear,
+        linear_q_up_proj=ColumnParallelLinear,
+        linear_kv_down_proj=ReplicatedLinear,
+        linear_kv_up_proj=ColumnParallelLinear,
+        core_attention=TorchCoreAttention,
+        linear_proj=RowParallelLinear,
+        q_layernorm=RMSNorm,
+        kv_layernorm=RMSNorm,
+    ),
+)
+
+
+def local_layer_spec(qk_norm: bool, moe: bool = False, mla: bool = False) -> ModuleSpec:
+    """CPU spec: megatron's TransformerLayer/SelfAttention (or MLASelfAttention)/MLP (or
+    MoELayer with SequentialMLP experts) with our norm and core attention."""
+    mlp = _LOCAL_MOE if moe else ModuleSpec(module=MLP, submodules=_LOCAL_MLP)
+    if mla:
+        keys = {**MLA_TO_TE_KEYS, **({} if moe else {"pre_mlp_layernorm.": DENSE_TO_TE_KEYS["pre_mlp_layernorm."]})}
+    else:
+        keys = MOE_TO_TE_KEYS if moe else DENSE_TO_TE_KEYS
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=_MLA_ATTENTION if mla else _gqa_attention(qk_norm),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=dict(keys),
+        ),
+    )
+
+
+def te_layer_spec(qk_norm: bool, num_experts: int | None = None, mla: bool = False) -> ModuleSpec:
     """GPU spec: megatron's Transformer Engine layer (grouped-GEMM experts for MoE layers),
-    attention switched to padding_causal."""
+    attention switched to padding_causal. MLA: qk_layernorm fuses its q/kv norms."""
     spec = copy.deepcopy(
         get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_norm
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None,
+            qk_layernorm=qk_norm or mla, multi_latent_attention=mla,
         )
     )
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.padding_causal
@@ -98,6 +134,7 @@ def block_spec(
     use_te: bool,
     vp_stage: int | None,
     moe_layers: tuple[bool, ...] | None = None,
+    mla: bool = False,
 ) -> TransformerBlockSubmodules:
     """The decoder block of one pipeline (virtual) stage: its layers and the final norm.
 
@@ -106,9 +143,11 @@ def block_spec(
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
 
-        dense, moe, final_norm = te_layer_spec(qk_norm), te_layer_spec(qk_norm, config.num_moe_experts), TENorm
+        dense, moe = te_layer_spec(qk_norm, mla=mla), te_layer_spec(qk_norm, config.num_moe_experts, mla)
+        final_norm = TENorm
     else:
-        dense, moe, final_norm = local_layer_spec(qk_norm), local_layer_spec(qk_norm, True), RMSNorm
+        dense, moe = local_layer_spec(qk_norm, mla=mla), local_layer_spec(qk_norm, True, mla)
+        final_norm = RMSNorm
     first = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)
     kinds = moe_layers or (False,) * config.num_layers

@@ -266,6 +266,36 @@ def _defer_import_time_compile() -> Callable[[], None]:
     return lambda: setattr(torch, "compile", original)
 
 
+def _mla_without_te_stand_ins() -> Callable[[], None]:
+    """megatron.core.extensions.transformer_engine never raises ImportError without TE (it binds
+    MagicMock stand-ins), so multi_latent_attention's ``HAVE_TE`` is True and its
+    ``isinstance(self.linear_proj, TELinear)`` raises TypeError (TELinear is no class)."""
+    import importlib.util
+
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if importlib.util.find_spec("transformer_engine") is not None or not mla.HAVE_TE:
+        return lambda: None
+    mla.HAVE_TE = False
+    return lambda: setattr(mla, "HAVE_TE", True)
+
+
+def _mla_yarn_on_host() -> Callable[[], None]:
+    """MLA builds YarnRotaryEmbedding without ``use_cpu_initialization``, so its __init__ enters
+    ``torch.device(torch.cuda.current_device())``, which a CPU-only torch refuses."""
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    original = mla.YarnRotaryEmbedding
+
+    class HostYarnRotaryEmbedding(original):
+        def __init__(self, *args, **kwargs):
+            kwargs["use_cpu_initialization"] = True
+            super().__init__(*args, **kwargs)
+
+    mla.YarnRotaryEmbedding = HostYarnRotaryEmbedding
+    return lambda: setattr(mla, "YarnRotaryEmbedding", original)
+
+
 FIXES: list[Fix] = [
     Fix(
         name="moe_te_general_gemm_undefined",
@@ -335,6 +365,24 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=False,
         apply=_scheduler_load_sets_step_count,
+    ),
+    Fix(
+        name="mla_without_te_stand_ins",
+        defect="without Transformer Engine, MLASelfAttention raises TypeError in isinstance(..., "
+        "TELinear): its HAVE_TE is True because the TE extension binds MagicMock stand-ins",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_mla_without_te_stand_ins,
+    ),
+    Fix(
+        name="mla_yarn_on_host",
+        defect="MLA's YarnRotaryEmbedding is built on torch.device(current_device()): a CPU-only "
+        "torch refuses it (RuntimeError: Cannot access accelerator device)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=True,
+        apply=_mla_yarn_on_host,
     ),
     Fix(
         name="jit_fuser_compiles_at_import",

@@ -18,6 +18,7 @@ from mcore_rl.models.ddp import wrap_with_ddp
 from mcore_rl.models.forward import LossFn, run_schedule
 from mcore_rl.models.hf_config import ModelArgs
 from mcore_rl.models.hf_weights import load_hf
+from mcore_rl.models.routing import EngineRouting
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.platform import Platform, active_platform
 from mcore_rl.rl.batch import BatchError
@@ -74,6 +75,10 @@ class ModelEngine:
         if hf_weights is not None:
             load_hf(chunks, args, role, hf_weights, init_value_head=init_value_head)
         self.config = chunks[0].config
+        self.routing = (  # MoE routing record / replay, scoped to this engine
+            EngineRouting(chunks, args.moe.moe_layers, args.moe.top_k, layout.sequence_parallel)
+            if args.moe else None
+        )
         self.optimizer = self.scheduler = None
         if optim is None:
             for c in chunks:
@@ -161,7 +166,7 @@ class ModelEngine:
                 for p in m.parameters():
                     p.grad = None
                 m.zero_grad_buffer()
-        res = run_schedule(self.model, micro_batches, loss_fn, forward_only)
+        res = run_schedule(self.model, micro_batches, loss_fn, forward_only, self.routing)
         return share_from_last_stage(res if res else None)
 
     def step(self) -> dict[str, float]:

@@ -1,0 +1,149 @@
+"""MoE routing replay, scoped to one engine: record each MoE layer's expert choices per token in
+one forward, force them in a later one.
+
+megatron-core 0.16.1 gives every router a ``RouterReplay`` (``moe_enable_routing_replay``) and
+also appends it to one process-global list that its static helpers drive. ``EngineRouting``
+takes its own routers' instances out of that list and drives them itself, so an actor and a
+frozen reference model in one process (or a trainer's own megatron model) never see each
+other's routes.
+
+Routes live outside the micro-batches as ``[rows, seq, moe_layers, top_k]`` int64 (the batch
+key ``ROUTED_EXPERTS``, aligned with ``input_ids``). Each micro-batch carries ``TOKEN_ID``
+[b, s] (its tokens' flat index row * seq + column in the rows the routes cover); a router's
+input rows are this rank's tokens in megatron's order (sequence-major, this CP rank's columns,
+this SP rank's slice; packed: this rank's stream places), so ``router_tokens`` maps each router
+row to its token, -1 for padding and filler (routed to experts 0..top_k-1 under replay).
+"""
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from mcore_rl.errors import McoreRLError
+from mcore_rl.models.context_parallel import cp_rank_size, split_for_cp
+from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, STREAM_INDEX, cp_stream_columns
+
+Tensor = torch.Tensor
+ROUTED_EXPERTS = "routed_experts"  # batch key: int64 [B, S, num MoE layers, top_k]
+TOKEN_ID = "_token_id"  # micro-batch key: int64 [b, s], flat index into the routes' tokens
+Mode = Literal["record", "replay"]
+
+
+class RoutingError(McoreRLError, ValueError):
+    """Routes that do not fit the model or the batch; the message names the shapes and the fix."""
+
+
+class _Slot(NamedTuple):
+    chunk: int  # index of the model chunk (virtual pipeline stage) holding the router
+    layer: int  # the MoE layer's ordinal among all MoE layers of the model
+    replay: RouterReplay
+
+
+def router_tokens(mb: dict, sequence_parallel: bool) -> Tensor:
+    """[n] token of each router input row of this rank (flat index, -1 for padding/filler)."""
+    ids = torch.where(mb["attention_mask"].bool(), mb[TOKEN_ID], -1)
+    if PACKED_IDS in mb:  # stream place p holds the token STREAM_INDEX points to p from
+        stream = torch.full((mb[PACKED_IDS].shape[1],), -1, dtype=torch.long, device=ids.device)
+        placed = mb[STREAM_INDEX] >= 0
+        stream[mb[STREAM_INDEX][placed]] = ids[placed]
+        rank, size = cp_rank_size()
+        if size > 1:
+            stream = stream[cp_stream_columns(mb[CU_SEQLENS], rank, size)]
+        tokens = stream[:, None]  # [t, 1]: sequence-major like [s, b]
+    else:
+        tokens = split_for_cp(ids, dim=1).t()  # [s/cp, b]
+    if sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        tokens = tokens.chunk(size, dim=0)[parallel_state.get_tensor_model_parallel_rank()]
+    return tokens.reshape(-1)
+
+
+class EngineRouting:
+    """The routers of one engine's chunks, recorded or replayed per micro-batch."""
+
+    def __init__(self, chunks: list[torch.nn.Module], moe_layers: tuple[bool, ...], top_k: int,
+                 sequence_parallel: bool) -> None:
+        ordinal = {layer: i for i, layer in enumerate(l for l, moe in enumerate(moe_layers) if moe)}
+        self.num_layers, self.top_k, self.sequence_parallel = len(ordinal), top_k, sequence_parallel
+        self.slots: list[_Slot] = []
+        for c, chunk in enumerate(chunks):
+            for module in chunk.modules():
+                replay = getattr(module, "router_replay", None)
+                if isinstance(replay, RouterReplay):
+                    self.slots.append(_Slot(c, ordinal[module.layer_number - 1], replay))
+        mine = {id(s.replay) for s in self.slots}
+        # scoping: megatron's static helpers (and other engines) no longer reach these routers
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in mine
+        ]
+        self.mode: Mode | None = None
+        self.routes: Tensor | None = None
+
+    def begin(self, mode: Mode, rows: int, seq: int, routes: Tensor | None = None) -> None:
+        """Start recording into, or replaying from, routes of ``rows`` x ``seq`` tokens."""
+        shape = (rows, seq, self.num_layers, self.top_k)
+        if mode == "replay":
+            if routes is None or tuple(routes.shape) != shape:
+                raise RoutingError(
+                    f"{ROUTED_EXPERTS} has shape {None if routes is None else tuple(routes.shape)}; "
+                    f"replay needs [rows, seq, MoE layers, top_k] = {list(shape)}: pass the routes "
+                    "recorded by compute_log_prob (R2) or the rollout (R3) for these rows."
+                )
+            self.routes = routes.reshape(rows * seq, self.num_layers, self.top_k).long()
+        else:
+            self.routes = torch.full((rows * seq, self.num_layers, self.top_k), -1, dtype=torch.long)
+        action = RouterReplayAction.REPLAY_FORWARD if mode == "replay" else RouterReplayAction.RECORD
+        for slot in self.slots:
+            slot.replay.set_router_replay_action(action)
+        self.mode = mode
+
+    def before_forward(self, chunk: int, mb: dict) -> None:
+        """Replay: give this chunk's routers the routes of ``mb``'s tokens."""
+        if self.mode != "replay":
+            return
+        tokens = router_tokens(mb, self.sequence_parallel)
+        routes = self.routes.to(tokens.device)
+        fallback = torch.arange(self.top_k, device=tokens.device).expand(tokens.numel(), -1)
+        for slot in self.slots:
+            if slot.chunk == chunk:
+                chosen = routes[tokens.clamp(min=0), slot.layer]
+                slot.replay.clear_indices()  # only the current micro-batch's routes are kept
+                slot.replay.set_target_indices(torch.where((tokens >= 0)[:, None], chosen, fallback))
+
+    def after_forward(self, chunk: int, mb: dict) -> None:
+        """Record: store what this chunk's routers chose for ``mb``'s tokens."""
+        if self.mode != "record":
+            return
+        tokens = router_tokens(mb, self.sequence_parallel)
+        real = tokens >= 0
+        for slot in self.slots:
+            if slot.chunk == chunk:
+                chosen = slot.replay.get_recorded_indices()
+                self.routes[tokens[real].cpu(), slot.layer] = chosen[real].long().cpu()
+
+    def end(self) -> Tensor | None:
+        """Stop; a recording returns the routes [rows * seq, layers, top_k] combined over the
+        TP, CP and PP groups (each token's layers from the ranks that routed them)."""
+        for slot in self.slots:
+            slot.replay.clear_router_replay_action()
+            slot.replay.clear_indices()
+        mode, routes, self.mode, self.routes = self.mode, self.routes, None, None
+        if mode != "record":
+            return None
+        device = _device()
+        routes = routes.to(device)
+        for group in (parallel_state.get_tensor_model_parallel_group(),
+                      parallel_state.get_context_parallel_group(),
+                      parallel_state.get_pipeline_model_parallel_group()):
+            if torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(routes, op=torch.distributed.ReduceOp.MAX, group=group)
+        return routes
+
+
+def _device() -> torch.device:
+    from mcore_rl.platform import active_platform
+
+    return active_platform().device()
