@@ -31,7 +31,6 @@ from mcore_rl.checkpoint.staging import Staging, overlaps
 from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
-from mcore_rl.models.hf_weights import mapping_dims
 
 ModelClass = Literal["auto", "causal_lm", "token_classification"]
 _EXPERT_DIST = ("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # canonical -> on-disk
@@ -165,7 +164,7 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
     names expected tensors the checkpoint lacks and model keys nothing consumes."""
     reader, args = model.reader, model.args
     embed = reader.tensors.get("embedding.word_embeddings.weight")
-    dims = mapping_dims(args, embed.shape[0] if embed else args.vocab_size)
+    dims = args.mapping_dims(embed.shape[0] if embed else args.vocab_size)
     units, missing, used = [], [], set()
     for canonical, hf_names, transform in canonical_rules(args, model.role):
         found = _locate(reader, canonical)

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from mcore_rl.mapping.transforms import Dims
 from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.registry import ArchSpec, lookup_arch
@@ -53,6 +54,20 @@ class ModelArgs:
         if self.mla is not None:
             on["q_lora" if self.mla.q_lora_rank else "q_full"] = True
         return frozenset(n for n, v in on.items() if v)
+
+    def mapping_dims(self, padded_vocab_size: int) -> Dims:
+        """The sizes the mapping transforms read, the vocab padded to ``padded_vocab_size``."""
+        mla = self.mla
+        return Dims(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            vocab_size=self.vocab_size,
+            padded_vocab_size=padded_vocab_size,
+            qk_rope_head_dim=mla.qk_rope_head_dim if mla else 0,
+            kv_lora_rank=mla.kv_lora_rank if mla else 0,
+            rope_rows_split=bool(mla and not mla.rope_interleave),
+        )
 
 
 def load_hf_config(source: Any):

@@ -7,31 +7,15 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from mcore_rl.mapping.hf_io import SafetensorsReader
-from mcore_rl.mapping.transforms import Dims
 from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
 from mcore_rl.models.builder import Role, padded_vocab_size
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 
 
-def mapping_dims(args: ModelArgs, padded_vocab: int) -> Dims:
-    """The sizes the mapping transforms read, for a model whose vocab is padded to ``padded_vocab``."""
-    mla = args.mla
-    return Dims(
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        vocab_size=args.vocab_size,
-        padded_vocab_size=padded_vocab,
-        qk_rope_head_dim=mla.qk_rope_head_dim if mla else 0,
-        kv_lora_rank=mla.kv_lora_rank if mla else 0,
-        rope_rows_split=bool(mla and not mla.rope_interleave),
-    )
-
-
 def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> WeightMap:
     """The mapping rows and sizes for ``args`` built as ``role`` with TP size ``tp``;
     ``with_head=False`` leaves the role's head out (it keeps its fresh initialisation)."""
-    dims = mapping_dims(args, padded_vocab_size(args.vocab_size, tp))
+    dims = args.mapping_dims(padded_vocab_size(args.vocab_size, tp))
     table = args.arch.table
     rows = table.rows(role, args.features)
     head = table.lm_head if role == "actor" else table.value_head
