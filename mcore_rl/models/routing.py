@@ -65,9 +65,10 @@ class EngineRouting:
     """The routers of one engine's chunks, recorded or replayed per micro-batch."""
 
     def __init__(self, chunks: list[torch.nn.Module], moe_layers: tuple[bool, ...], top_k: int,
-                 sequence_parallel: bool) -> None:
+                 num_experts: int, sequence_parallel: bool) -> None:
         ordinal = {layer: i for i, layer in enumerate(l for l, moe in enumerate(moe_layers) if moe)}
-        self.num_layers, self.top_k, self.sequence_parallel = len(ordinal), top_k, sequence_parallel
+        self.num_layers, self.top_k, self.num_experts = len(ordinal), top_k, num_experts
+        self.sequence_parallel = sequence_parallel
         self.slots: list[_Slot] = []
         for c, chunk in enumerate(chunks):
             for module in chunk.modules():
@@ -91,6 +92,11 @@ class EngineRouting:
                     f"{ROUTED_EXPERTS} has shape {None if routes is None else tuple(routes.shape)}; "
                     f"replay needs [rows, seq, MoE layers, top_k] = {list(shape)}: pass the routes "
                     "recorded by compute_log_prob (R2) or the rollout (R3) for these rows."
+                )
+            if routes.is_floating_point() or not bool(((routes >= -1) & (routes < self.num_experts)).all()):
+                raise RoutingError(
+                    f"{ROUTED_EXPERTS} must hold expert indices in [0, {self.num_experts}) (-1 at "
+                    f"padding); got {routes.dtype} values in [{int(routes.min())}, {int(routes.max())}]."
                 )
             self.routes = routes.reshape(rows * seq, self.num_layers, self.top_k).long()
         else:
@@ -124,14 +130,15 @@ class EngineRouting:
                 chosen = slot.replay.get_recorded_indices()
                 self.routes[tokens[real].cpu(), slot.layer] = chosen[real].long().cpu()
 
-    def end(self) -> Tensor | None:
+    def end(self, combine: bool = True) -> Tensor | None:
         """Stop; a recording returns the routes [rows * seq, layers, top_k] combined over the
-        TP, CP and PP groups (each token's layers from the ranks that routed them)."""
+        TP, CP and PP groups (each token's layers from the ranks that routed them; collective).
+        ``combine=False`` (after an error) only resets the routers."""
         for slot in self.slots:
             slot.replay.clear_router_replay_action()
             slot.replay.clear_indices()
         mode, routes, self.mode, self.routes = self.mode, self.routes, None, None
-        if mode != "record":
+        if mode != "record" or not combine:
             return None
         device = _device()
         routes = routes.to(device)
@@ -141,6 +148,17 @@ class EngineRouting:
             if torch.distributed.get_world_size(group) > 1:
                 torch.distributed.all_reduce(routes, op=torch.distributed.ReduceOp.MAX, group=group)
         return routes
+
+
+def with_token_ids(batch: dict) -> dict:
+    """``batch`` plus ``TOKEN_ID`` [B, S]: each token's flat index row * S + column."""
+    b, s = batch["input_ids"].shape
+    return {**batch, TOKEN_ID: torch.arange(b * s, device=batch["input_ids"].device).view(b, s)}
+
+
+def without_routes(batch: dict) -> dict:
+    """``batch`` without ``ROUTED_EXPERTS`` (its [B, S, ...] shape fits no micro-batch key)."""
+    return {k: v for k, v in batch.items() if k != ROUTED_EXPERTS}
 
 
 def _device() -> torch.device:

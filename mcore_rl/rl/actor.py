@@ -12,7 +12,8 @@ from typing import Literal
 import torch
 
 from mcore_rl.rl import losses
-from mcore_rl.rl.batch import attended_responses, response_mask, validate_batch
+from mcore_rl.models.routing import ROUTED_EXPERTS
+from mcore_rl.rl.batch import BatchError, attended_responses, response_mask, validate_batch
 from mcore_rl.rl.engine import ModelEngine
 from mcore_rl.rl.cp_view import ROW_TOKENS
 from mcore_rl.rl.logprob import log_probs_and_entropy
@@ -37,6 +38,10 @@ class ActorConfig:
     (every rank passes the whole batch) or 'sharded' (each DP rank passes its own rows).
     ``use_remove_padding`` (verl's name): each micro-batch's real tokens packed into one stream
     (no compute on padding; with max_tokens_per_micro_batch rows are packed by real tokens).
+    ``router_replay`` (MoE; verl's ``router_replay.mode``): 'R2' — compute_log_prob also returns
+    ``routed_experts`` [B, S, MoE layers, top_k] and update_policy routes every token to the
+    experts in ``batch['routed_experts']`` (the old policy's); 'R3' — the same replay, with the
+    routes the rollout recorded; 'disabled' — fresh routing.
     """
 
     temperature: float = 1.0
@@ -54,6 +59,7 @@ class ActorConfig:
     kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
     dispatch: Literal["global", "sharded"] = "global"
     use_remove_padding: bool = False  # verl's name: packed (padding-free) micro-batches
+    router_replay: Literal["disabled", "R2", "R3"] = "disabled"
 
 
 class Actor:
@@ -61,8 +67,10 @@ class Actor:
 
     def __init__(self, engine: ModelEngine, config: ActorConfig, ref: ModelEngine | None = None):
         self.engine, self.config, self.ref = engine, config, ref
+        _check_router_replay(engine, config.router_replay)
 
-    def _forward_log_probs(self, engine: ModelEngine, batch: dict, with_entropy: bool) -> dict:
+    def _forward_log_probs(self, engine: ModelEngine, batch: dict, with_entropy: bool,
+                           record_routing: bool = False) -> dict:
         validate_batch(batch, vocab_size=engine.args.vocab_size)
         vocab = engine.args.vocab_size
         temperature = self.config.temperature
@@ -77,14 +85,15 @@ class Actor:
             return lp.sum() * 0.0, out
 
         keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
-        return forward_rows(engine, batch, self.config, loss_fn, keys)
+        return forward_rows(engine, batch, self.config, loss_fn, keys, record_routing)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict, with_entropy: bool = False) -> dict[str, Tensor]:
         """{'log_probs': [B, R]} (+ 'entropy' [B, R]) of the responses under the current policy,
         at ``config.temperature``; zeros at attention padding; on the batch's device. [B, R] on
-        every rank with dispatch='global', this DP rank's rows with 'sharded'."""
-        return self._forward_log_probs(self.engine, batch, with_entropy)
+        every rank with dispatch='global', this DP rank's rows with 'sharded'. With
+        router_replay='R2' also 'routed_experts' [B, S, MoE layers, top_k] (-1 at padding)."""
+        return self._forward_log_probs(self.engine, batch, with_entropy, self.config.router_replay == "R2")
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: dict) -> Tensor:
@@ -101,7 +110,14 @@ class Actor:
         over the steps, the same on every rank (names: the metrics table in the README)."""
         keys = UPDATE_KEYS + (("ref_log_prob",) if self.config.use_kl_loss else ())
         validate_batch(batch, keys, vocab_size=self.engine.args.vocab_size)
-        return ppo_update(self.engine, batch, self.config, self._policy_loss_fn, "actor")
+        replay = self.config.router_replay != "disabled"
+        if replay and ROUTED_EXPERTS not in batch:
+            source = "compute_log_prob's output (R2)" if self.config.router_replay == "R2" else "the rollout (R3)"
+            raise BatchError(
+                f"router_replay={self.config.router_replay!r} needs batch[{ROUTED_EXPERTS!r}] "
+                f"[B, S, MoE layers, top_k] from {source}; pass it or set router_replay='disabled'."
+            )
+        return ppo_update(self.engine, batch, self.config, self._policy_loss_fn, "actor", replay)
 
     def _policy_loss_fn(self, denominator: float, scale: int):
         cfg, vocab = self.config, self.engine.args.vocab_size
@@ -141,3 +157,21 @@ class Actor:
             return loss * scale, stats
 
         return loss_fn
+
+
+def _check_router_replay(engine: ModelEngine, mode: str) -> None:
+    """Router replay needs MoE routers, and megatron replays each router's one target during a
+    recomputed forward: with PP > 1 the schedule recomputes after later micro-batches' forwards."""
+    if mode not in ("disabled", "R2", "R3"):
+        raise ConfigError(f"router_replay={mode!r}; use 'disabled', 'R2' or 'R3'.")
+    if mode == "disabled":
+        return
+    if engine.routing is None:
+        raise ConfigError(f"router_replay={mode!r} needs an MoE model; {engine.args.arch.model_type} "
+                          "here is dense. Set router_replay='disabled'.")
+    if engine.config.recompute_granularity and engine.layout.pp > 1:
+        raise ConfigError(
+            f"router_replay={mode!r} with recompute ({engine.config.recompute_granularity}) and "
+            f"pp({engine.layout.pp}) is not supported: a recomputed forward would replay another "
+            "micro-batch's routes. Turn recompute off or use pp=1."
+        )

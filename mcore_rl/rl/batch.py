@@ -18,10 +18,12 @@ from typing import Iterable
 
 import torch
 from mcore_rl.errors import McoreRLError
+from mcore_rl.models.routing import TOKEN_ID
 
 Tensor = torch.Tensor
 BASE_KEYS = ("input_ids", "attention_mask", "responses")
-SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, S]; every other token key is [B, R]
+# [B, S]; every other token key is [B, R] (routing's TOKEN_ID exists inside micro-batching only)
+SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", TOKEN_ID)
 
 
 class BatchError(McoreRLError, ValueError):

@@ -76,7 +76,8 @@ class ModelEngine:
             load_hf(chunks, args, role, hf_weights, init_value_head=init_value_head)
         self.config = chunks[0].config
         self.routing = (  # MoE routing record / replay, scoped to this engine
-            EngineRouting(chunks, args.moe.moe_layers, args.moe.top_k, layout.sequence_parallel)
+            EngineRouting(chunks, args.moe.moe_layers, args.moe.top_k, args.moe.num_experts,
+                          layout.sequence_parallel)
             if args.moe else None
         )
         self.optimizer = self.scheduler = None

@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 
 from mcore_rl.models.forward import LossFn
 from mcore_rl.models.packing import PACKED_IDS, STREAM_INDEX
+from mcore_rl.models.routing import ROUTED_EXPERTS, with_token_ids, without_routes
 from mcore_rl.rl.batch import BatchError, response_mask, select_rows, split_rows
 from mcore_rl.rl.cp_view import OUT_INDEX, PACKED_OUT, all_reduce_cp, cp_loss_fn
 from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size, gather_dp
@@ -143,19 +144,33 @@ def micro_batches(batch: dict, config: BatchingConfig, engine: ModelEngine) -> l
 
 
 def forward_rows(engine: ModelEngine, batch: dict, config: BatchingConfig, loss_fn: LossFn,
-                 keys: tuple[str, ...]) -> dict[str, Tensor]:
+                 keys: tuple[str, ...], record_routing: bool = False) -> dict[str, Tensor]:
     """Forward-only over this rank's rows; results ``keys`` ([b, R] per micro-batch) as
-    [B, R] (global dispatch) or [B_local, R] (sharded), on the batch's device."""
+    [B, R] (global dispatch) or [B_local, R] (sharded), on the batch's device.
+    ``record_routing`` (MoE): also ``ROUTED_EXPERTS`` [B(_local), S, MoE layers, top_k], every
+    MoE layer's experts for each real token (-1 at padding)."""
     engine.train(False)
-    local = dispatch_rows(batch, config)
-    plan = micro_batch_plan(local, config, engine)
-    results = engine.run(plan.batches, cp_loss_fn(loss_fn), True)
+    local = dispatch_rows(without_routes(batch), config)
+    if record_routing:
+        local = with_token_ids(local)
+        engine.routing.begin("record", *local["input_ids"].shape)
+    try:
+        plan = micro_batch_plan(local, config, engine)
+        results = engine.run(plan.batches, cp_loss_fn(loss_fn), True)
+    except BaseException:
+        if record_routing:
+            engine.routing.end(combine=False)
+        raise
     out = {}
     for key in keys:
         value = all_reduce_cp(plan.restore([r[key] for r in results]))  # each CP rank: its tokens
         if config.dispatch == "global":
             value = gather_dp(value)
         out[key] = value.to(batch["input_ids"].device)
+    if record_routing:
+        routes = engine.routing.end().view(*local["input_ids"].shape, engine.routing.num_layers, -1)
+        out[ROUTED_EXPERTS] = (gather_dp(routes) if config.dispatch == "global" else routes).to(
+            batch["input_ids"].device)
     return out
 
 
@@ -194,9 +209,13 @@ def _local_minis(batch: dict, config: BatchingConfig) -> Iterator[dict]:
     yield from split_rows(batch, min(config.ppo_mini_batch_size // dp, rows))
 
 
-def ppo_update(engine: ModelEngine, batch: dict, config: BatchingConfig, make_loss: LossMaker, prefix: str) -> dict:
+def ppo_update(engine: ModelEngine, batch: dict, config: BatchingConfig, make_loss: LossMaker, prefix: str,
+               replay_routing: bool = False) -> dict:
     """ppo_epochs x mini-batches of ppo_mini_batch_size global rows, one optimizer step each;
-    returns metrics averaged over the steps (same on every rank), keys prefixed '{prefix}/'."""
+    returns metrics averaged over the steps (same on every rank), keys prefixed '{prefix}/'.
+    ``replay_routing`` (MoE): every MoE layer routes each token to ``batch[ROUTED_EXPERTS]``."""
+    if not replay_routing:
+        batch = without_routes(batch)
     if config.dispatch == "sharded":
         batch = dispatch_rows(batch, config)
         _check_equal_rows_over_dp(batch)
@@ -206,7 +225,7 @@ def ppo_update(engine: ModelEngine, batch: dict, config: BatchingConfig, make_lo
     steps = []
     for _ in range(config.ppo_epochs):
         for mini in _local_minis(batch, config):
-            steps.append(_mini_batch_step(engine, mini, config, make_loss, prefix))
+            steps.append(_mini_batch_step(engine, mini, config, make_loss, prefix, replay_routing))
     return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
 
 
@@ -228,14 +247,23 @@ def _denominator(mask: Tensor, agg_mode: str) -> float:
     return float(all_reduce_dp(local.to(active_device()).double()).clamp(min=1))
 
 
-def _mini_batch_step(engine: ModelEngine, mini: dict, config: BatchingConfig, make_loss: LossMaker, prefix: str) -> dict:
+def _mini_batch_step(engine: ModelEngine, mini: dict, config: BatchingConfig, make_loss: LossMaker, prefix: str,
+                     replay_routing: bool) -> dict:
     denominator = _denominator(response_mask(mini), config.loss_agg_mode)
+    if replay_routing:
+        routes = mini[ROUTED_EXPERTS]
+        mini = with_token_ids(without_routes(mini))
+        engine.routing.begin("replay", *mini["input_ids"].shape, routes.to(mini["input_ids"].device))
     pieces = micro_batch_plan(mini, config, engine).batches
     # megatron divides each micro-batch loss by the micro-batch count (and multiplies it by CP)
     # and DDP averages over DP x CP; with a global denominator the sum over all of them is the
     # mini-batch loss (each CP rank's loss covers the tokens it scores)
     scale = len(pieces) * dp_rank_size()[1]
-    stats = engine.run(pieces, cp_loss_fn(make_loss(denominator, scale)), False)
+    try:
+        stats = engine.run(pieces, cp_loss_fn(make_loss(denominator, scale)), False)
+    finally:
+        if replay_routing:
+            engine.routing.end(combine=False)
     step = engine.step()
     totals = {k: all_reduce_cp(all_reduce_dp(sum(s[k] for s in stats))) for k in stats[0]}
     tokens = totals.pop("tokens").clamp(min=1)
