@@ -39,6 +39,7 @@ def _run(hf_dir: str, layout_kwargs: dict, actor_kwargs: dict, mode: str, out_di
     recorded ones. Also: a reference engine in the process, megatron's global switches."""
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+    from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.models.hf_weights import export_hf
     from mcore_rl.models.moe import MoEOptions
