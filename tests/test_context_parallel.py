@@ -21,6 +21,8 @@ DENSE = {  # name -> layout (world 4; CP=1 reference first)
 }
 MOE = {"moe_ref": dict(), "moe_cp2_ep2": dict(cp=2, ep=2)}
 DEEP = {"deep_ref": dict(), "deep_cp2_pp2_vpp2": dict(cp=2, pp=2, vpp=2)}  # 4 layers: 2 chunks per stage
+# DeepSeek-V3: multi-latent attention under CP with TP + SP (and its sigmoid router, EP 1)
+MLA = {"mla_ref": dict(), "mla_cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True)}
 
 
 def make_batch(vocab: int, prompt: int, response: int) -> dict:
@@ -113,10 +115,11 @@ def run_all(hf_dirs: dict, layouts: dict, batches: list[dict]) -> dict:
 
 
 def save_models(base) -> dict:
-    """A 2-layer llama, a qwen3_moe and a 4-layer llama (causal LM + token-classification critic
-    each): {"dense" | "moe" | "deep": dir}."""
+    """A 2-layer llama, a qwen3_moe, a 4-layer llama and a 2-layer deepseek_v3 (causal LM +
+    token-classification critic each): {"dense" | "moe" | "deep" | "mla": dir}."""
     dirs = {}
-    for name, model_type, layers in (("dense", "llama", 2), ("moe", "qwen3_moe", 2), ("deep", "llama", 4)):
+    for name, model_type, layers in (("dense", "llama", 2), ("moe", "qwen3_moe", 2), ("deep", "llama", 4),
+                                     ("mla", "deepseek_v3", 2)):
         path = base / name
         tiny_hf_model(tiny_config(model_type, num_hidden_layers=layers)).save_pretrained(path)
         tiny_hf_model(tiny_config(model_type, num_hidden_layers=layers), role="critic").save_pretrained(f"{path}_critic")
@@ -152,7 +155,7 @@ def results(tmp_path_factory):
     dirs = save_models(tmp_path_factory.mktemp("cp"))
     # s = 15 (not a multiple of 2 * cp = 4: padded), and s = 3 (< 2 * cp tokens)
     batches = [make_batch(200, 9, 6), make_batch(200, 2, 1)]
-    ranks = run_ranks(4, run_all, dirs, {**DENSE, **MOE, **DEEP}, batches)
+    ranks = run_ranks(4, run_all, dirs, {**DENSE, **MOE, **DEEP, **MLA}, batches)
     ranks[0]["single"] = run_ranks(1, run_all, dirs, {"single": {}}, batches)[0]["single"]
     return ranks, batches
 
@@ -161,11 +164,11 @@ def _max_diff(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-@pytest.mark.parametrize("name", [n for n in {**DENSE, **MOE, **DEEP} if not n.endswith("ref")])
+@pytest.mark.parametrize("name", [n for n in {**DENSE, **MOE, **DEEP, **MLA} if not n.endswith("ref")])
 def test_cp_equals_cp1(results, name):
     ranks, batches = results
     kind = name.split("_")[0]
-    check_equal(ranks[0], name, f"{kind}_ref" if kind in ("moe", "deep") else "ref", batches)
+    check_equal(ranks[0], name, f"{kind}_ref" if kind in ("moe", "deep", "mla") else "ref", batches)
 
 
 def test_cp2_equals_a_single_rank(results):

@@ -24,10 +24,12 @@ VARIANTS = {  # name -> (model_type, overrides, role)
     "qwen3_moe": ("qwen3_moe", {}, "actor"),
     "mixtral": ("mixtral", {}, "actor"),
     "glm4_moe": ("glm4_moe", {}, "actor"),  # sigmoid router: its correction bias is a buffer
+    "deepseek_v3": ("deepseek_v3", {}, "actor"),  # MLA with a low-rank query
+    "deepseek_v3_rope_halves": ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None), "actor"),
     "llama_critic": ("llama", {}, "critic"),  # role from *ForTokenClassification
     "qwen2_bf16": ("qwen2", {}, "actor"),  # converted with --dtype bf16
 }
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3_rope_halves")
 
 
 def _convert_all(jobs: list[tuple[str, str]], split: dict | None = None) -> dict:
@@ -118,6 +120,8 @@ def test_every_architecture_round_trips_bit_exact_at_another_layout(converted, t
     run_ranks(4, _convert_all, [(hf_dirs["mixtral"], split["mixtral"])], dict(tp=2, ep=2))
     split["glm4_moe"] = str(tmp_path / "glm4_moe_ep2")  # dense first layer: per-layer keys
     run_ranks(2, _convert_all, [(hf_dirs["glm4_moe"], split["glm4_moe"])], dict(ep=2))
+    split["deepseek_v3_rope_halves"] = str(tmp_path / "deepseek_v3_tp2")  # rope rows under TP
+    run_ranks(2, _convert_all, [(hf_dirs["deepseek_v3_rope_halves"], split["deepseek_v3_rope_halves"])], dict(tp=2))
     dirs = {name: str(base / f"out_{name}") for name in VARIANTS}
     dirs.update({f"{k}_split": v for k, v in split.items()})
     results = run_ranks(4, _load_and_export, dirs)[0]

@@ -28,6 +28,8 @@ CASES = {  # name: (model_type, role, layout, config overrides)
     "qwen3_pp2_vpp2": ("qwen3", "actor", dict(pp=2, vpp=2), {}),
     "qwen2_moe_ep2": ("qwen2_moe", "actor", dict(ep=2), {}),
     "mixtral_ep2": ("mixtral", "actor", dict(ep=2), {}),
+    # trained MLA + sigmoid router (correction bias, a dense first layer): per-layer keys on disk
+    "deepseek_v3_ep2": ("deepseek_v3", "actor", dict(ep=2), {}),
     "llama_critic": ("llama", "critic", dict(tp=2), {}),
 }
 

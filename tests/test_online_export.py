@@ -21,6 +21,7 @@ CASES = {  # name -> (model_type, config overrides, world size, layout)
     "pp2_vpp2_tied": ("qwen2", dict(tie_word_embeddings=True), 2, dict(pp=2, vpp=2)),
     "ep2_qwen2_moe_shared": ("qwen2_moe", {}, 2, dict(ep=2)),
     "tp2_ep2_qwen3_moe": ("qwen3_moe", {}, 4, dict(tp=2, ep=2, sequence_parallel=True)),
+    "tp2_ep2_deepseek_v3": ("deepseek_v3", {}, 4, dict(tp=2, ep=2, sequence_parallel=True)),
 }
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
