@@ -1,6 +1,7 @@
 # One command each for a fresh machine: `make test` (the whole suite), `make demo` (the main job:
 # GRPO on CPU with torchrun, 2 processes); `make demo-ppo` runs the PPO-with-critic variant,
-# `make demo-moe` a MoE actor with expert parallelism (ep=2), `make demo-smollm2` GRPO on a real model.
+# `make demo-moe` a MoE actor with expert parallelism (ep=2), `make demo-deepseek` a DeepSeek-V3 actor
+# (multi-latent attention, ep=2, routing replay), `make demo-smollm2` GRPO on a real model.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -9,7 +10,7 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: test install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-smollm2 clean
+.PHONY: test install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-deepseek demo-smollm2 clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -52,6 +53,9 @@ demo-ppo: $(STAMP)
 
 demo-moe: $(STAMP)
 	launch/run.sh 2 configs/grpo_moe_demo.yaml
+
+demo-deepseek: $(STAMP)
+	launch/run.sh 2 configs/grpo_deepseek_demo.yaml
 
 # GRPO on the real model (SmolLM2-135M-Instruct, arithmetic task, transformers rollout engines):
 # about 25 minutes on 2 cores

@@ -34,7 +34,11 @@ def _short(name: str, tmp_path, *overrides: str) -> JobConfig:
                                                ("ppo_demo", 60, ("layout.tp=1", "layout.cp=2")),
                                                ("ppo_demo", 60, ("layout.tp=1", "layout.cp=2",
                                                                  "actor.use_remove_padding=true",
-                                                                 "critic.use_remove_padding=true"))])
+                                                                 "critic.use_remove_padding=true")),
+                                               # DeepSeek-V3 at EP=2 replaying the old policy's / the
+                                               # builtin rollout's routing
+                                               ("grpo_deepseek_demo", 100, ()),
+                                               ("grpo_deepseek_demo", 100, ("actor.router_replay=R3",))])
 def test_demo_learns(name, steps, layout, tmp_path):
     cfg = _short(name, tmp_path, f"steps={steps}", *layout)
     history = run_ranks(2, _run, cfg)[0]
@@ -136,7 +140,7 @@ def test_derived_values_follow_unless_set(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.tiny.num_experts=4"], "model.tiny: invalid TinyModelConfig: num_experts=4 is not read by "
-                                   "model_type='llama' (only by qwen2_moe, qwen3_moe, mixtral); remove it"),
+                                   "model_type='llama' (only by qwen2_moe, qwen3_moe, mixtral, glm4_moe, deepseek_v3); remove it"),
     (["model.tiny.model_type=qwen3_moe"], "model.tiny: invalid TinyModelConfig: model_type='qwen3_moe' needs "
                                           "num_experts, num_experts_per_tok, moe_intermediate_size"),
     (["model.tiny.model_type=mixtral", "model.tiny.num_experts=4", "model.tiny.num_experts_per_tok=2",
@@ -159,6 +163,16 @@ def test_derived_values_follow_unless_set(tmp_path):
     (["task.name=math"], "task.name: expected one of 'toy', 'arithmetic', got 'math'"),
     (["task.arithmetic.operations=[/]"], "task.arithmetic: invalid ArithmeticConfig: operations=['/']: each must be one of"),
     (["task.arithmetic.eval_questions=-1"], "eval_questions=-1 must be >= 0"),
+    (["actor.router_replay=R3", "rollout.engine=transformers"],
+     "actor.router_replay=R3 replays the rollout's routing, which rollout.engine=transformers does not report"),
+    (["actor.router_replay=R5"], "actor.router_replay: expected one of 'disabled', 'R2', 'R3', got 'R5'"),
+    (["model.tiny.model_type=deepseek_v3", "model.tiny.num_experts=4", "model.tiny.num_experts_per_tok=2",
+      "model.tiny.moe_intermediate_size=8"], "model_type='deepseek_v3' (multi-latent attention) has no KV "
+                                             "groups: set num_key_value_heads=4"),
+    (["model.tiny.model_type=deepseek_v3", "model.tiny.num_key_value_heads=4", "model.tiny.num_experts=4",
+      "model.tiny.num_experts_per_tok=2"], "model_type='deepseek_v3' needs moe_intermediate_size, "
+                                           "first_k_dense_replace, n_group, topk_group, q_lora_rank"),
+    (["model.tiny.kv_lora_rank=8"], "kv_lora_rank=8 is not read by model_type='llama' (only by deepseek_v3)"),
 ])
 def test_schema_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -26,6 +26,7 @@ from mcore_rl.models.hf_config import ModelArgs, load_hf_config, model_args_from
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
 from mcore_rl.platform import Platform, init_distributed, setup_platform
 from mcore_rl.rl import losses
+from mcore_rl.models.routing import ROUTED_EXPERTS
 from mcore_rl.rl.actor import Actor
 from mcore_rl.rl.batch import response_mask
 from mcore_rl.rl.critic import Critic
@@ -143,6 +144,8 @@ def rollout(cfg: JobConfig, actor: Actor, task: Task, rollouts: RolloutGroup, st
     clock = time.perf_counter()
     computed = actor.compute_log_prob(batch, with_entropy=True)
     batch["old_log_probs"] = computed["log_probs"]
+    if ROUTED_EXPERTS in computed:  # router replay R2: the update routes as the old policy did
+        batch[ROUTED_EXPERTS] = computed[ROUTED_EXPERTS]
     if actor.ref is not None:
         batch["ref_log_prob"] = actor.compute_ref_log_prob(batch)
     times["old_log_prob"] = time.perf_counter() - clock

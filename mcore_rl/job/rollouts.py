@@ -16,7 +16,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _builtin(actor: Actor, task: Task, hf_config, dtype: str, replica_first: bool) -> BuiltinRollout:
-    return BuiltinRollout(actor, task.eos_id, task.pad_id)
+    return BuiltinRollout(actor, task.eos_id, task.pad_id, record_routing=actor.config.router_replay == "R3")
 
 
 def _transformers(actor: Actor, task: Task, hf_config, dtype: str, replica_first: bool) -> TransformersRollout | None:

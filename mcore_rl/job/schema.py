@@ -24,21 +24,30 @@ from mcore_rl.rl.critic import CriticConfig
 from mcore_rl.rl.engine import OptimConfig
 from mcore_rl.rollout.engine import DEFAULT_SYNC_BUCKET_BYTES
 
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
-# MoE keys of TinyModelConfig -> the model types that read them
+SIGMOID_MOE_TYPES = ("glm4_moe", "deepseek_v3")  # num_experts is written as n_routed_experts
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", *SIGMOID_MOE_TYPES)
+_MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# MoE and MLA keys of TinyModelConfig -> the model types that read them
 _MOE_KEYS = {
     "num_experts": MOE_MODEL_TYPES,
     "num_experts_per_tok": MOE_MODEL_TYPES,
-    "moe_intermediate_size": ("qwen2_moe", "qwen3_moe"),  # mixtral's experts use intermediate_size
+    # mixtral's experts use intermediate_size
+    "moe_intermediate_size": ("qwen2_moe", "qwen3_moe", *SIGMOID_MOE_TYPES),
     "shared_expert_intermediate_size": ("qwen2_moe",),
-    "norm_topk_prob": ("qwen2_moe", "qwen3_moe"),  # mixtral always renormalises
+    "norm_topk_prob": ("qwen2_moe", "qwen3_moe", *SIGMOID_MOE_TYPES),  # mixtral always renormalises
     "decoder_sparse_step": ("qwen2_moe", "qwen3_moe"),
     "mlp_only_layers": ("qwen2_moe", "qwen3_moe"),
+    **{k: SIGMOID_MOE_TYPES for k in ("n_shared_experts", "first_k_dense_replace", "n_group",
+                                       "topk_group", "routed_scaling_factor")},
+    **{k: ("deepseek_v3",) for k in _MLA_KEYS},
 }
 _MOE_REQUIRED = {  # HF's defaults are full-size models (60 experts, ...): tiny runs set them
     "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"),
     "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
     "mixtral": ("num_experts", "num_experts_per_tok"),
+    "glm4_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    "deepseek_v3": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
+                    "n_group", "topk_group", *_MLA_KEYS),
 }
 
 
@@ -46,8 +55,9 @@ _MOE_REQUIRED = {  # HF's defaults are full-size models (60 experts, ...): tiny 
 class TinyModelConfig:
     """A HF config built in memory (nothing downloaded) and randomly initialised with ``seed``.
 
-    MoE model types (qwen2_moe, qwen3_moe, mixtral) need the MoE sizes; a MoE key on a model
-    type that does not read it is an error (it would be ignored).
+    MoE model types (qwen2_moe, qwen3_moe, mixtral, glm4_moe, deepseek_v3) need the MoE sizes
+    (deepseek_v3 also its multi-latent attention sizes); a key on a model type that does not read
+    it is an error (it would be ignored).
     """
 
     model_type: str = "llama"
@@ -67,6 +77,18 @@ class TinyModelConfig:
     norm_topk_prob: bool | None = None
     decoder_sparse_step: int | None = None
     mlp_only_layers: tuple[int, ...] | None = None
+    # glm4_moe / deepseek_v3: shared experts (count), dense first layers, expert groups, scaling
+    n_shared_experts: int | None = None
+    first_k_dense_replace: int | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float | None = None
+    # deepseek_v3's multi-latent attention
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -74,6 +96,10 @@ class TinyModelConfig:
             if getattr(self, key) is not None and self.model_type not in types:
                 raise ValueError(f"{key}={getattr(self, key)!r} is not read by model_type="
                                  f"{self.model_type!r} (only by {', '.join(types)}); remove it")
+        if self.model_type == "deepseek_v3" and self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"model_type='deepseek_v3' (multi-latent attention) has no KV groups: set "
+                             f"num_key_value_heads={self.num_attention_heads} (= num_attention_heads), "
+                             f"not {self.num_key_value_heads}")
         missing = [k for k in _MOE_REQUIRED.get(self.model_type, ()) if getattr(self, k) is None]
         if missing:
             raise ValueError(f"model_type={self.model_type!r} needs {', '.join(missing)} "
@@ -87,6 +113,8 @@ class TinyModelConfig:
             kwargs["mlp_only_layers"] = list(kwargs["mlp_only_layers"])
         if self.model_type == "mixtral":
             kwargs["num_local_experts"] = kwargs.pop("num_experts")
+        if self.model_type in SIGMOID_MOE_TYPES:
+            kwargs["n_routed_experts"] = kwargs.pop("num_experts")
         return kwargs
 
 
@@ -189,6 +217,11 @@ class JobConfig:
                 f"actor.temperature={self.actor.temperature} differs from rollout.temperature="
                 f"{self.rollout.temperature}: the job samples and computes the actor's log-probs "
                 "at one temperature; set rollout.temperature only (actor.temperature follows it)"
+            )
+        if self.actor.router_replay == "R3" and self.rollout.engine != "builtin":
+            raise ValueError(
+                f"actor.router_replay=R3 replays the rollout's routing, which rollout.engine="
+                f"{self.rollout.engine} does not report; use rollout.engine=builtin or router_replay=R2"
             )
         for section in ("actor", "critic"):
             if getattr(self, section).dispatch != "global":

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 from megatron.core import parallel_state
 
+from mcore_rl.models.routing import ROUTED_EXPERTS
 from mcore_rl.rl.actor import Actor
 from mcore_rl.rl.cp_view import all_reduce_cp, local_column
 from mcore_rl.rl.minibatch import local_rows, micro_batch_plan
@@ -67,7 +68,8 @@ def _prompt_batch(prompts: Tensor, attention_mask: Tensor | None, response_lengt
 
 @torch.no_grad()
 def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: float, seed: int,
-             attention_mask: Tensor | None = None, eos_id: int | None = None, pad_id: int = 0) -> dict:
+             attention_mask: Tensor | None = None, eos_id: int | None = None, pad_id: int = 0,
+             record_routing: bool = False) -> dict:
     """Samples up to ``response_length`` tokens at ``temperature`` (0: greedy) after prompts
     [B, P], left-padded where ``attention_mask`` [B, P] has zeros.
 
@@ -76,6 +78,9 @@ def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: f
     log-probs at ``temperature``. A response ends with its first ``eos_id``; later positions
     hold ``pad_id`` with mask 0 and log-prob 0. Every rank passes the same arguments and gets the
     same batch. Compute the batch's log-probs at the same temperature.
+    ``record_routing`` (MoE): also ``routed_experts`` [B, P + R, MoE layers, top_k], recorded in
+    one forward over the finished rows; without a KV cache every sampling step recomputed the same
+    causal prefix, so this is the routing each token had when the sampler read it.
     """
     if not temperature >= 0:
         raise SamplerError(f"temperature={temperature} must be >= 0 (0: greedy); use 1.0 to sample the raw policy.")
@@ -103,6 +108,9 @@ def generate(actor: Actor, prompts: Tensor, response_length: int, temperature: f
     out = {"input_ids": ids, "attention_mask": mask, "responses": responses}
     if temperature > 0:
         out["rollout_log_probs"] = log_probs
+    if record_routing:
+        config = replace(actor.config, dispatch="global", router_replay="R2")  # R2 records
+        out[ROUTED_EXPERTS] = Actor(actor.engine, config).compute_log_prob(out)[ROUTED_EXPERTS]
     return out
 
 

@@ -30,12 +30,15 @@ class RolloutError(McoreRLError, ValueError):
 class Rollout:
     """Generated rows: ``input_ids``/``attention_mask`` [B, P + R] (left-padded prompt, then the
     response, right-padded after its end-of-sequence token), ``responses`` [B, R] and
-    ``rollout_log_probs`` [B, R] (0 at padding; None when the engine does not report them)."""
+    ``rollout_log_probs`` [B, R] (0 at padding; None when the engine does not report them) and
+    ``routed_experts`` [B, P + R, MoE layers, top_k] (an MoE policy's routing, for router
+    replay R3; None when not asked for or not reported)."""
 
     input_ids: Tensor
     attention_mask: Tensor
     responses: Tensor
     rollout_log_probs: Tensor | None = None
+    routed_experts: Tensor | None = None
 
     def batch(self) -> dict[str, Tensor]:
         """The trainer's batch keys (``rollout_log_probs`` included when present)."""
