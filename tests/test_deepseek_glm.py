@@ -15,7 +15,7 @@ from mcore_rl.models.rope import RopeError
 from tests.dist import run_ranks
 from tests.steps import outputs_of_models
 from tests.test_actor_update import _assert_metrics, _assert_params, _update, make_batch, reference_update
-from tests.tiny import padded_batch, tiny_config, tiny_hf_model
+from tests.tiny import saved_variants, padded_batch, tiny_config, tiny_hf_model
 
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32.0,
             beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, rope_theta=10000.0)
@@ -40,13 +40,7 @@ LAYOUTS = {  # name -> (world, layout)
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    models = {}
-    for name, (model_type, overrides) in VARIANTS.items():
-        hf = tiny_hf_model(tiny_config(model_type, **overrides))
-        d = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(d)
-        models[name] = (str(d), hf)
-    return models
+    return saved_variants(tmp_path_factory, VARIANTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -7,7 +7,7 @@ import torch
 
 from tests.dist import run_ranks
 from tests.steps import outputs_and_roundtrip, outputs_of_models
-from tests.tiny import padded_batch, tiny_config, tiny_hf_model
+from tests.tiny import saved_variants, padded_batch, tiny_config, tiny_hf_model
 
 TOL = 1e-4
 LLAMA3_ROPE = dict(
@@ -33,13 +33,7 @@ CRITICS = ("llama", "qwen2", "qwen3", "mistral")
 
 @pytest.fixture(scope="module")
 def actor_models(tmp_path_factory):
-    models = {}
-    for name, (model_type, overrides) in VARIANTS.items():
-        hf = tiny_hf_model(tiny_config(model_type, **overrides))
-        d = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(d)
-        models[name] = (str(d), hf)
-    return models
+    return saved_variants(tmp_path_factory, VARIANTS)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])

@@ -12,7 +12,7 @@ from mcore_rl.parallel import LayoutError, ParallelLayout
 from tests.dist import run_ranks
 from tests.steps import forward_outputs, outputs_of_models, train_step
 from tests.test_parallel_invariance import assert_matches
-from tests.tiny import padded_batch, tiny_config, tiny_hf_model
+from tests.tiny import saved_variants, padded_batch, tiny_config, tiny_hf_model
 
 PARITY = {  # name -> (model_type, overrides)
     "qwen2_moe": ("qwen2_moe", {}),
@@ -38,13 +38,7 @@ LAYOUTS = {  # name -> (world size, layout, MoE options)
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
-    models = {}
-    for name, (model_type, overrides) in PARITY.items():
-        hf = tiny_hf_model(tiny_config(model_type, **overrides))
-        d = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(d)
-        models[name] = (str(d), hf)
-    return models
+    return saved_variants(tmp_path_factory, PARITY)
 
 
 def test_dense_layers_mixed_in():

@@ -64,6 +64,17 @@ def tiny_hf_model(config, role: str = "actor", seed: int = 0):
     return model.eval()
 
 
+def saved_variants(tmp_path_factory, variants: dict) -> dict:
+    """name -> (HF directory, model) for ``variants`` {name: (model_type, config overrides)}."""
+    models = {}
+    for name, (model_type, overrides) in variants.items():
+        hf = tiny_hf_model(tiny_config(model_type, **overrides))
+        d = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(d)
+        models[name] = (str(d), hf)
+    return models
+
+
 def padded_batch(vocab_size: int, batch: int = 4, seq: int = 16, seed: int = 1) -> dict:
     """input_ids [b, s] and attention_mask [b, s]: rows left-padded, right-padded and full."""
     g = torch.Generator().manual_seed(seed)
