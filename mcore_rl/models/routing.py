@@ -100,7 +100,7 @@ class EngineRouting:
                 )
             self.routes = routes.reshape(rows * seq, self.num_layers, self.top_k).long()
         else:
-            self.routes = torch.full((rows * seq, self.num_layers, self.top_k), -1, dtype=torch.long)
+            self.routes = torch.full((rows * seq, self.num_layers, self.top_k), -1, dtype=torch.long)  # host: small, filled from each micro-batch, moved to the device by end()
         action = RouterReplayAction.REPLAY_FORWARD if mode == "replay" else RouterReplayAction.RECORD
         for slot in self.slots:
             slot.replay.set_router_replay_action(action)
