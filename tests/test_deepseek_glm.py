@@ -80,6 +80,9 @@ UPDATE_LAYOUTS = {  # name -> (model, world, layout)
     "deepseek_pp2": ("deepseek", 2, dict(pp=2)),
     "deepseek_ep2": ("deepseek", 2, dict(ep=2)),
     "deepseek_tp2_ep2_sp": ("deepseek", 4, dict(tp=2, ep=2, sequence_parallel=True)),
+    "glm_tp2_sp": ("glm", 2, dict(tp=2, sequence_parallel=True)),
+    "glm_pp2": ("glm", 2, dict(pp=2)),
+    "glm_ep2": ("glm", 2, dict(ep=2)),
     "glm_tp2_ep2_sp": ("glm", 4, dict(tp=2, ep=2, sequence_parallel=True)),
 }
 
