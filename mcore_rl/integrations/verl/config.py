@@ -58,9 +58,6 @@ class McoreRLEngineConfig(EngineConfig):
                                   "parallelism is not wired into the verl engine yet; set it to 1.")
         if self.tensor_model_parallel_size == 1 and self.sequence_parallel:
             self.sequence_parallel = False  # as verl's McoreEngineConfig: SP needs TP > 1
-        if self.router_replay.mode != "disabled":
-            raise VerlConfigError(f"engine.router_replay.mode={self.router_replay.mode!r}: routing replay is "
-                                  "not supported by the mcore_rl engine; set it to 'disabled'.")
         if self.use_fused_kernels:
             raise VerlConfigError("engine.use_fused_kernels=True: mcore_rl has no fused LM-head kernels; "
                                   "set model.use_fused_kernels=False.")

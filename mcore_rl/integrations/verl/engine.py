@@ -23,12 +23,13 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from mcore_rl.errors import McoreRLError
-from mcore_rl.integrations.verl import verl_batches, verl_checkpoints
+from mcore_rl.integrations.verl import verl_batches, verl_checkpoints, verl_routing
 from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError
 from mcore_rl.models.builder import BuildOptions, Role
 from mcore_rl.models.forward import run_schedule
 from mcore_rl.models.hf_config import model_args_from_hf
 from mcore_rl.models.hf_weights import export_hf_buckets
+from mcore_rl.models.routing import ROUTED_EXPERTS
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
 from mcore_rl.platform import setup_platform
 from mcore_rl.rl.engine import ModelEngine, OptimConfig
@@ -85,6 +86,7 @@ class McoreRLEngine(BaseEngine):
                                                                           self.engine_config)
         self.engine = ModelEngine(model_args_from_hf(start.hf_dir), self.layout, self.role, self.platform,
                                   options, optim, hf_weights=start.hf_dir, init_value_head=start.init_value_head)
+        _check_router_replay(self.engine, self.engine_config.router_replay.mode)
         if start.mcore_dir is not None:
             verl_checkpoints.load_model_dir_into(start.mcore_dir, self.engine)
         if self.engine_config.forward_only:
@@ -191,6 +193,10 @@ class McoreRLEngine(BaseEngine):
         micro = [mb.to(device) for mb in micro]
         inputs = verl_batches.model_inputs(micro, self.engine, bool(self.engine_config.use_remove_padding))
         by_input = {id(x): mb for x, mb in zip(inputs, micro)}
+        act = verl_routing.action(self.engine_config.router_replay.mode, data, forward_only,
+                                  tu.get_non_tensor_data(data, key="enable_routing_replay", default=None))
+        if act is not None:
+            verl_routing.begin(self.engine.routing, act, micro, verl_routing.attach_token_ids(inputs, micro))
 
         def loss_fn(inp: dict, output: Tensor):
             mb = by_input[id(inp)]
@@ -204,9 +210,18 @@ class McoreRLEngine(BaseEngine):
             out = {"loss": loss.detach().item(), "metrics": metrics, "model_output": detach_tree(model_output)}
             return (loss if scaled is None else scaled), out
 
-        results = run_schedule(self.engine.model, inputs, loss_fn, forward_only)
+        try:
+            results = run_schedule(self.engine.model, inputs, loss_fn, forward_only, self.engine.routing)
+        except BaseException:
+            if act is not None:
+                self.engine.routing.end(combine=False)
+            raise
+        routes = self.engine.routing.end() if act is not None else None  # collective when recording
         if not mpu.is_pipeline_last_stage(ignore_virtual=True):
             return {}
+        if routes is not None:  # R2's record: verl's layout, put in order with the log-probs
+            for result, mb_routes in zip(results, verl_routing.per_micro_batch(routes, micro)):
+                result["model_output"][ROUTED_EXPERTS] = mb_routes
         return postprocess_batch_func(output_lst=results, indices=indices, data=data)
 
     def _model_output(self, output: Tensor, inp: dict, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
@@ -237,6 +252,18 @@ class McoreRLEngine(BaseEngine):
                 yield from bucket
 
         return tensors(), None
+
+
+def _check_router_replay(engine: ModelEngine, mode: str) -> None:
+    if mode == "disabled":
+        return
+    if engine.routing is None:
+        raise VerlConfigError(f"engine.router_replay.mode={mode!r} needs an MoE model; "
+                              f"{engine.args.arch.model_type} is dense. Set it to 'disabled'.")
+    if engine.config.recompute_granularity and engine.layout.pp > 1:
+        raise VerlConfigError(f"engine.router_replay.mode={mode!r} with activation recomputation and pp="
+                              f"{engine.layout.pp}: a recomputed forward would replay another micro-batch's "
+                              "routes. Set model.enable_gradient_checkpointing=False or pp=1.")
 
 
 def _layout_sizes(layout: ParallelLayout) -> dict[str, int]:
