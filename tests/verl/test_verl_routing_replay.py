@@ -75,8 +75,8 @@ def replay_body(path: str, seed: int) -> dict:
         strategy="mcore_rl", rollout_n=1, ppo_mini_batch_size=B.MINI, ppo_micro_batch_size_per_gpu=B.MICRO,
         clip_ratio_low=B.CLIP_LOW, clip_ratio_high=B.CLIP_HIGH, clip_ratio_c=B.CLIP_C, entropy_coeff=B.ENTROPY_COEFF,
         use_kl_loss=True, kl_loss_coef=B.KL_COEFF, kl_loss_type="low_var_kl", calculate_entropy=True))
-    dpr, dp = B._ranks()
     workers = {rp: _worker(path, rp == "packed", "R2") for rp in ("padded", "packed")}
+    dpr, dp = B._ranks()  # the workers set up megatron's parallel state
     rows = B.rows_of(B.global_batch(workers["padded"].engine.engine.args.vocab_size, seed), dpr, dp)
     recorder = Actor(B._own_engine(path, LAYOUT, "actor", 10), ActorConfig(
         temperature=B.TEMPERATURE, micro_batch_size=B.MICRO, dispatch="sharded", router_replay="R2"))
