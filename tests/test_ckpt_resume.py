@@ -20,6 +20,7 @@ CASES = {  # name -> (world, layout, model_type, role, bf16)
     "ep2_moe": (2, dict(ep=2), "qwen3_moe", "actor", False),
     # sigmoid router whose correction bias moves every step: a buffer, not an optimizer param
     "ep2_glm4_moe_bias": (2, dict(ep=2), "glm4_moe", "actor", False),
+    "tp2_sp_deepseek_v3": (2, dict(tp=2, sequence_parallel=True), "deepseek_v3", "actor", False),
 }
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
@@ -76,7 +77,7 @@ def test_resume_is_bit_exact(case, tmp_path):
             assert a["metrics"] == b["metrics"], (kind, a["metrics"], b["metrics"])
             bad = [k for k in a["params"] if not torch.equal(a["params"][k], b["params"][k])]
             assert not bad, f"rank {r} {kind}: parameters differ after resume + 2 steps: {bad[:5]}"
-        if case == "ep2_glm4_moe_bias":  # the bias moved, so its equality above is a real check
+        if case in ("ep2_glm4_moe_bias", "tp2_sp_deepseek_v3"):  # the bias moved, so its equality above is a real check
             from mcore_rl.mapping.hf_io import SafetensorsReader
 
             assert not torch.equal(a["params"][BIAS], SafetensorsReader(hf_dir)[BIAS])

@@ -35,6 +35,7 @@ LAYOUTS = {  # name -> (world, layout)
     "pp2": (2, dict(pp=2)),
     "ep2": (2, dict(ep=2)),
     "tp2_ep2_sp": (4, dict(tp=2, ep=2, sequence_parallel=True)),
+    "ep2_etp2": (4, dict(ep=2, etp=2)),  # experts TP-split while attention is not
 }
 
 
@@ -99,6 +100,21 @@ def test_update_at_layout_equals_single_rank(case, deepseek, glm):
     for rank, result in enumerate(run_ranks(world, _update, hf_dir, kwargs, batch, True)):
         _assert_params(result["params"], single["params"], f"{case} rank {rank}")
         _assert_metrics(result["metrics"], ref["metrics"], 1e-5, f"{case} rank {rank}")
+
+
+@pytest.mark.parametrize("world,layout", [(2, dict(pp=2, vpp=2)), (4, dict(ep=2, etp=2))],
+                         ids=["pp2_vpp2", "ep2_etp2"])
+def test_gradients_at_layout_equal_single_rank(world, layout, hf_models):
+    """Outputs and every gradient (4 micro-batches, DP ranks on different data) at PP=2 x VPP=2
+    (one layer per virtual chunk) and EP=2 x ETP=2 equal one rank's (tests/steps.train_step)."""
+    from tests.steps import train_step
+    from tests.test_parallel_invariance import assert_matches
+
+    d = hf_models["ds_q_lora_groups"][0]
+    ref = run_ranks(1, train_step, d, {})[0]
+    assert all(g.abs().max() > 0 for k, g in ref["grads"].items() if ".experts." in k or "kv_a_proj" in k)
+    for rank, result in enumerate(run_ranks(world, train_step, d, layout)):
+        assert_matches(result, ref, rank)
 
 
 def _build_without_fix(hf_dir: str, fix: str) -> str:
