@@ -187,7 +187,7 @@ def _run_cli(*argv: str, torchrun: int = 0) -> subprocess.CompletedProcess:
 
 def test_torchrun_tp2_and_ep2_write_the_same_checkpoint_as_one_process(converted, tmp_path):
     base, hf_dirs, _ = converted
-    for name, split in (("qwen2_tied", "--tp"), ("qwen2_moe", "--ep")):
+    for name, split in (("qwen2_tied", "--tp"), ("qwen2_moe", "--ep"), ("deepseek_v3", "--ep")):
         out = tmp_path / f"{name}_torchrun"
         r = _run_cli("--hf_model_path", hf_dirs[name], "--output_path", str(out), split, "2", torchrun=2)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
