@@ -35,7 +35,6 @@ LAYOUTS = {  # name -> (world, layout)
     "pp2": (2, dict(pp=2)),
     "ep2": (2, dict(ep=2)),
     "tp2_ep2_sp": (4, dict(tp=2, ep=2, sequence_parallel=True)),
-    "ep2_etp2": (4, dict(ep=2, etp=2)),  # experts TP-split while attention is not
 }
 
 
@@ -82,8 +81,6 @@ UPDATE_LAYOUTS = {  # name -> (model, world, layout)
     "deepseek_ep2": ("deepseek", 2, dict(ep=2)),
     "deepseek_tp2_ep2_sp": ("deepseek", 4, dict(tp=2, ep=2, sequence_parallel=True)),
     "glm_tp2_sp": ("glm", 2, dict(tp=2, sequence_parallel=True)),
-    "glm_pp2": ("glm", 2, dict(pp=2)),
-    "glm_ep2": ("glm", 2, dict(ep=2)),
     "glm_tp2_ep2_sp": ("glm", 4, dict(tp=2, ep=2, sequence_parallel=True)),
 }
 

@@ -225,3 +225,15 @@ def test_clear_errors(hf_dir, tmp_path):
     assert "router_replay='R3' needs batch['routed_experts'] [B, S, MoE layers, top_k] from the rollout (R3)" in out["missing"]
     assert "replay needs [rows, seq, MoE layers, top_k] = [8, 14, 3, 2]" in out["shape"]
     assert "must hold expert indices in [0, 8) (-1 at padding); got torch.int64 values in [8, 8]" in out["range"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_softmax_routers_replay_too(model_type, tmp_path):
+    """Replay is not DeepSeek's alone: softmax routers (renormalised top-k, and mixtral's) at EP=2
+    record valid routes and take exactly the replayed experts after their weights moved."""
+    d = tmp_path / "hf"
+    tiny_hf_model(tiny_config(model_type, num_hidden_layers=2)).save_pretrained(d)
+    for r in run_ranks(2, _run, str(d), dict(ep=2), {}, "R2", str(tmp_path / "w")):
+        real = _batch()["attention_mask"].bool()
+        assert (r["routes"][real] >= 0).all() and (r["routes"][~real] == -1).all()
+        assert r["tokens"] > 0 and r["mismatch"] == 0 and r["ref_same"] and r["global_list"] == 0
