@@ -76,7 +76,7 @@ def _run(hf_dir: str, layout_kwargs: dict, actor_kwargs: dict, mode: str, out_di
     batch.update(old_log_probs=recorded["log_probs"], **({ROUTED_EXPERTS: routes} if mode != "disabled" else {}))
     metrics = actor.update_policy(batch)
     out = {"routes": routes, "log_probs": recorded["log_probs"], "ref_same": torch.equal(ref_before, ref_after),
-           "mismatch": seen["mismatch"], "tokens": seen["tokens"], "metrics": metrics,
+           "mismatch": seen["mismatch"], "tokens": seen["tokens"], "replayed": seen["replayed"], "metrics": metrics,
            "global_list": len(RouterReplay.global_router_replay_instances)}
     if torch.distributed.get_rank() == 0:
         from safetensors.torch import save_file
@@ -89,7 +89,7 @@ def _run(hf_dir: str, layout_kwargs: dict, actor_kwargs: dict, mode: str, out_di
 def _hook_routers(engine, routes: torch.Tensor) -> dict:
     """Counts real tokens whose chosen experts (a router's routing map) differ from ``routes``,
     matching tokens through the recording's own map (every replayed router sees its tokens)."""
-    seen = {"mismatch": 0, "tokens": 0}
+    seen = {"mismatch": 0, "tokens": 0, "replayed": 0}
     for chunk in engine.model:
         for module in chunk.modules():
             replay = getattr(module, "router_replay", None)
@@ -104,6 +104,7 @@ def _hook_routers(engine, routes: torch.Tensor) -> dict:
                 want = replay.target_topk_idx.sort(1).values
                 seen["mismatch"] += int((chosen.sort(1).values != want).any(1).sum())
                 seen["tokens"] += int(chosen.shape[0])
+                seen["replayed"] += int(chosen.shape[0])
 
             module.register_forward_hook(check)
     return seen
@@ -170,7 +171,7 @@ def test_replay_forces_the_recorded_experts(layout, hf_dir, single, tmp_path):
     assert abs(forced - fresh) > 1e-3, (forced, fresh)  # the perturbed routers would route otherwise
     for rank, r in enumerate(results):
         assert torch.equal(r["routes"], ref["routes"]), f"{layout} rank {rank}: recorded routes differ"
-        assert r["tokens"] > 0 and r["mismatch"] == 0, r
+        assert r["replayed"] > 0 and r["mismatch"] == 0, r
         assert r["ref_same"] and r["global_list"] == 0
         got = r["metrics"]["actor/ppo_kl"]
         assert abs(got - forced) <= 1e-5, f"{layout} rank {rank}: ppo_kl {got} vs forced {forced}"
@@ -181,7 +182,7 @@ def test_replay_off_routes_afresh(hf_dir, single, tmp_path):
     (r,) = run_ranks(1, _run, hf_dir, {}, {}, "disabled", str(tmp_path))
     fresh = _hf_ppo_kl(str(tmp_path), hf_dir, _batch(), ref["log_probs"], None)
     assert abs(r["metrics"]["actor/ppo_kl"] - fresh) <= 1e-5
-    assert r["mismatch"] == 0 and r["tokens"] > 0  # no router had replay targets
+    assert r["replayed"] == 0 and r["tokens"] > 0  # no router had replay targets
 
 
 def _errors(hf_dir: str, dense_dir: str) -> dict:
@@ -236,4 +237,4 @@ def test_softmax_routers_replay_too(model_type, tmp_path):
     for r in run_ranks(2, _run, str(d), dict(ep=2), {}, "R2", str(tmp_path / "w")):
         real = _batch()["attention_mask"].bool()
         assert (r["routes"][real] >= 0).all() and (r["routes"][~real] == -1).all()
-        assert r["tokens"] > 0 and r["mismatch"] == 0 and r["ref_same"] and r["global_list"] == 0
+        assert r["replayed"] > 0 and r["mismatch"] == 0 and r["ref_same"] and r["global_list"] == 0
