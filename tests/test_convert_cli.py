@@ -17,9 +17,9 @@ from tests.tiny import tiny_config, tiny_hf_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _python(script: str, *argv: str) -> subprocess.CompletedProcess:
+def _python(script: str, *argv: str, flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, os.path.join(ROOT, "converters", script), *argv], env=env,
+    return subprocess.run([sys.executable, *flags, os.path.join(ROOT, "converters", script), *argv], env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -28,8 +28,12 @@ def test_cli_test_flag_passes_and_a_weight_corruption_fails(tmp_path):
 
     hf, out = tmp_path / "hf", tmp_path / "out"
     tiny_hf_model(tiny_config("qwen3", num_hidden_layers=2, head_dim=24)).save_pretrained(hf)
-    r = _python("hf_to_mcore.py", "--hf_model_path", str(hf), "--output_path", str(out), "--test")
+    r = _python("hf_to_mcore.py", "--hf_model_path", str(hf), "--output_path", str(out), "--test",
+                flags=("-X", "importtime"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # a lean start-up: the converter itself imports no transformers (--test's check may, in its process)
+    imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported and not any(m.split(".")[0] == "transformers" for m in imported)
     assert "verify: max abs diff" in r.stdout and "PASS" in r.stdout, r.stdout
     assert "tensors" in r.stdout and "peak RSS" in r.stdout and "start-up" in r.stdout, r.stdout
     assert sorted(os.listdir(out)) == ["dist_ckpt", "huggingface", "mcore_rl.json"]

@@ -32,7 +32,7 @@ def test_missing_config_names_directory(tmp_path):
 
 def test_malformed_config_names_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match=r"config.json is not valid JSON .*fix or re-export"):
+    with pytest.raises(ConfigError, match=r"config.json is not a valid JSON object .*fix or re-export"):
         model_args_from_hf(tmp_path)
 
 

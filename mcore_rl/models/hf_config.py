@@ -5,12 +5,12 @@ here so that unsupported settings fail with a message that names the value and t
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.mapping.transforms import Dims
+from mcore_rl.models.hf_json import CLASS_DEFAULTS, JsonHFConfig, read_config_json
 from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.registry import ArchSpec, lookup_arch
@@ -70,31 +70,45 @@ class ModelArgs:
         )
 
 
+def _config_json(directory: str | os.PathLike) -> dict[str, Any]:
+    """config.json of a HF model directory, checked: an object with a known ``model_type``."""
+    path = os.path.join(os.fspath(directory), "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"no config.json in {os.fspath(directory)!r}; pass a HF model directory "
+            "(as written by save_pretrained) or a transformers config object."
+        )
+    try:
+        raw = read_config_json(directory)
+    except ValueError as e:  # JSON syntax, bytes that are not UTF-8, or not an object
+        raise ConfigError(f"{path} is not a valid JSON object ({e}); fix or re-export the file.") from e
+    if not isinstance(raw.get("model_type"), str):
+        raise ConfigError(f"{path} has no 'model_type' string; it is not a HF model config.")
+    lookup_arch(raw["model_type"])  # a clear error before transformers' own
+    return raw
+
+
 def load_hf_config(source: Any):
     """A transformers config from a directory holding config.json, or the object itself."""
     if isinstance(source, (str, os.PathLike)):
-        path = os.path.join(os.fspath(source), "config.json")
-        if not os.path.isfile(path):
-            raise ConfigError(
-                f"no config.json in {os.fspath(source)!r}; pass a HF model directory "
-                "(as written by save_pretrained) or a transformers config object."
-            )
-        try:
-            with open(path) as f:
-                raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON ({e}); fix or re-export the file.") from e
-        if "model_type" not in raw:
-            raise ConfigError(f"{path} has no 'model_type'; it is not a HF model config.")
+        _config_json(source)
         from transformers import AutoConfig
 
-        lookup_arch(raw["model_type"])  # a clear error before transformers' own
         return AutoConfig.from_pretrained(os.fspath(source))
     if not hasattr(source, "model_type"):
         raise ConfigError(
             f"expected a HF model directory or a transformers config, got {type(source).__name__}."
         )
     return source
+
+
+def _args_source(source: Any) -> Any:
+    """What ``model_args_from_hf`` reads: a directory's config.json without transformers (the
+    converters' start-up), or the config object given."""
+    if isinstance(source, (str, os.PathLike)):
+        raw = _config_json(source)
+        return JsonHFConfig(raw, CLASS_DEFAULTS[raw["model_type"]])
+    return load_hf_config(source)
 
 
 def _require(cfg: Any, name: str) -> Any:
@@ -134,7 +148,7 @@ def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
 
 def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs:
     """Builds ModelArgs from a HF directory or config; ``max_seq_len`` defaults to the config's."""
-    cfg = load_hf_config(source)
+    cfg = _args_source(source)
     arch = lookup_arch(cfg.model_type)
     hidden = _require(cfg, "hidden_size")
     heads = _require(cfg, "num_attention_heads")
