@@ -78,6 +78,8 @@ def test_each_field_left_out_gives_transformers_args(tmp_path, model_type):
     ("qwen2", {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 64}),
     ("qwen2", {"use_sliding_window": False, "sliding_window": 64}),
+    ("qwen2", {"use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 2,  # a Qwen2.5 file
+               "rope_scaling": None, "rope_theta": 1e6}),
     ("mistral", {"sliding_window": 64}),
     ("glm4_moe", {"partial_rotary_factor": 0.75, "rope_theta": 1e6}),
     ("deepseek_v3", {"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
