@@ -21,7 +21,7 @@ from benchmarks.common import rank0_print, start, tiny_llama  # noqa: E402
 from mcore_rl.parallel import ParallelLayout  # noqa: E402
 
 
-def raw_step(engine, pieces: list[dict], tokens: float, scale: int) -> None:
+def raw_step(engine, pieces: list, tokens: float, scale: int) -> None:
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from mcore_rl.rl.minibatch import response_logits

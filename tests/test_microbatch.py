@@ -42,6 +42,30 @@ def test_dynamic_plan_groups_by_length_and_trims():
     assert torch.equal(torch.where(real, back, 0), torch.where(real, batch["responses"], 0))
 
 
+@pytest.mark.parametrize("spec", [
+    dict(micro_batch_size=4, seq_multiple=4),
+    dict(max_tokens=3 * (PROMPT + R), seq_multiple=4),
+    dict(max_tokens=3 * (PROMPT + R), uniform_shape=True, min_count=5, min_rows=3),
+    dict(collate="packed", max_tokens=2 * (PROMPT + R), seq_multiple=4, pack_multiple=4),
+])
+def test_token_ids_point_at_each_token_in_the_rows_given(spec):
+    """Every real token of every micro-batch carries its flat index row * S + column in the rows
+    given (what routing replay looks routes up by), through trimming, reordering, left padding,
+    filler rows and packing."""
+    batch = _batch()
+    plan = plan_micro_batches(batch, MicroBatchSpec(**spec))
+    flat, seen, s = batch["input_ids"].flatten(), [], batch["input_ids"].shape[1]
+    for mb, rows in zip(plan.batches, plan.rows):
+        real = mb["attention_mask"].bool()
+        assert mb.token_id.shape == mb["input_ids"].shape
+        assert torch.equal(flat[mb.token_id[real]], mb["input_ids"][real])
+        for j, row in enumerate(rows):  # the row it came from, its columns one after another
+            ids = mb.token_id[j][real[j]]
+            assert bool((ids // s == row).all()) and bool((ids.diff() == 1).all())
+        seen.append(mb.token_id[real])
+    assert sorted(torch.cat(seen).tolist()) == batch["attention_mask"].flatten().nonzero().squeeze(-1).tolist()
+
+
 def _run(hf_dir: str, layout: dict, actor: dict, batch: dict) -> dict:
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.models.hf_weights import export_hf

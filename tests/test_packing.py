@@ -71,22 +71,21 @@ def test_attention_stays_inside_each_sequence(results, tmp_path):
 
 def test_packed_plan_streams():
     """The plan packs each group's real tokens row after row into streams of one length."""
-    from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, STREAM_INDEX
     from mcore_rl.rl.batch import BatchError
     from mcore_rl.rl.microbatcher import MicroBatchSpec, plan_micro_batches
 
     batch = make_batch(200, 9, 6)
     lengths = batch["attention_mask"].sum(1).tolist()
     plan = plan_micro_batches(batch, MicroBatchSpec(collate="packed", max_tokens=24, seq_multiple=4))
-    streams = {mb[PACKED_IDS].shape for mb in plan.batches}
+    streams = {mb.packed.ids.shape for mb in plan.batches}
     assert len(streams) == 1 and next(iter(streams))[1] % 4 == 0
     seen = []
     for mb, rows in zip(plan.batches, plan.rows):
         assert sum(lengths[i] for i in rows) <= 24  # the budget counts real tokens, not padding
-        cu = mb[CU_SEQLENS].tolist()
+        cu = mb.packed.cu_seqlens.tolist()
         assert cu[: len(rows) + 1] == [0, *torch.tensor([lengths[i] for i in rows]).cumsum(0).tolist()]
         real = mb["attention_mask"].bool()
-        assert torch.equal(mb[PACKED_IDS][0, mb[STREAM_INDEX][real]], mb["input_ids"][real])
+        assert torch.equal(mb.packed.ids[0, mb.packed.index[real]], mb["input_ids"][real])
         seen += rows
     assert sorted(seen) == list(range(8))
     padded = plan_micro_batches(batch, MicroBatchSpec(max_tokens=24, seq_multiple=4))

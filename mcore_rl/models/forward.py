@@ -1,31 +1,33 @@
 """Runs model chunks through megatron-core's pipeline schedules on a list of micro-batches.
 
-A micro-batch is a dict with ``input_ids`` [b, s] and ``attention_mask`` [b, s] (1 = token,
-0 = padding), plus whatever ``loss_fn`` reads. ``loss_fn(batch, output)`` gets the last stage's
-output ([b, s, vocab/tp] logits for the actor, [b, s, 1] values for the critic) and returns
-``(loss, metrics_dict)``; the schedule backpropagates ``loss / num_microbatches``.
+A micro-batch (``models/micro_batch.py``; a plain dict is a padded one) has ``input_ids``
+[b, s] and ``attention_mask`` [b, s] (1 = token, 0 = padding), plus whatever ``loss_fn`` reads.
+``loss_fn(batch, output)`` gets the last stage's output ([b, s, vocab/tp] logits for the actor,
+[b, s, 1] values for the critic) and returns ``(loss, metrics_dict)``; the schedule
+backpropagates ``loss / num_microbatches``.
 """
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mcore_rl.models.context_parallel import cp_rank_size, split_for_cp
-from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, cp_stream_columns, packed_params, stream_positions
+from mcore_rl.models.micro_batch import MicroBatch, as_micro_batch
+from mcore_rl.models.packing import cp_stream_columns, packed_params, stream_positions
 
 Tensor = torch.Tensor
-LossFn = Callable[[dict, Tensor], tuple[Tensor, dict]]
+LossFn = Callable[[MicroBatch, Tensor], tuple[Tensor, dict]]
 
 
 class ForwardHooks(Protocol):
     """Called around each chunk's forward of each micro-batch (e.g. models.routing.EngineRouting)."""
 
-    def before_forward(self, chunk: int, mb: dict) -> None: ...
+    def before_forward(self, chunk: int, mb: MicroBatch) -> None: ...
 
-    def after_forward(self, chunk: int, mb: dict) -> None: ...
+    def after_forward(self, chunk: int, mb: MicroBatch) -> None: ...
 
 
 def padding_mask(attention_mask: Tensor) -> Tensor:
@@ -33,14 +35,14 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask == 0).reshape(attention_mask.shape[0], 1, 1, -1)
 
 
-def chunk_forward(chunk: torch.nn.Module, batch: dict) -> Tensor:
+def chunk_forward(chunk: torch.nn.Module, batch: MicroBatch) -> Tensor:
     """One chunk's forward. RoPE positions are the sequence index (GPTModel ignores position_ids).
     With context parallelism each rank feeds its s/cp columns (``split_for_cp``; megatron's RoPE
     follows the same split) and gets outputs [b, s/cp, ...] for them; the padding mask stays
     whole (attention sees every key)."""
-    if PACKED_IDS in batch:  # one stream [1, T] of the rows' real tokens (models/packing.py)
-        cu = batch[CU_SEQLENS]
-        ids, positions = batch[PACKED_IDS], stream_positions(cu)
+    if batch.packed is not None:  # one stream [1, T] of the rows' real tokens (models/packing.py)
+        cu = batch.packed.cu_seqlens
+        ids, positions = batch.packed.ids, stream_positions(cu)
         rank, size = cp_rank_size()
         if size > 1:  # two chunks of every sequence; megatron's THD RoPE follows the same split
             cols = cp_stream_columns(cu, rank, size)
@@ -54,7 +56,7 @@ def chunk_forward(chunk: torch.nn.Module, batch: dict) -> Tensor:
 
 def run_schedule(
     chunks: list[torch.nn.Module],
-    micro_batches: list[dict],
+    micro_batches: list[MicroBatch | Mapping[str, Tensor]],
     loss_fn: LossFn,
     forward_only: bool,
     hooks: ForwardHooks | None = None,
@@ -64,7 +66,8 @@ def run_schedule(
 
     All micro-batches must share one shape [b, s] (packed: one stream length [1, T]).
     """
-    b, s = micro_batches[0].get(PACKED_IDS, micro_batches[0]["input_ids"]).shape
+    micro_batches = [as_micro_batch(mb) for mb in micro_batches]
+    b, s = micro_batches[0].shape
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)

@@ -1,10 +1,9 @@
 """Padding-free micro-batches: the real tokens of several rows packed into one stream (THD).
 
-A packed micro-batch keeps its [b, s] keys (labels and masks are read from them) and adds
-``PACKED_IDS`` [1, T] (row after row, each row's real tokens, then filler up to the fixed
-token budget T), ``CU_SEQLENS`` int32 [n + 1] (sequence boundaries; the filler tail is a
-sequence of its own) and ``STREAM_INDEX`` [b, s] (where each (row, column) token sits in the
-stream; -1 for padding). The model sees only the stream: megatron's RoPE restarts positions at
+A packed micro-batch keeps its [b, s] tensors (labels and masks are read from them) and gets a
+``PackedStream`` (``models/micro_batch.py``): the stream [1, T] (row after row, each row's real
+tokens, then filler up to the fixed token budget T), its sequence boundaries and where each
+(row, column) token sits in it. The model sees only the stream: megatron's RoPE restarts positions at
 every boundary (``PackedSeqParams`` with qkv_format 'thd') and ``packed_attention`` attends
 within each sequence only.
 """
@@ -15,9 +14,9 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from mcore_rl.models.context_parallel import cp_columns, cp_rank_size
+from mcore_rl.models.micro_batch import PackedStream
 
 Tensor = torch.Tensor
-PACKED_IDS, CU_SEQLENS, STREAM_INDEX = "_packed_ids", "_cu_seqlens", "_stream_index"
 
 
 def padded_lengths(attention_mask: Tensor, multiple: int = 1) -> Tensor:
@@ -26,8 +25,8 @@ def padded_lengths(attention_mask: Tensor, multiple: int = 1) -> Tensor:
     return -(-attention_mask.sum(dim=1) // multiple) * multiple
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor, budget: int, multiple: int = 1) -> dict[str, Tensor]:
-    """The packed keys of rows ``input_ids`` [b, s] (real tokens where ``attention_mask`` is 1,
+def pack(input_ids: Tensor, attention_mask: Tensor, budget: int, multiple: int = 1) -> PackedStream:
+    """The packed stream of rows ``input_ids`` [b, s] (real tokens where ``attention_mask`` is 1,
     contiguous in each row) in a stream of ``budget`` tokens; each row takes
     ``padded_lengths(mask, multiple)`` places (real tokens first: causal attention keeps the
     padding after them out of their results)."""
@@ -45,7 +44,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, budget: int, multiple: int =
     index[real] = where
     bounds = [0] + torch.cumsum(lengths, 0).tolist() + ([budget] if budget > total else [])
     cu = torch.tensor(bounds, dtype=torch.int32, device=input_ids.device)
-    return {PACKED_IDS: stream, CU_SEQLENS: cu, STREAM_INDEX: index}
+    return PackedStream(stream, cu, index)
 
 
 def cp_stream_columns(cu_seqlens: Tensor, rank: int, size: int) -> Tensor:

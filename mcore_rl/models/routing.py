@@ -8,7 +8,7 @@ frozen reference model in one process (or a trainer's own megatron model) never 
 other's routes.
 
 Routes live outside the micro-batches as ``[rows, seq, moe_layers, top_k]`` int64 (the batch
-key ``ROUTED_EXPERTS``, aligned with ``input_ids``). Each micro-batch carries ``TOKEN_ID``
+key ``ROUTED_EXPERTS``, aligned with ``input_ids``). Each micro-batch carries ``token_id``
 [b, s] (its tokens' flat index row * seq + column in the rows the routes cover); a router's
 input rows are this rank's tokens in megatron's order (sequence-major, this CP rank's columns,
 this SP rank's slice; packed: this rank's stream places), so ``router_tokens`` maps each router
@@ -24,11 +24,11 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from mcore_rl.errors import McoreRLError
 from mcore_rl.models.context_parallel import cp_rank_size, split_for_cp
-from mcore_rl.models.packing import CU_SEQLENS, PACKED_IDS, STREAM_INDEX, cp_stream_columns
+from mcore_rl.models.micro_batch import MicroBatch
+from mcore_rl.models.packing import cp_stream_columns
 
 Tensor = torch.Tensor
 ROUTED_EXPERTS = "routed_experts"  # batch key: int64 [B, S, num MoE layers, top_k]
-TOKEN_ID = "_token_id"  # micro-batch key: int64 [b, s], flat index into the routes' tokens
 Mode = Literal["record", "replay"]
 
 
@@ -42,16 +42,20 @@ class _Slot(NamedTuple):
     replay: RouterReplay
 
 
-def router_tokens(mb: dict, sequence_parallel: bool) -> Tensor:
+def router_tokens(mb: MicroBatch, sequence_parallel: bool) -> Tensor:
     """[n] token of each router input row of this rank (flat index, -1 for padding/filler)."""
-    ids = torch.where(mb["attention_mask"].bool(), mb[TOKEN_ID], -1)
-    if PACKED_IDS in mb:  # stream place p holds the token STREAM_INDEX points to p from
-        stream = torch.full((mb[PACKED_IDS].shape[1],), -1, dtype=torch.long, device=ids.device)
-        placed = mb[STREAM_INDEX] >= 0
-        stream[mb[STREAM_INDEX][placed]] = ids[placed]
+    if mb.token_id is None:
+        raise RoutingError("routing replay needs each micro-batch's token_id (the micro-batcher sets it; "
+                           "a hand-made MicroBatch must too).")
+    ids = torch.where(mb["attention_mask"].bool(), mb.token_id, -1)
+    packed = mb.packed
+    if packed is not None:  # stream place p holds the token the stream index points to p from
+        stream = torch.full((packed.ids.shape[1],), -1, dtype=torch.long, device=ids.device)
+        placed = packed.index >= 0
+        stream[packed.index[placed]] = ids[placed]
         rank, size = cp_rank_size()
         if size > 1:
-            stream = stream[cp_stream_columns(mb[CU_SEQLENS], rank, size)]
+            stream = stream[cp_stream_columns(packed.cu_seqlens, rank, size)]
         tokens = stream[:, None]  # [t, 1]: sequence-major like [s, b]
     else:
         tokens = split_for_cp(ids, dim=1).t()  # [s/cp, b]
@@ -106,7 +110,7 @@ class EngineRouting:
             slot.replay.set_router_replay_action(action)
         self.mode = mode
 
-    def before_forward(self, chunk: int, mb: dict) -> None:
+    def before_forward(self, chunk: int, mb: MicroBatch) -> None:
         """Replay: give this chunk's routers the routes of ``mb``'s tokens."""
         if self.mode != "replay":
             return
@@ -119,7 +123,7 @@ class EngineRouting:
                 slot.replay.clear_indices()  # only the current micro-batch's routes are kept
                 slot.replay.set_target_indices(torch.where((tokens >= 0)[:, None], chosen, fallback))
 
-    def after_forward(self, chunk: int, mb: dict) -> None:
+    def after_forward(self, chunk: int, mb: MicroBatch) -> None:
         """Record: store what this chunk's routers chose for ``mb``'s tokens."""
         if self.mode != "record":
             return
@@ -148,12 +152,6 @@ class EngineRouting:
             if torch.distributed.get_world_size(group) > 1:
                 torch.distributed.all_reduce(routes, op=torch.distributed.ReduceOp.MAX, group=group)
         return routes
-
-
-def with_token_ids(batch: dict) -> dict:
-    """``batch`` plus ``TOKEN_ID`` [B, S]: each token's flat index row * S + column."""
-    b, s = batch["input_ids"].shape
-    return {**batch, TOKEN_ID: torch.arange(b * s, device=batch["input_ids"].device).view(b, s)}
 
 
 def without_routes(batch: dict) -> dict:

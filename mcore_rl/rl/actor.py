@@ -11,11 +11,11 @@ from typing import Literal
 
 import torch
 
+from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.rl import losses
 from mcore_rl.models.routing import ROUTED_EXPERTS
-from mcore_rl.rl.batch import BatchError, attended_responses, response_mask, validate_batch
+from mcore_rl.rl.batch import BatchError, attended_responses, response_mask, row_tokens, validate_batch
 from mcore_rl.rl.engine import ModelEngine
-from mcore_rl.rl.cp_view import ROW_TOKENS
 from mcore_rl.rl.logprob import log_probs_and_entropy
 from mcore_rl.rl.minibatch import forward_rows, ppo_update, response_logits
 from mcore_rl.models.hf_config import ConfigError
@@ -75,7 +75,7 @@ class Actor:
         vocab = engine.args.vocab_size
         temperature = self.config.temperature
 
-        def loss_fn(mb: dict, output: Tensor):
+        def loss_fn(mb: MicroBatch, output: Tensor):
             logits = response_logits(output, mb)
             lp, ent = log_probs_and_entropy(logits, mb["responses"], vocab, temperature, with_entropy)
             real = attended_responses(mb).bool()
@@ -122,13 +122,13 @@ class Actor:
     def _policy_loss_fn(self, denominator: float, scale: int):
         cfg, vocab = self.config, self.engine.args.vocab_size
 
-        def loss_fn(mb: dict, output: Tensor):
+        def loss_fn(mb: MicroBatch, output: Tensor):
             logits = response_logits(output, mb)
             lp, ent = log_probs_and_entropy(
                 logits, mb["responses"], vocab, cfg.temperature, True, entropy_grad=cfg.entropy_coeff != 0
             )
             mask = response_mask(mb).bool()
-            rows = mb.get(ROW_TOKENS)  # context parallelism: whole-row token counts
+            rows = row_tokens(mb)  # context parallelism: whole-row token counts
             pg, m = losses.policy_loss(
                 lp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_ratio_low,
                 cfg.clip_ratio_high, cfg.dual_clip_c, cfg.loss_agg_mode, denominator, rows,

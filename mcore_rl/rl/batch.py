@@ -14,16 +14,15 @@ mask but inside the attention mask get their real value).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from mcore_rl.errors import McoreRLError
-from mcore_rl.models.routing import TOKEN_ID
+from mcore_rl.models.micro_batch import MicroBatch
 
 Tensor = torch.Tensor
 BASE_KEYS = ("input_ids", "attention_mask", "responses")
-# [B, S]; every other token key is [B, R] (routing's TOKEN_ID exists inside micro-batching only)
-SEQ_KEYS = ("input_ids", "attention_mask", "position_ids", TOKEN_ID)
+SEQ_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, S]; every other token key is [B, R]
 
 
 class BatchError(McoreRLError, ValueError):
@@ -181,16 +180,22 @@ def _check_positions(positions: Tensor, mask: Tensor) -> None:
             )
 
 
-def attended_responses(batch: dict) -> Tensor:
+def attended_responses(batch: Mapping[str, Tensor]) -> Tensor:
     """[B, R] attention mask of the response positions (1 = real token); a context-parallel
-    view (rl/cp_view.py) carries its own share as ``_attended``."""
-    if "_attended" in batch:
-        return batch["_attended"]
+    view (rl/cp_view.py) carries its own share."""
+    if isinstance(batch, MicroBatch) and batch.cp is not None:
+        return batch.cp.attended
     r = batch["responses"].shape[1]
     return batch["attention_mask"][:, -r:]
 
 
-def response_mask(batch: dict) -> Tensor:
+def row_tokens(mb: MicroBatch) -> Tensor | None:
+    """[b] loss tokens of each whole row under context parallelism (its view scores a share of
+    them); None otherwise."""
+    return mb.cp.row_tokens if mb.cp is not None else None
+
+
+def response_mask(batch: Mapping[str, Tensor]) -> Tensor:
     """[B, R] loss mask: ``batch['response_mask']`` when given, else the attended responses."""
     if "response_mask" in batch:
         return batch["response_mask"]

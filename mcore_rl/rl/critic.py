@@ -11,10 +11,10 @@ from typing import Literal
 
 import torch
 
+from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.rl import losses
-from mcore_rl.rl.batch import attended_responses, response_mask, validate_batch
+from mcore_rl.rl.batch import attended_responses, response_mask, row_tokens, validate_batch
 from mcore_rl.rl.engine import ModelEngine
-from mcore_rl.rl.cp_view import ROW_TOKENS
 from mcore_rl.rl.minibatch import forward_rows, ppo_update, response_logits
 from mcore_rl.models.hf_config import ConfigError
 
@@ -53,7 +53,7 @@ class Critic:
         device; every rank gets [B, R] with dispatch='global', its own rows with 'sharded'."""
         validate_batch(batch, vocab_size=self.engine.args.vocab_size)
 
-        def loss_fn(mb: dict, output: Tensor):
+        def loss_fn(mb: MicroBatch, output: Tensor):
             values = response_logits(output, mb).squeeze(-1).float()
             return values.sum() * 0.0, {"values": torch.where(attended_responses(mb).bool(), values, 0.0)}
 
@@ -68,12 +68,12 @@ class Critic:
     def _value_loss_fn(self, denominator: float, scale: int):
         cfg = self.config
 
-        def loss_fn(mb: dict, output: Tensor):
+        def loss_fn(mb: MicroBatch, output: Tensor):
             values = response_logits(output, mb).squeeze(-1).float()
             mask = response_mask(mb).bool()
             vf, m = losses.value_loss(
                 values, mb["values"], mb["returns"], mask, cfg.cliprange_value, cfg.loss_agg_mode,
-                denominator, mb.get(ROW_TOKENS),  # context parallelism: whole-row token counts
+                denominator, row_tokens(mb),  # context parallelism: whole-row token counts
             )
             n = mask.sum()
             stats = {"vf_loss": vf.detach(), "tokens": n, "vf_clipfrac_sum": m["vf_clipfrac"] * n,

@@ -16,6 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from mcore_rl.models.builder import BuildOptions, Role, build_model
 from mcore_rl.models.ddp import wrap_with_ddp
 from mcore_rl.models.forward import LossFn, run_schedule
+from mcore_rl.models.micro_batch import MicroBatch, as_micro_batch
 from mcore_rl.models.hf_config import ModelArgs
 from mcore_rl.models.hf_weights import load_hf
 from mcore_rl.models.routing import EngineRouting
@@ -153,13 +154,13 @@ class ModelEngine:
         coupled DP ranks must also give their micro-batches one shape."""
         return self.experts_span_dp and self.config.moe_token_dispatcher_type == "allgather"
 
-    def run(self, micro_batches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+    def run(self, micro_batches: list[MicroBatch | dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
         """Forward (and backward) through megatron's schedule on the platform's device;
         loss_fn's results (dicts of tensors) from the last stage, on every rank of the
         pipeline group (in micro-batch order)."""
         self.check_micro_batches(len(micro_batches))
         device = self.platform.device()
-        micro_batches = [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in micro_batches]
+        micro_batches = [as_micro_batch(mb).to(device) for mb in micro_batches]
         if not forward_only:
             for m in self.model:
                 # after a step megatron's non-distributed optimizers leave param.grad aliasing

@@ -20,14 +20,17 @@ dispatcher across DP ranks) every micro-batch gets one [b, s] (at least min_rows
 agreed across DP ranks for the allgather dispatcher); the count is raised to ``min_count`` (agreed across DP ranks, so MoE's
 collectives see equal numbers of forward passes) and to a multiple of ``count_multiple`` (the
 interleaved schedule's PP rule). Filler rows (attention all 0) fill shapes and are dropped.
+Each micro-batch (``models.micro_batch.MicroBatch``) also carries ``token_id`` [b, s]: the flat
+index row * S + column of each of its tokens in the rows given (routing replay reads it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
+from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.models.packing import pack, padded_lengths
 from mcore_rl.rl.batch import SEQ_KEYS, BatchError
 
@@ -54,7 +57,7 @@ class MicroBatchSpec:
 class MicroBatches:
     """Micro-batches plus where their rows came from."""
 
-    batches: list[dict]
+    batches: list[MicroBatch]
     rows: list[list[int]]  # per micro-batch: the source row of each real row (fillers come after)
     num_rows: int
     response_len: int
@@ -84,9 +87,12 @@ def _left_pad_to(batch: dict, width: int) -> dict:
     out = dict(batch)
     for key in SEQ_KEYS:
         if key in batch:
-            v = batch[key]
-            out[key] = torch.cat([v.new_zeros(v.shape[0], extra), v], dim=1)
+            out[key] = _left_pad(batch[key], extra)
     return out
+
+
+def _left_pad(v: Tensor, extra: int) -> Tensor:
+    return torch.cat([v.new_zeros(v.shape[0], extra), v], dim=1) if extra > 0 else v
 
 
 def plan_micro_batches(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
@@ -192,7 +198,7 @@ def _meet_count(groups: list[list[int]], spec: MicroBatchSpec) -> list[list[int]
 
 
 def _collate(batch: dict, rows: list[int], lo: int, hi: int, rows_per: int | None,
-             width: int | None, multiple: int) -> dict:
+             width: int | None, multiple: int) -> MicroBatch:
     """Rows ``rows`` and columns [lo, hi] of ``batch``, padded with filler rows to ``rows_per``
     and left-padded to ``width`` columns (or to a multiple of ``multiple``)."""
     b, s = batch["input_ids"].shape
@@ -215,7 +221,11 @@ def _collate(batch: dict, rows: list[int], lo: int, hi: int, rows_per: int | Non
     # responses' padding too (the contract fixes only real tokens): the labels must be ids
     piece["responses"] = piece["responses"].masked_fill(piece["attention_mask"][:, -keep_r:] == 0, 0)
     piece.pop("position_ids", None)  # validated already; RoPE uses the sequence index
-    return _left_pad_to(piece, width) if width else pad_sequence_to_multiple(piece, multiple)
+    token_id = index[:, None] * s + torch.arange(lo, hi + 1, device=index.device)[None]
+    if fill:
+        token_id = torch.cat([token_id, token_id.new_zeros(fill, token_id.shape[1])])
+    target = width or _round(hi - lo + 1, multiple)
+    return MicroBatch(_left_pad_to(piece, target), token_id=_left_pad(token_id, target - token_id.shape[1]))
 
 
 def _plan_packed(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
@@ -230,8 +240,8 @@ def _plan_packed(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
     pieces = [_collate(batch, g, *_span(cols, g, s, r), None, None, 1) for g in groups]
     tokens = max(int(padded_lengths(p["attention_mask"], spec.pack_multiple).sum()) for p in pieces)
     length = _round(max(tokens, spec.min_width, 1), spec.seq_multiple)
-    for p in pieces:
-        p.update(pack(p["input_ids"], p["attention_mask"], length, spec.pack_multiple))
+    pieces = [replace(p, packed=pack(p["input_ids"], p["attention_mask"], length, spec.pack_multiple))
+              for p in pieces]
     return MicroBatches(pieces, groups, b, r)
 
 

@@ -20,10 +20,10 @@ import torch
 from megatron.core import parallel_state
 
 from mcore_rl.models.forward import LossFn
-from mcore_rl.models.packing import PACKED_IDS, STREAM_INDEX
-from mcore_rl.models.routing import ROUTED_EXPERTS, with_token_ids, without_routes
+from mcore_rl.models.micro_batch import MicroBatch
+from mcore_rl.models.routing import ROUTED_EXPERTS, without_routes
 from mcore_rl.rl.batch import BatchError, response_mask, select_rows, split_rows
-from mcore_rl.rl.cp_view import OUT_INDEX, PACKED_OUT, all_reduce_cp, cp_loss_fn
+from mcore_rl.rl.cp_view import all_reduce_cp, cp_loss_fn
 from mcore_rl.rl.engine import ModelEngine, all_reduce_dp, dp_rank_size, gather_dp
 from mcore_rl.rl.microbatcher import MicroBatches, MicroBatchSpec, plan_micro_batches
 
@@ -126,7 +126,7 @@ def micro_batch_plan(batch: dict, config: BatchingConfig, engine: ModelEngine) -
     if dp_rank_size()[1] == 1 or not (config.max_tokens_per_micro_batch or engine.experts_span_dp):
         return plan
     first = plan.batches[0]  # uniform_shape: every piece has this shape (packed: this stream length)
-    b, s = first["input_ids"].shape[0], first.get(PACKED_IDS, first["input_ids"]).shape[1]
+    b, s = first["input_ids"].shape[0], first.shape[1]
     agreed = all_reduce_dp(torch.tensor([len(plan.batches), b, s], device=active_device()),
                            torch.distributed.ReduceOp.MAX).tolist()
     new = replace(spec, min_count=agreed[0])
@@ -137,7 +137,7 @@ def micro_batch_plan(batch: dict, config: BatchingConfig, engine: ModelEngine) -
     return plan
 
 
-def micro_batches(batch: dict, config: BatchingConfig, engine: ModelEngine) -> list[dict]:
+def micro_batches(batch: dict, config: BatchingConfig, engine: ModelEngine) -> list[MicroBatch]:
     """The micro-batches alone (the demo sampler's entry point; row order kept when all rows
     have one length). Prefer micro_batch_plan, whose restore() puts rows back in order."""
     return micro_batch_plan(batch, config, engine).batches
@@ -151,8 +151,7 @@ def forward_rows(engine: ModelEngine, batch: dict, config: BatchingConfig, loss_
     MoE layer's experts for each real token (-1 at padding)."""
     engine.train(False)
     local = dispatch_rows(without_routes(batch), config)
-    if record_routing:
-        local = with_token_ids(local)
+    if record_routing:  # micro-batches index their tokens into local's rows (MicroBatch.token_id)
         engine.routing.begin("record", *local["input_ids"].shape)
     try:
         plan = micro_batch_plan(local, config, engine)
@@ -174,16 +173,17 @@ def forward_rows(engine: ModelEngine, batch: dict, config: BatchingConfig, loss_
     return out
 
 
-def response_logits(output: Tensor, batch: dict) -> Tensor:
+def response_logits(output: Tensor, batch: MicroBatch) -> Tensor:
     """Outputs [b, R, ...] at the positions that predict the R response tokens (p predicts p+1);
     for a context-parallel view, the local output columns that score its R_local tokens."""
-    if OUT_INDEX in batch:
-        return output.index_select(1, batch[OUT_INDEX])
-    if PACKED_OUT in batch:  # packed under CP: the local stream positions (see rl/cp_view.py)
-        return output[0][batch[PACKED_OUT]]
+    cp = batch.cp
+    if cp is not None and cp.out_index is not None:
+        return output.index_select(1, cp.out_index)
+    if cp is not None and cp.packed_out is not None:  # packed under CP: local stream places (rl/cp_view.py)
+        return output[0][cp.packed_out]
     s, r = batch["input_ids"].shape[1], batch["responses"].shape[1]
-    if STREAM_INDEX in batch:  # packed: output [1, T, ...]; padding positions read token 0 (masked later)
-        return output[0][batch[STREAM_INDEX][:, s - r - 1 : s - 1].clamp(min=0)]
+    if batch.packed is not None:  # output [1, T, ...]; padding positions read token 0 (masked later)
+        return output[0][batch.packed.index[:, s - r - 1 : s - 1].clamp(min=0)]
     return output[:, s - r - 1 : s - 1]
 
 
@@ -252,7 +252,7 @@ def _mini_batch_step(engine: ModelEngine, mini: dict, config: BatchingConfig, ma
     denominator = _denominator(response_mask(mini), config.loss_agg_mode)
     if replay_routing:
         routes = mini[ROUTED_EXPERTS]
-        mini = with_token_ids(without_routes(mini))
+        mini = without_routes(mini)
         engine.routing.begin("replay", *mini["input_ids"].shape, routes.to(mini["input_ids"].device))
     pieces = micro_batch_plan(mini, config, engine).batches
     # megatron divides each micro-batch loss by the micro-batch count (and multiplies it by CP)

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 from megatron.core import parallel_state
 
+from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.models.routing import ROUTED_EXPERTS
 from mcore_rl.rl.actor import Actor
 from mcore_rl.rl.cp_view import all_reduce_cp, local_column
@@ -124,7 +125,7 @@ def _next_tokens(actor: Actor, ids: Tensor, mask: Tensor, p: int, step: int, tem
     # counted from the end: the micro-batcher may left-pad columns (sequence parallel)
     from_end = p + step - 1 - ids.shape[1]  # these logits predict the next token
 
-    def loss_fn(mb: dict, output: Tensor):
+    def loss_fn(mb: MicroBatch, output: Tensor):
         # under CP one rank holds the column; the others draw on zeros to keep their noise in
         # step and contribute 0 to the CP sum below
         at = local_column(mb["input_ids"].shape[1], mb["input_ids"].shape[1] + from_end)

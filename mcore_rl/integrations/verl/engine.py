@@ -27,6 +27,7 @@ from mcore_rl.integrations.verl import verl_batches, verl_checkpoints, verl_rout
 from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError
 from mcore_rl.models.builder import BuildOptions, Role
 from mcore_rl.models.forward import run_schedule
+from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.models.hf_config import model_args_from_hf
 from mcore_rl.models.hf_weights import export_hf_buckets
 from mcore_rl.models.routing import ROUTED_EXPERTS
@@ -192,13 +193,14 @@ class McoreRLEngine(BaseEngine):
         tu.assign_non_tensor(data, num_micro_batch=len(micro))
         micro = [mb.to(device) for mb in micro]
         inputs = verl_batches.model_inputs(micro, self.engine, bool(self.engine_config.use_remove_padding))
-        by_input = {id(x): mb for x, mb in zip(inputs, micro)}
         act = verl_routing.action(self.engine_config.router_replay.mode, data, forward_only,
                                   tu.get_non_tensor_data(data, key="enable_routing_replay", default=None))
         if act is not None:
-            verl_routing.begin(self.engine.routing, act, micro, verl_routing.attach_token_ids(inputs, micro))
+            inputs, total = verl_routing.attach_token_ids(inputs, micro)
+            verl_routing.begin(self.engine.routing, act, micro, total)
+        by_input = {id(x): mb for x, mb in zip(inputs, micro)}
 
-        def loss_fn(inp: dict, output: Tensor):
+        def loss_fn(inp: MicroBatch, output: Tensor):
             mb = by_input[id(inp)]
             model_output = self._model_output(output, inp, mb, forward_only)
             if loss_function is None:
@@ -224,7 +226,7 @@ class McoreRLEngine(BaseEngine):
                 result["model_output"][ROUTED_EXPERTS] = mb_routes
         return postprocess_batch_func(output_lst=results, indices=indices, data=data)
 
-    def _model_output(self, output: Tensor, inp: dict, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
+    def _model_output(self, output: Tensor, inp: MicroBatch, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
         raise NotImplementedError
 
     # ---- checkpoints and weights -------------------------------------------------------------
@@ -308,7 +310,7 @@ class McoreRLEngineWithLMHead(McoreRLEngine):
 
     role: Role = "actor"
 
-    def _model_output(self, output: Tensor, inp: dict, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
+    def _model_output(self, output: Tensor, inp: MicroBatch, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
         entropy = bool(tu.get_non_tensor_data(mb, key="calculate_entropy", default=False))
         return verl_batches.lm_outputs(output, inp, mb, self.engine.args.vocab_size, entropy, forward_only)
 
@@ -318,7 +320,7 @@ class McoreRLEngineWithValueHead(McoreRLEngine):
 
     role: Role = "critic"
 
-    def _model_output(self, output: Tensor, inp: dict, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
+    def _model_output(self, output: Tensor, inp: MicroBatch, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
         return verl_batches.value_outputs(output, inp, mb)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from mcore_rl.models.packing import PACKED_IDS, pack
+from mcore_rl.models.micro_batch import MicroBatch
+from mcore_rl.models.packing import pack
 from mcore_rl.rl.batch import BatchError
 from mcore_rl.rl.engine import ModelEngine, all_reduce_dp
 from mcore_rl.rl.logprob import log_probs_and_entropy
@@ -60,8 +61,8 @@ def _round(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> list[dict[str, Tensor]]:
-    """One model input dict per micro-batch, all of one shape (see the module doc); the shape is
+def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> list[MicroBatch]:
+    """One model input per micro-batch, all of one shape (see the module doc); the shape is
     also agreed over DP when MoE layers gather equal token blocks over DP ranks."""
     rows = []
     for mb in micro:
@@ -81,20 +82,20 @@ def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> 
     out = []
     for ids, mask, _ in rows:
         if packed:
-            out.append({"input_ids": ids, "attention_mask": mask, **pack(ids, mask, width, 1)})
+            out.append(MicroBatch({"input_ids": ids, "attention_mask": mask}, packed=pack(ids, mask, width, 1)))
             continue
         pad_rows, pad_cols = height - ids.shape[0], width - ids.shape[1]
         ids = torch.nn.functional.pad(ids, (0, pad_cols, 0, pad_rows))
         mask = torch.nn.functional.pad(mask, (0, pad_cols, 0, pad_rows))
-        out.append({"input_ids": ids, "attention_mask": mask})
+        out.append(MicroBatch({"input_ids": ids, "attention_mask": mask}))
     return out
 
 
-def flat_outputs(output: Tensor, inp: dict[str, Tensor], mb: TensorDict) -> Tensor:
+def flat_outputs(output: Tensor, inp: MicroBatch, mb: TensorDict) -> Tensor:
     """The model's output at each real token of the micro-batch, in ``input_ids.values()``
     order: [nnz, ...] from [b, s, ...] (padded) or [1, T, ...] (packed: rows first, in order)."""
     lengths = _lengths(mb)
-    if PACKED_IDS in inp:
+    if inp.packed is not None:
         return output[0, : int(lengths.sum())]
     s = output.shape[1]
     mask = torch.arange(s, device=output.device)[None] < lengths[:, None].to(output.device)
@@ -120,7 +121,7 @@ def _temperature(mb: TensorDict, lengths: Tensor) -> float | Tensor:
     return torch.repeat_interleave(t.to(lengths.device), lengths)
 
 
-def lm_outputs(output: Tensor, inp: dict[str, Tensor], mb: TensorDict, vocab_size: int, entropy: bool,
+def lm_outputs(output: Tensor, inp: MicroBatch, mb: TensorDict, vocab_size: int, entropy: bool,
                forward_only: bool) -> dict[str, Tensor]:
     """{'log_probs' (+ 'entropy')}: jagged [b, j] fp32 from vocab-parallel logits."""
     logits = flat_outputs(output, inp, mb)
@@ -135,6 +136,6 @@ def lm_outputs(output: Tensor, inp: dict[str, Tensor], mb: TensorDict, vocab_siz
     return out
 
 
-def value_outputs(output: Tensor, inp: dict[str, Tensor], mb: TensorDict) -> dict[str, Tensor]:
+def value_outputs(output: Tensor, inp: MicroBatch, mb: TensorDict) -> dict[str, Tensor]:
     """{'values'}: jagged [b, j] fp32 from the value head's [.., 1] output."""
     return {"values": _jagged(flat_outputs(output, inp, mb)[:, 0].float(), mb)}

@@ -4,16 +4,18 @@ or given by the rollout (R3), replayed whenever a batch carries it.
 
 All micro-batches of one ``forward_backward_batch`` share one route table: micro-batch i's tokens
 follow those of micro-batches 0..i-1 (``input_ids.values()`` order within each), and every model
-input gets ``TOKEN_ID`` pointing into it (``models.routing``).
+input gets a ``token_id`` pointing into it (``models.routing``).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 import torch
 from tensordict import TensorDict
 
-from mcore_rl.models.routing import ROUTED_EXPERTS, TOKEN_ID, EngineRouting
+from mcore_rl.models.micro_batch import MicroBatch
+from mcore_rl.models.routing import ROUTED_EXPERTS, EngineRouting
 from mcore_rl.rl.batch import BatchError
 
 Tensor = torch.Tensor
@@ -42,18 +44,18 @@ def _token_counts(micro: list[TensorDict]) -> list[int]:
     return [int(mb["input_ids"].offsets()[-1]) for mb in micro]
 
 
-def attach_token_ids(inputs: list[dict[str, Tensor]], micro: list[TensorDict]) -> int:
-    """Adds ``TOKEN_ID`` [b, s] to every model input (rows right-padded in input order, as
-    ``verl_batches.model_inputs`` lays them out); returns the tokens of all micro-batches."""
-    base = 0
+def attach_token_ids(inputs: list[MicroBatch], micro: list[TensorDict]) -> tuple[list[MicroBatch], int]:
+    """Every model input with its ``token_id`` [b, s] (rows right-padded in input order, as
+    ``verl_batches.model_inputs`` lays them out), and the tokens of all micro-batches."""
+    base, out = 0, []
     for inp, mb, count in zip(inputs, micro, _token_counts(micro)):
         ids = inp["input_ids"]
         starts = mb["input_ids"].offsets()[:-1].to(ids.device)
         first = torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
         first[: starts.numel()] = starts + base  # filler rows: masked, any index
-        inp[TOKEN_ID] = first[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]
+        out.append(replace(inp, token_id=first[:, None] + torch.arange(ids.shape[1], device=ids.device)[None]))
         base += count
-    return base
+    return out, base
 
 
 def begin(routing: EngineRouting, act: Action, micro: list[TensorDict], total: int) -> None:
