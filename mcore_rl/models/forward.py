@@ -35,11 +35,12 @@ def padding_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask == 0).reshape(attention_mask.shape[0], 1, 1, -1)
 
 
-def chunk_forward(chunk: torch.nn.Module, batch: MicroBatch) -> Tensor:
-    """One chunk's forward. RoPE positions are the sequence index (GPTModel ignores position_ids).
-    With context parallelism each rank feeds its s/cp columns (``split_for_cp``; megatron's RoPE
-    follows the same split) and gets outputs [b, s/cp, ...] for them; the padding mask stays
-    whole (attention sees every key)."""
+def chunk_forward(chunk: torch.nn.Module, batch: MicroBatch | Mapping[str, Tensor]) -> Tensor:
+    """One chunk's forward (a plain dict: a padded micro-batch). RoPE positions are the sequence
+    index (GPTModel ignores position_ids). With context parallelism each rank feeds its s/cp
+    columns (``split_for_cp``; megatron's RoPE follows the same split) and gets outputs
+    [b, s/cp, ...] for them; the padding mask stays whole (attention sees every key)."""
+    batch = as_micro_batch(batch)
     if batch.packed is not None:  # one stream [1, T] of the rows' real tokens (models/packing.py)
         cu = batch.packed.cu_seqlens
         ids, positions = batch.packed.ids, stream_positions(cu)

@@ -20,7 +20,7 @@ import torch
 from megatron.core import parallel_state
 
 from mcore_rl.models.forward import LossFn
-from mcore_rl.models.micro_batch import MicroBatch
+from mcore_rl.models.micro_batch import MicroBatch, as_micro_batch
 from mcore_rl.models.routing import ROUTED_EXPERTS, without_routes
 from mcore_rl.rl.batch import BatchError, response_mask, select_rows, split_rows
 from mcore_rl.rl.cp_view import all_reduce_cp, cp_loss_fn
@@ -173,9 +173,10 @@ def forward_rows(engine: ModelEngine, batch: dict, config: BatchingConfig, loss_
     return out
 
 
-def response_logits(output: Tensor, batch: MicroBatch) -> Tensor:
+def response_logits(output: Tensor, batch: MicroBatch | dict) -> Tensor:
     """Outputs [b, R, ...] at the positions that predict the R response tokens (p predicts p+1);
     for a context-parallel view, the local output columns that score its R_local tokens."""
+    batch = as_micro_batch(batch)
     cp = batch.cp
     if cp is not None and cp.out_index is not None:
         return output.index_select(1, cp.out_index)
