@@ -11,7 +11,7 @@ written for plain dicts keep working. The added fields:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
@@ -72,10 +72,6 @@ class MicroBatch(Mapping[str, Tensor]):
         """(b, s) as the model's schedule sees it: packed, the stream's (1, T)."""
         ids = self.packed.ids if self.packed is not None else self.rows["input_ids"]
         return ids.shape[0], ids.shape[1]
-
-    def with_rows(self, rows: Mapping[str, Tensor]) -> MicroBatch:
-        """The same micro-batch with other row tensors."""
-        return replace(self, rows=rows)
 
     def to(self, device: torch.device) -> MicroBatch:
         """Every tensor on ``device`` (the CP view is made later, on the device)."""
