@@ -224,8 +224,8 @@ def _collate(batch: dict, rows: list[int], lo: int, hi: int, rows_per: int | Non
     token_id = index[:, None] * s + torch.arange(lo, hi + 1, device=index.device)[None]
     if fill:
         token_id = torch.cat([token_id, token_id.new_zeros(fill, token_id.shape[1])])
-    target = width or _round(hi - lo + 1, multiple)
-    return MicroBatch(_left_pad_to(piece, target), token_id=_left_pad(token_id, target - token_id.shape[1]))
+    piece = _left_pad_to(piece, width) if width else pad_sequence_to_multiple(piece, multiple)
+    return MicroBatch(piece, token_id=_left_pad(token_id, piece["input_ids"].shape[1] - token_id.shape[1]))
 
 
 def _plan_packed(batch: dict, spec: MicroBatchSpec) -> MicroBatches:
