@@ -25,7 +25,6 @@ path.
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import logging
 import sys
 import types
@@ -34,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from mcore_rl.platform import cpu_standins as cs
+from mcore_rl.platform.import_hook import AfterImport
 
 _SHIMMED_PREFIX = "megatron."  # modules whose code sees the CPU view of torch
 # megatron's RNG tracker warns when the CPU generator moves inside a CUDA fork; here the "CUDA"
@@ -141,52 +141,13 @@ def _method_patches() -> list[tuple[type, str, Callable]]:
     return patches
 
 
-class _PatchAfterExec(importlib.abc.Loader):
-    """Runs the real loader, then gives the new megatron module its proxies."""
-
-    def __init__(self, loader: Any, patch: Callable[[types.ModuleType], None]) -> None:
-        self._loader, self._patch = loader, patch
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__loader__ = self._loader  # the module keeps its real loader (inspect, linecache)
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        self._patch(module)
-
-
-class _MegatronImportHook(importlib.abc.MetaPathFinder):
-    """Finds megatron modules with the other finders and patches them once they have run."""
-
-    def __init__(self, patch: Callable[[types.ModuleType], None]) -> None:
-        self._patch = patch
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if not _is_shimmed(fullname):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchAfterExec(spec.loader, self._patch)
-        return spec
-
-
 class CpuShim:
     """Installs the CPU view of torch for megatron-core; ``deactivate`` restores every object."""
 
     def __init__(self) -> None:
         self.saved: list[tuple[Any, str, Any]] = []
         self._proxies: list[tuple[types.ModuleType, NamespaceProxy]] = []
-        self._hook: _MegatronImportHook | None = None
+        self._hook: AfterImport | None = None
         self._log_filter = _DropSharedRngNotice()
 
     @property
@@ -216,8 +177,8 @@ class CpuShim:
         import megatron.core.tensor_parallel.random as mrandom
 
         self._proxies = _build_proxies()
-        self._hook = _MegatronImportHook(self.patch_module)
-        sys.meta_path.insert(0, self._hook)
+        self._hook = AfterImport(_is_shimmed, self.patch_module)
+        self._hook.install()
         for module_name, module in list(sys.modules.items()):
             if _is_shimmed(module_name) and module is not None:
                 self.patch_module(module)
@@ -230,8 +191,8 @@ class CpuShim:
 
     def deactivate(self) -> None:
         """Restores every replaced object and removes the import hook."""
-        if self._hook is not None and self._hook in sys.meta_path:
-            sys.meta_path.remove(self._hook)
+        if self._hook is not None:
+            self._hook.remove()
         self._hook = None
         for owner, name, value in reversed(self.saved):
             if value is _INHERITED:

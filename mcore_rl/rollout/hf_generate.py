@@ -14,20 +14,21 @@ Tensor = torch.Tensor
 class TransformersRollout:
     """``AutoModelForCausalLM`` from ``source`` (a HF directory, or a transformers config: random
     weights until the first ``update_weights``) in ``dtype`` on ``device``; ``eos_id``/``pad_id``
-    override the generation config's (e.g. the tokenizer's end-of-turn token). Sampling is plain
+    override the generation config's (e.g. the tokenizer's end-of-turn token); the attention kernel is
+``attn_implementation`` whatever the source's config names (e.g. verl's flash-attention default). Sampling is plain
     softmax(logits / T): top-k, top-p, min-p and repetition penalties are switched off, and
     the rollout log-probs are computed from the raw logits at T (not the processed scores)."""
 
     collective = False  # one engine per model replica, on the replica's first rank
 
     def __init__(self, source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 eos_id: int | None = None, pad_id: int | None = None) -> None:
+                 eos_id: int | None = None, pad_id: int | None = None, attn_implementation: str = "sdpa") -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         if isinstance(source, str):
-            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
         else:
-            self.model = AutoModelForCausalLM.from_config(source, dtype=dtype)
+            self.model = AutoModelForCausalLM.from_config(source, dtype=dtype, attn_implementation=attn_implementation)
         self.model = self.model.to(device).eval()
         gen = self.model.generation_config or GenerationConfig()
         self.eos_id = eos_id if eos_id is not None else gen.eos_token_id

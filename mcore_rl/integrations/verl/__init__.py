@@ -5,9 +5,9 @@ The only package that imports verl. ``import mcore_rl`` never reaches it.
   verl``) and the named, version-gated patches of verl functions it needs.
 - ``config``: ``McoreRLEngineConfig`` (verl's ``EngineConfig`` with ``strategy='mcore_rl'``) and
   the actor / critic configs of verl's PPO trainer (``model_engine=mcore_rl``).
-- ``engine``: the engines, registered in verl's ``EngineRegistry`` for ``language_model`` and
-  ``value_model`` on cpu and cuda when this package's ``McoreRLEngineConfig`` is first looked up
-  (Hydra's ``_target_``) or ``register_engines()`` is called.
+- ``engine``: the engines; ``rollout_server`` / ``rollout_replica``: the CPU rollout backend
+  (``rollout.name=mcore_rl``); ``registry``: both registered in verl's registries in every
+  process verl looks them up (see there).
 Kept light: importing this package imports neither verl's workers nor megatron-core.
 """
 from __future__ import annotations
@@ -18,18 +18,17 @@ __all__ = ["McoreRLEngineConfig", "McoreRLActorConfig", "McoreRLCriticConfig", "
 
 
 def register_engines() -> None:
-    """Registers the mcore_rl engines with verl's EngineRegistry (idempotent)."""
-    from mcore_rl.integrations.verl import engine
+    """Registers mcore_rl's engines and rollout backend with verl's registries (idempotent)."""
+    from mcore_rl.integrations.verl import registry
 
-    engine.register()
+    registry.install()
 
 
 def __getattr__(name: str) -> Any:
     # Hydra resolves ``_target_: mcore_rl.integrations.verl.McoreRLEngineConfig`` through here:
     # choosing the engine in a config is what makes verl's registry know it.
     if name in ("McoreRLEngineConfig", "McoreRLActorConfig", "McoreRLCriticConfig"):
-        from mcore_rl.integrations.verl import config
+        from mcore_rl.integrations.verl import config  # registers (see config's last line)
 
-        register_engines()
         return getattr(config, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,7 @@ from verl.workers.config import ActorConfig, CriticConfig
 from verl.workers.config.engine import EngineConfig
 
 from mcore_rl.errors import McoreRLError
+from mcore_rl.integrations.verl import registry
 
 log = logging.getLogger("mcore_rl.integrations.verl")
 DTYPES = ("bfloat16", "float32", "fp32", "bf16")
@@ -91,3 +92,8 @@ class McoreRLCriticConfig(CriticConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.engine = self.mcore_rl
+
+
+# Importing this module (Hydra's _target_, or a Ray worker unpickling one of these configs) makes
+# verl's registries know mcore_rl in this process.
+registry.install()

@@ -19,7 +19,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
-from verl.workers.engine.base import BaseEngine, BaseEngineCtx, EngineRegistry
+from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from mcore_rl.errors import McoreRLError
@@ -347,18 +347,3 @@ def optim_config(optimizer_config, engine_config: McoreRLEngineConfig) -> OptimC
         weight_decay=float(o.weight_decay), betas=tuple(o.betas), clip_grad=float(o.clip_grad),
         warmup_steps=int(warmup), total_steps=int(decay_steps), decay_style=style,
         use_distributed_optimizer=engine_config.use_distributed_optimizer and name != "sgd")
-
-
-_REGISTERED = False
-
-
-def register() -> None:
-    """Registers the engines for ``strategy='mcore_rl'`` on cpu and cuda (once per process)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    EngineRegistry.register(model_type="language_model", backend="mcore_rl", device=["cpu", "cuda"])(
-        McoreRLEngineWithLMHead)
-    EngineRegistry.register(model_type="value_model", backend="mcore_rl", device=["cpu", "cuda"])(
-        McoreRLEngineWithValueHead)
-    _REGISTERED = True

@@ -1,0 +1,123 @@
+"""verl's rollout interface for the CPU rollout server (``actor_rollout_ref.rollout.name=mcore_rl``).
+
+- ``McoreRLReplica`` (verl's ``RolloutReplica``): one ``RolloutServer`` Ray actor per replica, on
+  the node of the replica's first trainer worker, with ``num_cpus=0`` (it computes while the
+  trainer waits: verl's synchronous trainer alternates the two), named
+  ``mcore_rl_server_<replica>`` so the workers' adapters find it.
+- ``ServerAdapter`` (verl's ``BaseRollout``, built in every trainer worker): ``update_weights``
+  drains verl's ``get_per_tensor_param()`` generator on every rank (it is collective: TP/PP
+  gathers), and the replica's first rank pushes the tensors to its server in buckets of
+  ``checkpoint_engine.update_weights_bucket_megabytes``; ``resume`` / ``release`` reach the server.
+
+Only verl's hybrid (colocated, synchronous) mode is served: the standalone and colocated-process
+modes of verl's separate-async trainers need a checkpoint-engine transport (NCCL, ...).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Generator
+
+import ray
+import torch
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica
+
+from mcore_rl.integrations.verl.rollout_server import RolloutServer, RolloutServerError
+
+log = logging.getLogger("mcore_rl.integrations.verl")
+NAME = "mcore_rl"  # rollout.name
+
+
+def server_name(replica_rank: int, suffix: str = "") -> str:
+    return f"{NAME}_server_{replica_rank}{suffix}"
+
+
+def rollout_world_size(config: Any) -> int:
+    return config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size
+
+
+class McoreRLReplica(RolloutReplica):
+    """A replica = one CPU rollout server holding the whole model."""
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def launch_servers(self) -> None:
+        """Starts the replica's server next to its first worker and waits until it is built."""
+        if self.rollout_mode != RolloutMode.HYBRID or self.is_reward_model or self.is_teacher_model:
+            raise RolloutServerError(
+                f"rollout.name={NAME} serves verl's synchronous colocated trainer (hybrid mode) only; got "
+                f"{self.rollout_mode} ({'reward model' if self.is_reward_model else 'teacher' if self.is_teacher_model else 'policy'}"
+                "). Use vllm or sglang for standalone, reward-model and teacher servers.")
+        node_id = await self.workers[0].__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id())
+        name = server_name(self.replica_rank, self.name_suffix)
+        options = self.config.engine_kwargs.get(NAME, {}) if self.config.engine_kwargs else {}
+        server = ray.remote(RolloutServer).options(
+            name=name, num_cpus=0, max_concurrency=self.max_concurrency,
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        ).remote(config=self.config, model_config=self.model_config, replica_rank=self.replica_rank,
+                 num_threads=options.get("num_threads"))
+        await server.ready.remote()
+        self.servers = [server]
+        self._server_handle = server
+        self._server_address = f"{NAME}://{name}"  # unique per replica; no HTTP endpoint
+
+
+class ServerAdapter(BaseRollout):
+    """The trainer worker's side: weight sync into its replica's server, wake-up and release."""
+
+    def __init__(self, config: Any, model_config: Any, device_mesh: Any, replica_rank: int = -1, **_kwargs: Any) -> None:
+        super().__init__(config, model_config, device_mesh)
+        rank, size = int(os.environ["RANK"]), rollout_world_size(self.config)
+        self.replica_rank = rank // size if replica_rank == -1 else replica_rank
+        self.is_pusher = rank % size == 0  # one rank per replica talks to the server
+        self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
+        self._server = None
+
+    def _handle(self):
+        if self.is_pusher and self._server is None:
+            self._server = ray.get_actor(server_name(self.replica_rank))
+        return self._server
+
+    async def resume(self, tags: list[str]) -> None:
+        if self._handle() is not None:
+            await self._server.wake_up.remote(tags=tags)
+
+    async def release(self) -> None:
+        if self._handle() is not None:
+            await self._server.sleep.remote()
+
+    @torch.no_grad()
+    async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None,
+                             wire_format: str = "named_tensors", peft_config: Any = None, **_kwargs: Any) -> None:
+        """Every rank runs ``weights`` to its end (a collective generator); the pushing rank sends
+        the full HF-named tensors in buckets of at most ``bucket_bytes`` (a larger tensor alone)."""
+        if wire_format != "named_tensors" or peft_config is not None:
+            for _ in weights:  # keep the collective going on every rank before failing
+                pass
+            raise RolloutServerError(f"the mcore_rl rollout takes full named tensors only (wire_format={wire_format!r}, "
+                                     f"peft adapter: {peft_config is not None}); use checkpoint_engine.backend=naive.")
+        server = self._handle()
+        if server is not None:
+            await server.begin_weight_update.remote()
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = sent = 0
+        ok = False
+        try:
+            for name, tensor in weights:
+                if server is None:
+                    continue
+                if bucket and size + tensor.nbytes > self.bucket_bytes:
+                    sent += await server.update_weights_bucket.remote(bucket)
+                    bucket, size = [], 0
+                bucket.append((name, tensor.detach().cpu()))
+                size += tensor.nbytes
+            if bucket:
+                sent += await server.update_weights_bucket.remote(bucket)
+            ok = True
+        finally:
+            if server is not None:
+                await server.finish_weight_update.remote(global_steps, complete=ok)
+        if server is not None and self.replica_rank == 0:
+            log.info("weight sync: %d tensors to replica 0 (step %s)", sent, global_steps)

@@ -1,0 +1,267 @@
+"""The CPU rollout server behind verl's rollout interface: one Ray actor per replica, serving
+verl's token-in-token-out ``generate`` with a transformers model (``mcore_rl.rollout``).
+
+Requests queue up and are generated in batches (``rollout.max_num_seqs`` at most) on a worker
+thread, so the actor keeps accepting requests, aborts and weight updates meanwhile; a weight
+update waits for the batch in flight. Each request samples with its own generator, seeded from
+``rollout.seed``, the weights' step (``update_weights(global_steps=...)``), the request id and the
+prompt, and a counter over identical (request id, prompt) pairs since the last update (verl sends
+one request id for every sample under ``full_determinism``). With ``rollout.full_determinism``
+requests run one at a time, so a sample never depends on which others share its batch.
+
+``sleep`` / ``wake_up`` / ``*_kv_cache`` keep the weights in host memory (the model is small next
+to host memory, and the trainer's state does not move on CPU): they are bookkeeping here.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_rl.errors import McoreRLError
+from mcore_rl.rollout.hf_generate import TransformersRollout
+from mcore_rl.rollout.sampling import SampleRequest, SampleResult, sample_requests
+
+log = logging.getLogger("mcore_rl.integrations.verl")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+# sampling_params keys verl sends and what they must be here (None: any value)
+_NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "n": 1}
+_TAKEN = ("temperature", "top_p", "top_k", "logprobs", "max_tokens", "max_new_tokens", "ignore_eos", "seed",
+          "skip_special_tokens", "spaces_between_special_tokens", "detokenize")
+
+
+class RolloutServerError(McoreRLError, ValueError):
+    """A request or setting the CPU rollout server cannot serve; names the value and the fix."""
+
+
+@dataclass
+class _Request:
+    request: SampleRequest
+    want_log_probs: bool
+    done: asyncio.Future = field(repr=False)
+
+
+def request_seed(base: int, step: int | None, request_id: str, prompt_ids: list[int], occurrence: int) -> int:
+    """A request's sampling seed (63 bits) from the rollout seed, the weights' step, the request
+    id, the prompt and the occurrence count of that (id, prompt) pair since the last update."""
+    text = f"{base}|{step}|{request_id}|{occurrence}|{','.join(map(str, prompt_ids))}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def stop_ids(model_config: Any) -> frozenset[int]:
+    """End-of-sequence ids as vLLM stops on them: the generation config's (one or a list), the
+    model config's and the tokenizer's."""
+    found: set[int] = set()
+    for source in (getattr(model_config, "generation_config", None), getattr(model_config, "hf_config", None),
+                   getattr(model_config, "tokenizer", None)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        found.update(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, int))
+    return frozenset(found)
+
+
+class RolloutServer:
+    """One replica's server (a Ray actor). ``config``: verl's RolloutConfig; ``model_config``:
+    verl's HFModelConfig (or its DictConfig), the model built from ``local_path`` (or from its
+    config with random weights when ``rollout.load_format`` is ``dummy``, verl's default: the first
+    weight sync fills them)."""
+
+    def __init__(self, config: Any, model_config: Any, replica_rank: int, num_threads: int | None = None) -> None:
+        from verl.utils.config import omega_conf_to_dataclass
+
+        self.config = omega_conf_to_dataclass(config)
+        self.model_config = omega_conf_to_dataclass(model_config)
+        self.replica_rank = replica_rank
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        dtype = DTYPES.get(str(self.config.dtype))
+        if dtype is None:
+            raise RolloutServerError(f"rollout.dtype={self.config.dtype!r}; the mcore_rl rollout runs {sorted(DTYPES)}.")
+        source = self.model_config.hf_config if self.config.load_format == "dummy" else self.model_config.local_path
+        tokenizer = self.model_config.tokenizer
+        self.stop = frozenset() if self.config.ignore_eos else stop_ids(self.model_config)
+        pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else None
+        self.engine = TransformersRollout(source, dtype=dtype, eos_id=min(self.stop) if self.stop else None, pad_id=pad)
+        self.global_steps: int | None = None
+        self.max_batch = 1 if self.config.full_determinism else max(1, int(self.config.max_num_seqs))
+        self._seen: Counter = Counter()
+        self._pending: list[_Request] = []
+        self._has_work: asyncio.Event | None = None
+        self._lock: asyncio.Lock | None = None
+        self._task: asyncio.Task | None = None
+        self._abort, self._admitting, self._reject = False, True, False
+        self._resumed: asyncio.Event | None = None  # set while requests are admitted
+        self._updated: set[int] = set()
+        self._stale = False  # a weight sync failed part-way: the weights are a mix
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
+                       image_data: Any = None, video_data: Any = None, audio_data: Any = None,
+                       **_kwargs: Any):
+        """verl's token-in-token-out call: one response for ``prompt_ids``; returns verl's
+        ``TokenOutput`` (token ids, log-probs when ``sampling_params['logprobs']``, stop reason,
+        ``extra_fields['global_steps']``: the step of the weights that generated it)."""
+        from verl.workers.rollout.replica import TokenOutput
+
+        if image_data is not None or video_data is not None or audio_data is not None:
+            raise RolloutServerError("the mcore_rl rollout serves text only; image/video/audio inputs need vLLM or "
+                                     "SGLang (actor_rollout_ref.rollout.name).")
+        self._ensure_loop_state()
+        if self._stale:
+            raise RolloutServerError("the last weight sync into this rollout server failed part-way; its weights are "
+                                     "a mix of two steps. Fix the sync error (see the trainer's log) and sync again.")
+        prompt = [int(t) for t in prompt_ids]
+        while not self._admitting:
+            if self._reject:
+                return TokenOutput(token_ids=[], stop_reason="aborted", extra_fields={"global_steps": self.global_steps})
+            await self._resumed.wait()
+        request, want_log_probs = self._sample_request(prompt, dict(sampling_params), str(request_id))
+        item = _Request(request, want_log_probs, asyncio.get_running_loop().create_future())
+        self._pending.append(item)
+        self._has_work.set()
+        result: SampleResult = await item.done
+        return TokenOutput(token_ids=result.token_ids, log_probs=result.log_probs if want_log_probs else None,
+                           stop_reason="aborted" if result.finish == "aborted" else "completed",
+                           extra_fields={"global_steps": self.global_steps})
+
+    def _sample_request(self, prompt: list[int], params: dict[str, Any], request_id: str) -> tuple[SampleRequest, bool]:
+        for key, neutral in _NEUTRAL.items():
+            value = params.pop(key, neutral)
+            if value is not None and float(value) != float(neutral):
+                raise RolloutServerError(f"sampling_params[{key!r}]={value!r}: the mcore_rl rollout samples from "
+                                         f"softmax(logits / T) only; set it to {neutral}.")
+        unknown = sorted(set(params) - set(_TAKEN))
+        if unknown:
+            raise RolloutServerError(f"sampling_params keys {unknown} are not supported by the mcore_rl rollout "
+                                     f"(it takes {list(_TAKEN) + list(_NEUTRAL)}).")
+        c = self.config
+        room = (c.max_model_len or c.prompt_length + c.response_length) - len(prompt)
+        if room < 1:
+            raise RolloutServerError(f"prompt of {len(prompt)} tokens leaves no room to generate within "
+                                     f"{room + len(prompt)} tokens; raise rollout.max_model_len or shorten the prompt.")
+        limit = params.get("max_tokens", params.get("max_new_tokens"))
+        if limit is None:
+            limit = min(c.response_length, c.prompt_length + c.response_length - len(prompt))
+        key = (request_id, tuple(prompt))
+        occurrence = self._seen[key]
+        self._seen[key] += 1
+        seed = request_seed(c.seed, self.global_steps, request_id, prompt, occurrence)
+        top_k = int(params.get("top_k", -1) or -1)
+        temperature = float(params.get("temperature", 1.0))
+        stop = frozenset() if params.get("ignore_eos") else self.stop
+        return SampleRequest(tuple(prompt), max(1, min(int(limit), room)), temperature, seed, top_k,
+                             float(params.get("top_p", 1.0)), stop), bool(params.get("logprobs"))
+
+    def _ensure_loop_state(self) -> None:
+        if self._task is None:  # created on the actor's event loop at the first call
+            self._has_work, self._lock, self._resumed = asyncio.Event(), asyncio.Lock(), asyncio.Event()
+            self._resumed.set()
+            self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            await self._has_work.wait()
+            await asyncio.sleep(0.005)  # let requests sent together arrive together
+            batch, self._pending = self._pending[:self.max_batch], self._pending[self.max_batch:]
+            if not self._pending:
+                self._has_work.clear()
+            if not batch:
+                continue
+            try:
+                async with self._lock:
+                    results = await asyncio.to_thread(
+                        sample_requests, self.engine.model, [b.request for b in batch], self.engine.pad_id,
+                        lambda: self._abort)
+            except Exception as e:  # every waiting request learns why
+                for b in batch:
+                    if not b.done.done():
+                        b.done.set_exception(e)
+                continue
+            for b, r in zip(batch, results):
+                if not b.done.done():
+                    b.done.set_result(r)
+
+    # ---- weights ------------------------------------------------------------------------------
+    async def begin_weight_update(self) -> None:
+        """Waits for the batch in flight; the next buckets replace the weights."""
+        self._ensure_loop_state()
+        await self._lock.acquire()
+        self._updated = set()
+
+    async def update_weights_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """Copies one bucket of (HF name, full tensor) into the model."""
+        if self._lock is None or not self._lock.locked():
+            raise RolloutServerError("update_weights_bucket outside begin_weight_update / finish_weight_update.")
+        taken = self.engine.update_weights(bucket)
+        self._updated.update(id(self.engine.params[name]) for name, _ in bucket)
+        return taken
+
+    async def finish_weight_update(self, global_steps: int | None, complete: bool = True) -> None:
+        """Checks that every parameter was replaced, records the weights' step, and resumes.
+        ``complete=False`` (the sender failed part-way): the server refuses to generate until a
+        whole sync succeeds."""
+        try:
+            self._stale = True
+            if not complete:
+                return
+            missing = sorted(n for n, p in self.engine.params.items() if id(p) not in self._updated)
+            if missing:
+                raise RolloutServerError(f"the weight sync left {len(missing)} rollout parameters unchanged "
+                                         f"(e.g. {missing[:4]}); the trainer's export and the rollout model disagree.")
+            self.global_steps = global_steps
+            self._seen.clear()
+            self._stale = False
+        finally:
+            self._lock.release()
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    # ---- lifecycle verl calls ---------------------------------------------------------------------
+    async def abort_all_requests(self, reject_request: bool = False, **_kwargs: Any) -> dict[str, Any]:
+        """Ends every queued and running request as ``aborted`` (running ones with their tokens so
+        far); new requests wait for ``resume_generation`` (or return aborted: ``reject_request``)."""
+        self._ensure_loop_state()
+        self._admitting, self._reject, self._abort = False, reject_request, True
+        self._resumed.clear()
+        queued, self._pending = self._pending, []
+        for b in queued:
+            b.done.set_result(SampleResult([], [], "aborted"))
+        async with self._lock:  # the running batch has returned
+            pass
+        return {"aborted_count": len(queued)}
+
+    async def resume_generation(self) -> None:
+        self._ensure_loop_state()
+        self._abort, self._admitting, self._reject = False, True, False
+        self._resumed.set()
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        return None
+
+    async def sleep(self) -> None:
+        return None
+
+    async def clear_kv_cache(self) -> None:
+        return None  # the KV cache lives only during a batch
+
+    async def release_kv_cache(self) -> None:
+        return None
+
+    async def resume_kv_cache(self) -> None:
+        return None
+
+    async def start_profile(self, **_kwargs: Any) -> None:
+        log.warning("the mcore_rl rollout server has no profiler; start_profile ignored")
+
+    async def stop_profile(self) -> None:
+        return None
+
+    async def ready(self) -> int:
+        """For the replica: the model is built (returns its parameter count)."""
+        return sum(p.numel() for p in self.engine.model.parameters())
