@@ -33,6 +33,18 @@ def server_name(replica_rank: int, suffix: str = "") -> str:
     return f"{NAME}_server_{replica_rank}{suffix}"
 
 
+def engine_options(config: Any) -> dict[str, Any]:
+    """``rollout.engine_kwargs.mcore_rl``: ``num_threads`` (the server's torch threads; default:
+    torch's), ``weight_sync`` (default True; False keeps the rollout on its starting weights, a
+    diagnostic). Another key is an error naming it."""
+    options = dict((config.engine_kwargs or {}).get(NAME) or {})
+    unknown = sorted(set(options) - {"num_threads", "weight_sync"})
+    if unknown:
+        raise RolloutServerError(f"rollout.engine_kwargs.{NAME} keys {unknown} are unknown; it takes num_threads, "
+                                 "weight_sync.")
+    return options
+
+
 def rollout_world_size(config: Any) -> int:
     return config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size
 
@@ -52,7 +64,7 @@ class McoreRLReplica(RolloutReplica):
                 "). Use vllm or sglang for standalone, reward-model and teacher servers.")
         node_id = await self.workers[0].__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id())
         name = server_name(self.replica_rank, self.name_suffix)
-        options = self.config.engine_kwargs.get(NAME, {}) if self.config.engine_kwargs else {}
+        options = engine_options(self.config)
         server = ray.remote(RolloutServer).options(
             name=name, num_cpus=0, max_concurrency=self.max_concurrency,
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
@@ -73,6 +85,10 @@ class ServerAdapter(BaseRollout):
         self.replica_rank = rank // size if replica_rank == -1 else replica_rank
         self.is_pusher = rank % size == 0  # one rank per replica talks to the server
         self.bucket_bytes = int(self.config.checkpoint_engine.update_weights_bucket_megabytes) << 20
+        options = engine_options(self.config)
+        # a diagnostic: False leaves the rollout on its starting weights (the measure of how far the
+        # policy moved; the tests' control run)
+        self.weight_sync = bool(options.get("weight_sync", True))
         self._server = None
 
     def _handle(self):
@@ -98,9 +114,11 @@ class ServerAdapter(BaseRollout):
                 pass
             raise RolloutServerError(f"the mcore_rl rollout takes full named tensors only (wire_format={wire_format!r}, "
                                      f"peft adapter: {peft_config is not None}); use checkpoint_engine.backend=naive.")
-        server = self._handle()
+        server = self._handle() if self.weight_sync else None
         if server is not None:
             await server.begin_weight_update.remote()
+        elif self._handle() is not None:  # weight_sync=False: the step advances, the weights stay
+            await self._server.set_global_steps.remote(global_steps)
         bucket: list[tuple[str, torch.Tensor]] = []
         size = sent = 0
         ok = False

@@ -158,10 +158,11 @@ class RolloutServer:
                              float(params.get("top_p", 1.0)), stop), bool(params.get("logprobs"))
 
     def _ensure_loop_state(self) -> None:
-        if self._task is None:  # created on the actor's event loop at the first call
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.get_loop() is not loop:  # built on the loop that serves
             self._has_work, self._lock, self._resumed = asyncio.Event(), asyncio.Lock(), asyncio.Event()
             self._resumed.set()
-            self._task = asyncio.get_running_loop().create_task(self._serve())
+            self._task = loop.create_task(self._serve())
 
     async def _serve(self) -> None:
         while True:

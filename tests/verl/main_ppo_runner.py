@@ -1,0 +1,107 @@
+"""verl's RL entry point, ``python -m verl.trainer.main_ppo``, as the tests launch it on 2 CPU cores.
+
+One Ray head per test module (``ray_head``: started by ``ray.init`` in the test process, 2 fake
+GPUs so verl's GPU count is met, enough logical CPUs for verl's TaskRunner, TransferQueue, agent
+and reward workers; stopped with ``ray.shutdown``, which ends exactly the processes it started).
+Each launch is its own Ray job on that head; its metrics come from verl's file logger (JSON lines,
+exact floats) and its generations from ``trainer.rollout_data_dir`` (one JSON line per sample).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
+       "RAY_DEDUP_LOGS": "0", "HYDRA_FULL_ERROR": "1"}
+SEARCH_PATH = "hydra.searchpath=[pkg://mcore_rl.integrations.verl.hydra]"
+
+
+@dataclass
+class Run:
+    """A finished (or killed) launch: exit code, metrics by step, generations by step, output."""
+
+    returncode: int
+    metrics: dict[int, dict[str, float]]
+    generations: dict[int, list[dict]] = field(default_factory=dict)
+    log: str = ""
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.log[-chars:]
+
+
+class RayHead:
+    """A local Ray head for the module's launches (``address`` for ``ray_kwargs.ray_init``)."""
+
+    def __init__(self, num_cpus: int = 8, num_gpus: int = 2) -> None:
+        self.num_cpus, self.num_gpus, self.address = num_cpus, num_gpus, None
+        self._saved: dict[str, str | None] = {}
+
+    def __enter__(self) -> "RayHead":
+        import ray
+
+        for key, value in ENV.items():  # the raylet's workers inherit them
+            self._saved[key] = os.environ.get(key)
+            os.environ[key] = value
+        info = ray.init(num_cpus=self.num_cpus, num_gpus=self.num_gpus, include_dashboard=False,
+                        log_to_driver=False)
+        self.address = info.address_info["gcs_address"]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        ray.shutdown()
+        for key, value in self._saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def launch(head: RayHead, workdir: str, overrides: list[str], job_env: dict[str, str] | None = None,
+           timeout_s: float = 600) -> Run:
+    """Runs main_ppo with ``overrides`` on ``head``; ``job_env`` reaches every process of the job."""
+    os.makedirs(workdir, exist_ok=True)
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    dumps = os.path.join(workdir, "generations")
+    env_vars = {"VERL_FILE_LOGGER_PATH": metrics_path, **(job_env or {})}
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", SEARCH_PATH, *overrides,
+           "trainer.logger=[console,file]", f"trainer.rollout_data_dir={dumps}",
+           f"+ray_kwargs.ray_init.address={head.address}", "ray_kwargs.ray_init.num_cpus=null",
+           *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in env_vars.items())]
+    started = time.time()
+    proc = subprocess.Popen(cmd, cwd=workdir, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out += f"\n[test] main_ppo killed after {timeout_s} s"
+    out += f"\n[test] main_ppo took {time.time() - started:.0f} s"
+    return Run(proc.returncode, read_metrics(metrics_path), read_generations(dumps), out)
+
+
+def read_metrics(path: str) -> dict[int, dict[str, float]]:
+    """verl's file logger: one JSON object per step, ``{"step": N, "data": {...}}``."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return {row["step"]: row["data"] for row in rows}
+
+
+def read_generations(directory: str) -> dict[int, list[dict]]:
+    """``trainer.rollout_data_dir``: ``<step>.jsonl`` with input, output, ground truth, score."""
+    out = {}
+    for path in glob.glob(os.path.join(directory, "*.jsonl")):
+        with open(path) as f:
+            out[int(os.path.basename(path).split(".")[0])] = [json.loads(line) for line in f if line.strip()]
+    return out

@@ -1,0 +1,180 @@
+"""The CPU rollout server (rollout.name=mcore_rl) driven as verl's agent loop and weight sync
+drive it, in-process (no Ray): samples and their log-probs against transformers' own forward,
+batch invariance, seeds, the weight sync's coverage checks, aborts and refused requests."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from tests.verl.verl_fixtures import save_tiny_model  # noqa: E402
+
+T = 0.8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return save_tiny_model(str(tmp_path_factory.mktemp("rollout") / "model"))
+
+
+def make_server(model_dir: str, **rollout):
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from mcore_rl.integrations.verl.rollout_server import RolloutServer
+
+    settings = dict(name="mcore_rl", dtype="float32", prompt_length=16, response_length=8, load_format="auto",
+                    tensor_model_parallel_size=1, seed=3)
+    config = RolloutConfig(**{**settings, **rollout})
+    return RolloutServer(config, HFModelConfig(path=model_dir), replica_rank=0)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[7 + (3 * i + j) % 30 for j in range(2 + i % 5)] for i in range(n)]
+
+
+def generate_all(server, batch: list[list[int]], request_ids: list[str], **params):
+    async def run():
+        return await asyncio.gather(*[server.generate(prompt_ids=p, request_id=r, sampling_params={
+            "temperature": T, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True, **params})
+            for p, r in zip(batch, request_ids)])
+
+    return asyncio.run(run())
+
+
+def hf_log_probs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    picked = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, -1)
+    return picked.gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_samples_score_as_transformers_and_do_not_depend_on_the_batch(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    batched = make_server(model_dir)
+    alone = make_server(model_dir, full_determinism=True)  # one request at a time
+    assert alone.max_batch == 1 and batched.max_batch > 1
+    ids = [f"r{i}" for i in range(12)]
+    out_b = generate_all(batched, prompts(12), ids)
+    out_a = generate_all(alone, prompts(12), ids)
+    eos = batched.stop
+    lengths = set()
+    for p, b, a in zip(prompts(12), out_b, out_a):
+        assert b.token_ids == a.token_ids, "a sample changed with the batch it was generated in"
+        assert b.stop_reason == "completed" and 1 <= len(b.token_ids) <= 8
+        assert all(t not in eos for t in b.token_ids[:-1])  # it ends at the first end-of-sequence
+        lengths.add(len(b.token_ids))
+        diff = (hf_log_probs(reference, p, b.token_ids, T) - torch.tensor(b.log_probs)).abs().max()
+        assert diff <= 1e-5, f"rollout log-probs differ from transformers' log_softmax(logits / T) by {diff}"
+    assert len(lengths) > 1  # some samples stopped early, others ran to the budget
+
+
+def test_greedy_is_the_argmax_and_top_k_one_equals_greedy(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    server = make_server(model_dir)
+    greedy = generate_all(server, prompts(4), ["g0", "g1", "g2", "g3"], temperature=0.0)
+    top1 = generate_all(server, prompts(4), ["k0", "k1", "k2", "k3"], top_k=1)
+    for p, g, k in zip(prompts(4), greedy, top1):
+        seq = list(p)
+        for t in g.token_ids:
+            with torch.no_grad():
+                assert int(reference(torch.tensor([seq])).logits[0, -1].argmax()) == t
+            seq.append(t)
+        assert k.token_ids == g.token_ids
+        lp = hf_log_probs(reference, p, k.token_ids, T)  # top-k restricts the draw, not the log-probs
+        assert (lp - torch.tensor(k.log_probs)).abs().max() <= 1e-5
+
+
+def test_seeds_separate_a_groups_samples_and_reproduce_after_a_restart(model_dir):
+    group = [prompts(1)[0]] * 6  # verl sends one request id for every sample under full_determinism
+    first = generate_all(make_server(model_dir, full_determinism=True), group, ["det-0"] * 6)
+    again = generate_all(make_server(model_dir, full_determinism=True), group, ["det-0"] * 6)
+    samples = [tuple(o.token_ids) for o in first]
+    assert len(set(samples)) > 1, "identical requests of one group drew the same sample"
+    assert sorted(samples) == sorted(tuple(o.token_ids) for o in again)
+    other_seed = generate_all(make_server(model_dir, full_determinism=True, seed=4), group, ["det-0"] * 6)
+    assert sorted(samples) != sorted(tuple(o.token_ids) for o in other_seed)
+
+
+def test_weight_sync_replaces_every_parameter_or_refuses_to_generate(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.integrations.verl.rollout_server import RolloutServerError
+
+    server = make_server(model_dir, load_format="dummy")  # random weights until the first sync
+    trained = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    names = list(trained)
+
+    async def sync(items, steps):  # as the adapter sends: buckets, then finish (complete unless one failed)
+        await server.begin_weight_update()
+        complete = False
+        try:
+            for i in range(0, len(items), 3):
+                await server.update_weights_bucket(items[i:i + 3])
+            complete = True
+        finally:
+            await server.finish_weight_update(steps, complete=complete)
+
+    asyncio.run(sync([(n, trained[n]) for n in names], 5))
+    for name, param in server.engine.model.state_dict().items():
+        assert torch.equal(param, trained[name]), name
+    assert generate_all(server, prompts(1), ["x"])[0].extra_fields["global_steps"] == 5
+    with pytest.raises(RolloutServerError, match="left 1 rollout parameters unchanged"):
+        asyncio.run(sync([(n, trained[n]) for n in names[1:]], 6))
+    with pytest.raises(RolloutServerError, match="failed part-way"):
+        generate_all(server, prompts(1), ["y"])
+    with pytest.raises(Exception, match="no parameter of the rollout model"):
+        asyncio.run(sync([("model.nonsense.weight", trained[names[0]])], 7))
+    asyncio.run(sync([(n, trained[n]) for n in names], 8))  # a whole sync recovers
+    assert generate_all(server, prompts(1), ["z"])[0].extra_fields["global_steps"] == 8
+
+
+def test_abort_ends_queued_requests_and_resume_readmits(model_dir):
+    server = make_server(model_dir)
+
+    async def run():
+        first = [asyncio.ensure_future(server.generate(prompt_ids=p, request_id=f"a{i}", sampling_params={}))
+                 for i, p in enumerate(prompts(3))]
+        await asyncio.sleep(0)  # queued, the batch not started yet
+        result = await server.abort_all_requests()
+        aborted = await asyncio.gather(*first)
+        waiting = asyncio.ensure_future(server.generate(prompt_ids=[5, 6], request_id="late", sampling_params={}))
+        await asyncio.sleep(0.05)
+        parked = not waiting.done()
+        await server.resume_generation()
+        late = await waiting
+        await server.abort_all_requests(reject_request=True)
+        rejected = await server.generate(prompt_ids=[5, 6], request_id="r", sampling_params={})
+        return result, aborted, parked, late, rejected
+
+    result, aborted, parked, late, rejected = asyncio.run(run())
+    assert result["aborted_count"] == 3 and all(o.stop_reason == "aborted" and not o.token_ids for o in aborted)
+    assert parked and late.stop_reason == "completed" and late.token_ids
+    assert rejected.stop_reason == "aborted" and not rejected.token_ids
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"stop": ["w1"]}, r"\['stop'\] are not supported"),
+    ({"n": 2}, "'n'"),
+])
+def test_unsupported_sampling_is_refused_by_name(model_dir, params, message):
+    from mcore_rl.integrations.verl.rollout_server import RolloutServerError
+
+    server = make_server(model_dir)
+    with pytest.raises(RolloutServerError, match=message):
+        generate_all(server, prompts(1), ["q"], **params)
+
+
+def test_a_prompt_without_room_is_refused(model_dir):
+    from mcore_rl.integrations.verl.rollout_server import RolloutServerError
+
+    server = make_server(model_dir)
+    with pytest.raises(RolloutServerError, match="leaves no room"):
+        generate_all(server, [[5] * 24], ["long"])
