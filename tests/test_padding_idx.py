@@ -54,6 +54,11 @@ def _loss(batch, logits: torch.Tensor) -> torch.Tensor:
     return (logits * _weights(batch, logits.shape)).sum() / logits.shape[0]
 
 
+def _norm(grads) -> torch.Tensor:
+    """The grad norm of all ``grads`` (a tied weight once), in fp64."""
+    return torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()
+
+
 def _grads(hf_dir: str, layout: dict, mode: str, packed: bool) -> dict:
     """One forward/backward of micro_batches() and finalize_model_grads: the HF-named embedding
     gradient and the norm of all gradients."""
@@ -93,7 +98,7 @@ def _grads(hf_dir: str, layout: dict, mode: str, packed: bool) -> dict:
     finalize_model_grads(model)
     grads = export_hf(model, args, "actor", tensor_of=lambda p: p.main_grad)
     parallel_state.destroy_model_parallel()
-    return {"embed": grads[EMBED], "norm": torch.stack([g.double().square().sum() for g in grads.values()]).sum().sqrt()}
+    return {"embed": grads[EMBED], "norm": _norm(grads.values())}
 
 
 def _all_layouts(dirs: dict) -> dict:
@@ -119,9 +124,7 @@ def hf_grads(hf, padding_idx: int | None) -> dict:
         logits = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss = loss + _loss(batch, logits[batch["attention_mask"].bool()]) / GLOBAL_MICRO_BATCHES
     loss.backward()
-    grads = [p.grad for p in hf.parameters()]  # a tied weight once
-    return {"embed": hf.model.embed_tokens.weight.grad,
-            "norm": torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()}
+    return {"embed": hf.model.embed_tokens.weight.grad, "norm": _norm(p.grad for p in hf.parameters())}
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +233,8 @@ def test_job_actor_update_follows_transformers_packed_cp2(tmp_path):
     pad row gets no gradient (so Adam leaves it as it was); model.pad_embedding_grad=megatron
     equals transformers without padding_idx."""
     from mcore_rl.job.schema import load_job_config
-    from tests.test_actor_update import ACTOR, OPTIM, RESPONSE, _assert_metrics, _assert_params, make_batch, reference_update
+    from tests.test_actor_update import (ACTOR, OPTIM, RESPONSE, _assert_metrics, _assert_params, make_batch,
+                                         reference_update)
 
     hf = _hf_model(tied=False)
     hf.save_pretrained(tmp_path / "hf")
