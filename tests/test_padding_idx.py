@@ -1,7 +1,7 @@
 """The pad token's embedding row follows transformers' ``nn.Embedding(padding_idx=pad_token_id)``:
 with the pad token occurring as a real, attended, in-loss token, the embedding gradient and the
-grad norm equal transformers' at TP=2+SP, PP=2 and PP=2xVPP=2 (tied: the row still gets the
-output projection's gradient) and packed; ``pad_embedding_grad='megatron'`` trains the row through
+grad norm equal transformers' at TP=2+SP (actor and critic), PP=2 and PP=2xVPP=2 (tied: the row
+still gets the output projection's gradient) and packed; ``pad_embedding_grad='megatron'`` trains the row through
 the lookup (transformers without padding_idx); the job's Actor picks the pad id up from the HF
 config (packed, CP=2) and updates as transformers does; which architectures read which field."""
 from __future__ import annotations
@@ -26,6 +26,7 @@ LAYOUTS = {  # name -> (model, layout, pad_embedding_grad, packed); every world 
     "pp2_tied": ("tied", dict(pp=2), "transformers", False),
     "pp2_vpp2_tied": ("tied", dict(pp=2, vpp=2), "transformers", False),
     "packed_tp2_sp_tied": ("tied", dict(tp=2, sequence_parallel=True), "transformers", True),
+    "critic_tp2_sp": ("critic", dict(tp=2, sequence_parallel=True), "transformers", False),
 }
 
 
@@ -59,7 +60,7 @@ def _norm(grads) -> torch.Tensor:
     return torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()
 
 
-def _grads(hf_dir: str, layout: dict, mode: str, packed: bool) -> dict:
+def _grads(hf_dir: str, layout: dict, mode: str, packed: bool, role: str) -> dict:
     """One forward/backward of micro_batches() and finalize_model_grads: the HF-named embedding
     gradient and the norm of all gradients."""
     from megatron.core import parallel_state
@@ -79,8 +80,8 @@ def _grads(hf_dir: str, layout: dict, mode: str, packed: bool) -> dict:
     layout = ParallelLayout(**layout)
     initialize_parallel_state(layout)
     args = model_args_from_hf(hf_dir)
-    chunks = build_model(args, layout, "actor", active_platform(), BuildOptions(pad_embedding_grad=mode))
-    load_hf(chunks, args, "actor", hf_dir)
+    chunks = build_model(args, layout, role, active_platform(), BuildOptions(pad_embedding_grad=mode))
+    load_hf(chunks, args, role, hf_dir)
     model = wrap_with_ddp(chunks, use_distributed_optimizer=False)
     batches = micro_batches()
     if packed:  # one stream of every row's real tokens (a multiple of TP long: sequence parallel)
@@ -88,7 +89,8 @@ def _grads(hf_dir: str, layout: dict, mode: str, packed: bool) -> dict:
                    for b in batches]
 
     def loss_fn(mb, out):
-        out = gather_from_tensor_model_parallel_region(out)[..., :VOCAB]
+        if role == "actor":
+            out = gather_from_tensor_model_parallel_region(out)[..., :VOCAB]
         real = mb["attention_mask"].bool()
         logits = out[0, mb.packed.index[real]] if mb.packed is not None else out[real]
         loss = _loss(mb, logits)
@@ -96,18 +98,19 @@ def _grads(hf_dir: str, layout: dict, mode: str, packed: bool) -> dict:
 
     run_schedule(model, batches, loss_fn, forward_only=False)
     finalize_model_grads(model)
-    grads = export_hf(model, args, "actor", tensor_of=lambda p: p.main_grad)
+    grads = export_hf(model, args, role, tensor_of=lambda p: p.main_grad)
     parallel_state.destroy_model_parallel()
     return {"embed": grads[EMBED], "norm": _norm(grads.values())}
 
 
 def _all_layouts(dirs: dict) -> dict:
-    return {name: _grads(dirs[model], layout, mode, packed) for name, (model, layout, mode, packed) in LAYOUTS.items()}
+    return {name: _grads(dirs[model], layout, mode, packed, "critic" if model == "critic" else "actor")
+            for name, (model, layout, mode, packed) in LAYOUTS.items()}
 
 
-def _hf_model(tied: bool):
+def _hf_model(tied: bool, role: str = "actor"):
     """A tiny llama whose pad row is nonzero (transformers' init zeroes it) and used."""
-    hf = tiny_hf_model(tiny_config("llama", tie_word_embeddings=tied, pad_token_id=PAD))
+    hf = tiny_hf_model(tiny_config("llama", tie_word_embeddings=tied, pad_token_id=PAD), role)
     assert hf.model.embed_tokens.padding_idx == PAD
     with torch.no_grad():
         hf.model.embed_tokens.weight[PAD].normal_(0, 0.1, generator=torch.Generator().manual_seed(0))
@@ -117,7 +120,7 @@ def _hf_model(tied: bool):
 def hf_grads(hf, padding_idx: int | None) -> dict:
     """transformers' gradients of the same loss (mean over the micro-batches, as megatron's
     schedule divides each micro-batch's loss by their count)."""
-    hf = copy.deepcopy(hf).train()
+    hf = copy.deepcopy(hf)  # eval: the token-classification head's dropout off (megatron's value head has none)
     hf.model.embed_tokens.padding_idx = padding_idx
     loss = 0.0
     for batch in micro_batches():
@@ -130,8 +133,8 @@ def hf_grads(hf, padding_idx: int | None) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     dirs, refs = {}, {}
-    for name, tied in (("untied", False), ("tied", True)):
-        hf = _hf_model(tied)
+    for name, tied in (("untied", False), ("tied", True), ("critic", False)):
+        hf = _hf_model(tied, "critic" if name == "critic" else "actor")
         dirs[name] = str(tmp_path_factory.mktemp(name))
         hf.save_pretrained(dirs[name])
         refs[name] = {"transformers": hf_grads(hf, PAD), "megatron": hf_grads(hf, None)}
