@@ -68,9 +68,11 @@ def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
 
 
 def build_options(cfg: JobConfig) -> BuildOptions:
-    """Numerics of every model in the job: parameter dtype, dropout and MoE options."""
+    """Numerics of every model in the job: parameter dtype, dropout, MoE options and the pad
+    token's embedding gradient."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype]
-    return BuildOptions(params_dtype=dtype, hidden_dropout=cfg.model.hidden_dropout, moe=cfg.model.moe)
+    return BuildOptions(params_dtype=dtype, hidden_dropout=cfg.model.hidden_dropout, moe=cfg.model.moe,
+                        pad_embedding_grad=cfg.model.pad_embedding_grad)
 
 
 def build(cfg: JobConfig, platform: Platform,

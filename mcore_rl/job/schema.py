@@ -18,6 +18,7 @@ from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.config_loader import load_config, to_dict
 from mcore_rl.job.task import TaskConfig
 from mcore_rl.models.moe import MoEOptions
+from mcore_rl.models.padding_idx import PadEmbeddingGrad
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.rl.actor import ActorConfig
 from mcore_rl.rl.critic import CriticConfig
@@ -133,7 +134,9 @@ class ModelConfig:
     ``dtype``: parameter dtype of actor, reference and critic (bf16 trains with fp32 main
     weights in megatron's optimizer). ``moe``: router/dispatcher options for MoE models.
     ``hidden_dropout``: dropout after attention and MLP blocks (attention dropout is
-    ``tiny.attention_dropout`` or the HF config's).
+    ``tiny.attention_dropout`` or the HF config's). ``pad_embedding_grad``: ``transformers``
+    (the HF config's ``pad_token_id`` row of the word embedding gets no gradient through the
+    lookup, as transformers' ``padding_idx``) or ``megatron`` (it does).
     """
 
     hf_dir: str | None = None
@@ -143,6 +146,7 @@ class ModelConfig:
     dtype: Literal["fp32", "bf16"] = "fp32"
     hidden_dropout: float = 0.0
     moe: MoEOptions = field(default_factory=MoEOptions)
+    pad_embedding_grad: PadEmbeddingGrad = "transformers"
 
     def __post_init__(self) -> None:
         self.moe.validate()  # e.g. aux_loss_coeff without load_balancing: an error at load time

@@ -16,6 +16,7 @@ from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.layers import ValueHead
 from mcore_rl.models.mla import mla_config_kwargs
 from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
+from mcore_rl.models.padding_idx import PadEmbeddingGrad, hold_pad_row
 from mcore_rl.models.rope import inv_freq
 from mcore_rl.models.specs import block_spec
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
@@ -29,7 +30,11 @@ VOCAB_MULTIPLE = 128
 class BuildOptions:
     """Numerics and memory options. recompute: None, 'full' (whole layers) or 'selective'.
     hidden_dropout: dropout after attention and MLP (megatron's hidden_dropout; HF checkpoints of
-    the supported architectures have none, so 0 unless a trainer wants it)."""
+    the supported architectures have none, so 0 unless a trainer wants it).
+    pad_embedding_grad: 'transformers' (default) gives the pad token's embedding row
+    (``ModelArgs.pad_token_id``) no gradient through the lookup, as transformers'
+    ``nn.Embedding(padding_idx=pad_token_id)``; a tied output projection still trains it.
+    'megatron' trains it through the lookup too (megatron-core has no padding_idx)."""
 
     params_dtype: torch.dtype = torch.float32
     hidden_dropout: float = 0.0
@@ -39,6 +44,7 @@ class BuildOptions:
     moe: MoEOptions = MoEOptions()
     # parameters on torch's meta device (shapes only, no memory): a converter's target layout
     meta_device: bool = False
+    pad_embedding_grad: PadEmbeddingGrad = "transformers"
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -248,6 +254,7 @@ def build_model(
     device = torch.device("meta") if options.meta_device else platform.device()
     with torch.device("meta") if options.meta_device else contextlib.nullcontext():
         chunks = [_build_chunk(args, config, role, platform, vp, device) for vp in stages]
+    hold_pad_row(chunks, args.pad_token_id, options.pad_embedding_grad)
     if options.moe.freeze_router:
         for chunk in chunks:
             for name, param in chunk.named_parameters():

@@ -6,7 +6,7 @@ here so that unsupported settings fail with a message that names the value and t
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mcore_rl.mapping.transforms import Dims
@@ -46,6 +46,17 @@ class ModelArgs:
     qk_norm: bool = False
     mla: MLAArgs | None = None  # multi-latent attention (head_dim is then its q/k head size)
     mtp_layers: int = 0  # multi-token-prediction layers a HF checkpoint may hold (not built)
+    # the word embedding's padding row (transformers' padding_idx, in [0, vocab_size)): its
+    # lookup sends no gradient to that row (models/padding_idx.py); None: no padding row
+    pad_token_id: int | None = None
+
+    def with_pad_token_id(self, pad_token_id: Any, source: str = "pad_token_id") -> ModelArgs:
+        """These args with the padding row of a config whose pad id was set elsewhere (verl sets
+        ``pad_token_id`` from the tokenizer); ``source`` names that value in errors. An
+        architecture whose embedding has no padding_idx keeps None."""
+        if self.arch.pad_row_field is None:
+            return self
+        return replace(self, pad_token_id=_pad_row(pad_token_id, self.vocab_size, source))
 
     @property
     def features(self) -> frozenset[str]:
@@ -164,9 +175,10 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         head_dim = mla.qk_head_dim
     else:
         rope = rope_spec_from_hf(cfg, head_dim)
+    vocab = _require(cfg, "vocab_size")
     return ModelArgs(
         arch=arch,
-        vocab_size=_require(cfg, "vocab_size"),
+        vocab_size=vocab,
         hidden_size=hidden,
         ffn_hidden_size=_require(cfg, "intermediate_size"),
         num_layers=num_layers,
@@ -185,7 +197,25 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         qk_norm=_switch(cfg, arch.qk_norm, arch.qk_norm_field),
         mla=mla,
         mtp_layers=int(getattr(cfg, arch.mtp_layers_field, 0) or 0) if arch.mtp_layers_field else 0,
+        pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
+                      if arch.pad_row_field else None),
     )
+
+
+def _pad_row(value: Any, vocab_size: int, source: str) -> int | None:
+    """The embedding row transformers' ``nn.Embedding(..., padding_idx=value)`` holds: None, or
+    an id in [-vocab_size, vocab_size) (a negative one counts from the end, as torch does)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{source}={value!r} is not a token id; set it to an integer below "
+                          f"vocab_size({vocab_size}) or to null.")
+    if not -vocab_size <= value < vocab_size:
+        raise ConfigError(
+            f"{source}={value} is outside the vocabulary (vocab_size={vocab_size}): transformers "
+            f"refuses it as the embedding's padding_idx too; set it to a token id below {vocab_size} "
+            "(or null), or resize the model's vocabulary.")
+    return value % vocab_size
 
 
 def _switch(cfg: Any, fixed: bool, field: str | None) -> bool:

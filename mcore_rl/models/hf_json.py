@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 _DENSE = {"hidden_act": "silu", "tie_word_embeddings": False, "attention_dropout": 0.0,
-          "initializer_range": 0.02}
+          "initializer_range": 0.02, "pad_token_id": None}
 
 
 @dataclass(frozen=True)

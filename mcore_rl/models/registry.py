@@ -31,6 +31,11 @@ class ArchSpec:
     moe: MoEFields | None = None  # None: dense
     attention: Literal["gqa", "mla"] = "gqa"  # mla: DeepSeek's multi-latent attention
     mtp_layers_field: str | None = None  # config field counting multi-token-prediction layers
+    # the config field transformers passes as the word embedding's padding_idx
+    # (nn.Embedding(vocab, hidden, padding_idx=config.<field>): that token's row gets no gradient
+    # through the lookup); None: its embedding has no padding_idx. All nine architectures below
+    # read pad_token_id (checked in transformers 5.10 and 5.24).
+    pad_row_field: str | None = "pad_token_id"
 
 
 # DeepSeek-V3 and GLM-4.5 routers: sigmoid scores + correction bias, groups, scaled weights

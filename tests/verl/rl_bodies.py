@@ -129,7 +129,10 @@ def _plain(metrics: dict) -> dict:
 
 
 def _own_engine(path: str, layout: dict, role: str, steps: int):
-    """mcore_rl's own ModelEngine with the optimizer verl's config above asks for."""
+    """mcore_rl's own ModelEngine with the optimizer verl's config above asks for, and verl's pad
+    id: HFModelConfig sets the config's pad_token_id from the tokenizer (its engines' padding_idx)."""
+    from transformers import AutoTokenizer
+
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.parallel import ParallelLayout
@@ -144,7 +147,8 @@ def _own_engine(path: str, layout: dict, role: str, steps: int):
     par = ParallelLayout(**{names[k]: v for k, v in layout.items()})
     optim = OptimConfig(lr=LR, weight_decay=0.01, clip_grad=1.0, total_steps=steps, decay_style="constant",
                         use_distributed_optimizer=distributed)
-    return ModelEngine(model_args_from_hf(path), par, role, setup_platform(None),
+    args = model_args_from_hf(path).with_pad_token_id(AutoTokenizer.from_pretrained(path).pad_token_id)
+    return ModelEngine(args, par, role, setup_platform(None),
                        BuildOptions(params_dtype=torch.float32), optim, hf_weights=path)
 
 

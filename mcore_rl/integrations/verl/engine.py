@@ -85,7 +85,10 @@ class McoreRLEngine(BaseEngine):
                                recompute=recompute)
         optim = None if self.engine_config.forward_only else optim_config(self.optimizer_config,
                                                                           self.engine_config)
-        self.engine = ModelEngine(model_args_from_hf(start.hf_dir), self.layout, self.role, self.platform,
+        # verl's hf_config carries the tokenizer's pad id (HFModelConfig): its FSDP engine's padding_idx
+        args = model_args_from_hf(start.hf_dir).with_pad_token_id(
+            getattr(self.model_config.hf_config, "pad_token_id", None), "verl's model_config.hf_config.pad_token_id")
+        self.engine = ModelEngine(args, self.layout, self.role, self.platform,
                                   options, optim, hf_weights=start.hf_dir, init_value_head=start.init_value_head)
         _check_router_replay(self.engine, self.engine_config.router_replay.mode)
         if start.mcore_dir is not None:
