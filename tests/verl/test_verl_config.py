@@ -189,9 +189,15 @@ def _with(cfg, override: str):
 
 
 @pytest.fixture(scope="module")
-def composed(model_dir) -> dict:
-    """verl's PPO config with model_engine=mcore_rl: plain, and with the Megatron script below."""
-    return {"plain": _compose(model_dir), "script": _compose(model_dir, *SCRIPT)}
+def plain(model_dir):
+    """verl's PPO config with model_engine=mcore_rl."""
+    return _compose(model_dir)
+
+
+@pytest.fixture(scope="module")
+def script(model_dir):
+    """verl's PPO config with model_engine=mcore_rl and the Megatron script's overrides below."""
+    return _compose(model_dir, *SCRIPT)
 
 
 def _ref_config(cfg):
@@ -238,10 +244,10 @@ LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora_ran
 
 
 @pytest.mark.parametrize("override", LORA)
-def test_lora_settings_are_refused_where_verl_reads_them(composed, override):
+def test_lora_settings_are_refused_where_verl_reads_them(plain, override):
     key = override.split("=")[0]
     with config_error(f"{key}=", "LoRA is not supported by the mcore_rl engine"):
-        _engines(_with(composed["plain"], override))
+        _engines(_with(plain, override))
 
 
 def test_lora_refused_at_engine_construction(model_dir):
@@ -286,14 +292,14 @@ SCRIPT = [
 ]
 
 
-def test_verl_megatron_script_runs_on_mcore_rl(model_dir, composed):
+def test_verl_megatron_script_runs_on_mcore_rl(model_dir, script):
     """The same overrides under verl's own Megatron engine (they are verl's keys), then with
     model_engine=mcore_rl and the search path: the mcore_rl engine configs carry their values."""
     from verl.utils.config import omega_conf_to_dataclass
 
     verls = omega_conf_to_dataclass(_compose(model_dir, *SCRIPT, engine="megatron").actor_rollout_ref.actor)
     assert (verls.strategy, verls.engine.tensor_model_parallel_size) == ("megatron", 2)
-    e = _engines(composed["script"])
+    e = _engines(script)
     layout = lambda c: (c.tensor_model_parallel_size, c.pipeline_model_parallel_size,  # noqa: E731
                         c.virtual_pipeline_model_parallel_size, c.expert_model_parallel_size,
                         c.expert_tensor_parallel_size, c.context_parallel_size, c.sequence_parallel)
@@ -306,6 +312,9 @@ def test_verl_megatron_script_runs_on_mcore_rl(model_dir, composed):
     # the reference: forward only, the actor's layout and seed (one process holds both engines)
     assert layout(e["ref"]) == layout(e["actor"]) and e["ref"].forward_only and e["ref"].param_offload
     assert (e["ref"].seed, e["ref"].optimizer_offload) == (7, False)
+    # a script that sets only the actor's keys: the reference follows them (as in verl's megatron_ref.yaml)
+    ref = _ref_config(_compose(model_dir, *(o for o in SCRIPT if not o.startswith("actor_rollout_ref.ref.")))).engine
+    assert layout(ref) == layout(e["actor"]) and ref.param_offload and ref.seed == 7
     assert layout(e["critic"]) == (2, 2, None, 1, None, 1, True)
     assert (e["critic"].param_offload, e["critic"].optimizer_offload, e["critic"].use_distributed_optimizer) == \
         (True, True, False)
@@ -354,9 +363,9 @@ REFUSED_KEYS = {
 
 
 @pytest.mark.parametrize("override", list(REFUSED_KEYS))
-def test_megatron_keys_without_meaning_here_are_refused(composed, override):
+def test_megatron_keys_without_meaning_here_are_refused(script, override):
     with config_error(REFUSED_KEYS[override]):
-        _engines(_with(composed["script"], override))
+        _engines(_with(script, override))
 
 
 def test_every_megatron_key_is_classified():

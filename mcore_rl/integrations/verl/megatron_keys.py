@@ -103,10 +103,13 @@ def set_keys(megatron) -> dict[str, Any]:
 
 
 def _refusal(key: str, value: Any, where: str) -> VerlConfigError:
-    top = key.split(".")[0]
-    why = INERT.get(top, "")
-    return VerlConfigError(f"{where}.megatron.{key}={value!r}: the mcore_rl engine has no such setting ({why}); "
-                           f"remove it (verl's default is {_default(top)!r}).")
+    top, _, sub = key.partition(".")
+    default = _default(top)
+    if sub:
+        default = default.get(sub) if isinstance(default, dict) else None
+    return VerlConfigError(f"{where}.megatron.{key}={value!r}: the mcore_rl engine has no such setting "
+                           f"({INERT.get(top, 'verl reads it for its own engine only')}); remove it (verl's default: "
+                           f"{default!r}).")
 
 
 def _recompute(otc: dict[str, Any], where: str) -> dict[str, Any]:
@@ -196,4 +199,4 @@ def merge(engine: McoreRLEngineConfig, megatron, where: str) -> McoreRLEngineCon
     try:
         return dataclasses.replace(engine, **updates)
     except VerlConfigError as e:
-        raise VerlConfigError(f"{where}.megatron ({sorted(updates)}): {e}") from e
+        raise VerlConfigError(f"{where}.megatron, read into the engine config: {e}") from e
