@@ -28,9 +28,16 @@ from mcore_rl.models.hf_config import ConfigError
 Tensor = torch.Tensor
 
 
+DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+WSDDecayStyle = Literal["linear", "cosine", "exponential", "minus_sqrt"]
+
+
 @dataclass(frozen=True)
 class OptimConfig:
-    """Adam (or SGD) with megatron's DistributedOptimizer, grad clipping and an LR schedule."""
+    """Adam (or SGD) with megatron's DistributedOptimizer, grad clipping and an LR schedule
+    (megatron's OptimizerParamScheduler): linear warmup from ``warmup_init_lr`` to ``lr`` over
+    ``warmup_steps``, then ``decay_style`` down to ``min_lr`` at ``total_steps``; ``WSD`` holds
+    ``lr`` and anneals over the last ``wsd_decay_steps`` in ``wsd_decay_style``."""
 
     name: Literal["adam", "sgd"] = "adam"
     lr: float = 1e-6
@@ -40,8 +47,11 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
     warmup_steps: int = 0
+    warmup_init_lr: float = 0.0
     total_steps: int = 1000
-    decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    decay_style: DecayStyle = "constant"
+    wsd_decay_steps: int | None = None
+    wsd_decay_style: WSDDecayStyle = "exponential"
     use_distributed_optimizer: bool = True
 
     def __post_init__(self) -> None:
@@ -50,6 +60,32 @@ class OptimConfig:
                 "name='sgd' needs use_distributed_optimizer=False (megatron's DistributedOptimizer "
                 "supports Adam only)."
             )
+        if not 0.0 <= self.min_lr <= self.lr or not 0.0 <= self.warmup_init_lr <= self.lr:
+            raise ConfigError(f"min_lr={self.min_lr} and warmup_init_lr={self.warmup_init_lr} must lie in "
+                              f"[0, lr={self.lr}].")
+        if self.decay_style == "WSD" and not self.wsd_decay_steps:
+            raise ConfigError(f"decay_style='WSD' needs wsd_decay_steps (the annealing steps at the end), got "
+                              f"{self.wsd_decay_steps}.")
+
+
+def build_scheduler(optimizer, optim: OptimConfig) -> OptimizerParamScheduler:
+    """megatron's OptimizerParamScheduler for ``optim`` on a megatron optimizer (anything with
+    ``param_groups``); constant weight decay. Sets the step-0 learning rate."""
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=optim.warmup_init_lr,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.warmup_steps,
+        lr_decay_steps=max(optim.total_steps, optim.warmup_steps + 1),
+        lr_decay_style=optim.decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        wsd_decay_steps=optim.wsd_decay_steps,
+        lr_wsd_decay_style=optim.wsd_decay_style,
+    )
 
 
 class ModelEngine:
@@ -89,19 +125,7 @@ class ModelEngine:
             return
         self.model = wrap_with_ddp(chunks, optim.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(_megatron_optim_config(optim, options), self.model)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if optim.warmup_steps else optim.lr,
-            max_lr=optim.lr,
-            min_lr=optim.min_lr,
-            lr_warmup_steps=optim.warmup_steps,
-            lr_decay_steps=max(optim.total_steps, optim.warmup_steps + 1),
-            lr_decay_style=optim.decay_style,
-            start_wd=optim.weight_decay,
-            end_wd=optim.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
+        self.scheduler = build_scheduler(self.optimizer, optim)
 
     @torch.no_grad()
     def load_hf_weights(self, source: str | Mapping[str, Tensor], init_value_head: bool = False) -> None:

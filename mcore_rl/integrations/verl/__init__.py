@@ -4,7 +4,9 @@ The only package that imports verl. ``import mcore_rl`` never reaches it.
 - ``platform``: verl's CPU platform (loaded by verl's ``verl.plugins`` entry point at ``import
   verl``) and the named, version-gated patches of verl functions it needs.
 - ``config``: ``McoreRLEngineConfig`` (verl's ``EngineConfig`` with ``strategy='mcore_rl'``) and
-  the actor / critic configs of verl's PPO trainer (``model_engine=mcore_rl``).
+  the actor / critic configs of verl's PPO trainer (``model_engine=mcore_rl``); ``megatron_keys``
+  reads a verl Megatron script's ``megatron.*`` keys into them; ``verl_optim`` maps verl's
+  optimizer config.
 - ``engine``: the engines; ``rollout_server`` / ``rollout_replica``: the CPU rollout backend
   (``rollout.name=mcore_rl``); ``registry``: both registered in verl's registries in every
   process verl looks them up (see there).
@@ -14,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["McoreRLEngineConfig", "McoreRLActorConfig", "McoreRLCriticConfig", "register_engines"]
+_CONFIGS = ("McoreRLEngineConfig", "McoreRLActorConfig", "McoreRLCriticConfig", "MegatronEngineKeys")
+__all__ = [*_CONFIGS, "register_engines"]
 
 
 def register_engines() -> None:
@@ -27,7 +30,7 @@ def register_engines() -> None:
 def __getattr__(name: str) -> Any:
     # Hydra resolves ``_target_: mcore_rl.integrations.verl.McoreRLEngineConfig`` through here:
     # choosing the engine in a config is what makes verl's registry know it.
-    if name in ("McoreRLEngineConfig", "McoreRLActorConfig", "McoreRLCriticConfig"):
+    if name in _CONFIGS:
         from mcore_rl.integrations.verl import config  # registers (see config's last line)
 
         return getattr(config, name)

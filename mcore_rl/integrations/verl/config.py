@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Mapping, Optional
 
-from verl.workers.config import ActorConfig, CriticConfig
+from verl.workers.config import ActorConfig, CriticConfig, McoreEngineConfig
 from verl.workers.config.engine import EngineConfig
 
 from mcore_rl.errors import McoreRLError
@@ -32,6 +32,10 @@ class McoreRLEngineConfig(EngineConfig):
     dtype: parameter dtype, 'bfloat16' (fp32 main weights in the optimizer) or 'float32'.
     verify_content: a load re-reads every checkpoint file and checks its CRC-32 (mcore_rl's
     ``checkpoint.verify_content``).
+    recompute_granularity: activation recomputation, 'full' (whole layers, uniform) or
+    'selective' (core attention); null follows ``model.enable_gradient_checkpointing`` (full).
+    recompute_num_layers: layers per recomputed block with 'full' (null: 1).
+    router_replay: verl's ``EngineRouterReplayConfig`` (``mode``: disabled, R2, R3).
     """
 
     _mutable_fields = EngineConfig._mutable_fields | {"sequence_parallel"}
@@ -45,6 +49,8 @@ class McoreRLEngineConfig(EngineConfig):
     sequence_parallel: bool = True
     use_distributed_optimizer: bool = True
     verify_content: bool = True
+    recompute_granularity: Optional[str] = None
+    recompute_num_layers: Optional[int] = None
     strategy: str = "mcore_rl"
 
     def __post_init__(self) -> None:
@@ -62,6 +68,13 @@ class McoreRLEngineConfig(EngineConfig):
         if self.use_fused_kernels:
             raise VerlConfigError("engine.use_fused_kernels=True: mcore_rl has no fused LM-head kernels; "
                                   "set model.use_fused_kernels=False.")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise VerlConfigError(f"engine.recompute_granularity={self.recompute_granularity!r}; choose full, "
+                                  "selective or null.")
+        if self.recompute_num_layers is not None and (self.recompute_granularity != "full"
+                                                      or self.recompute_num_layers < 1):
+            raise VerlConfigError(f"engine.recompute_num_layers={self.recompute_num_layers} needs "
+                                  f"recompute_granularity='full' (got {self.recompute_granularity!r}) and a count >= 1.")
 
     @property
     def is_bf16(self) -> bool:
@@ -69,28 +82,85 @@ class McoreRLEngineConfig(EngineConfig):
 
 
 @dataclass
+class MegatronEngineKeys(McoreEngineConfig):
+    """verl's ``McoreEngineConfig`` fields as a verl Megatron script sets them (``<section>.megatron``),
+    read, not validated (verl's checks are for verl's engine): ``megatron_keys.merge`` takes them
+    into ``McoreRLEngineConfig`` or refuses them."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
+# LoRA switches verl reads (trainer_base / ray_trainer ``ref_in_actor``, the SFT trainer, the
+# engines): (key under the model config, the value that means "off")
+LORA_KEYS = (("lora_rank", 0), ("lora.rank", 0), ("lora_adapter_path", None), ("lora.adapter_path", None))
+
+
+def _lookup(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if config is None:
+            return None
+        config = config.get(part) if isinstance(config, Mapping) else getattr(config, part, None)
+    return config
+
+
+def refuse_lora(model_config: Any, where: str) -> None:
+    """A LoRA rank > 0 or an adapter path: an error naming the key (verl would make the actor its
+    own reference and train adapters; the mcore_rl engine would train every weight)."""
+    for key, off in LORA_KEYS:
+        value = _lookup(model_config, key)
+        active = (value or 0) > 0 if off == 0 else value is not None
+        if active:
+            raise VerlConfigError(f"{where}.{key}={value!r}: LoRA is not supported by the mcore_rl engine yet (it "
+                                  "would train every weight, and verl would take the policy itself as the reference); "
+                                  f"set {where}.{key}={off!r}, or use verl's megatron/fsdp engine for LoRA.")
+
+
+def _merge_megatron(engine: McoreRLEngineConfig, megatron: Any, where: str) -> McoreRLEngineConfig:
+    from mcore_rl.integrations.verl import megatron_keys
+
+    return megatron_keys.merge(engine, megatron, where)
+
+
+@dataclass
 class McoreRLActorConfig(ActorConfig):
     """verl's actor (and reference) config for ``model_engine=mcore_rl`` in verl's PPO trainer:
-    the engine settings live under ``mcore_rl`` (as verl's megatron actor keeps them under
-    ``megatron``)."""
+    the engine settings live under ``mcore_rl``; a verl Megatron script's ``megatron`` keys are
+    read into them (``megatron_keys``)."""
+
+    _mutable_fields = ActorConfig._mutable_fields | {"mcore_rl"}
 
     strategy: str = "mcore_rl"
     mcore_rl: McoreRLEngineConfig = field(default_factory=McoreRLEngineConfig)
+    megatron: Optional[MegatronEngineKeys] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        where = "actor_rollout_ref.ref" if self.mcore_rl.forward_only else "actor_rollout_ref.actor"
+        self.mcore_rl = _merge_megatron(self.mcore_rl, self.megatron, where)
         self.engine = self.mcore_rl
+
+    def validate(self, n_gpus: int, train_batch_size: int, model_config: dict = None) -> None:
+        """verl's checks, and LoRA refused (verl's ``validate_config`` passes the model config)."""
+        super().validate(n_gpus, train_batch_size, model_config)
+        refuse_lora(model_config, "actor_rollout_ref.model")
 
 
 @dataclass
 class McoreRLCriticConfig(CriticConfig):
-    """verl's critic config for ``model_engine=mcore_rl``: engine settings under ``mcore_rl``."""
+    """verl's critic config for ``model_engine=mcore_rl``: engine settings under ``mcore_rl``, a
+    verl Megatron script's ``megatron`` keys read into them."""
+
+    _mutable_fields = CriticConfig._mutable_fields | {"mcore_rl"}
 
     strategy: str = "mcore_rl"
     mcore_rl: McoreRLEngineConfig = field(default_factory=McoreRLEngineConfig)
+    megatron: Optional[MegatronEngineKeys] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        refuse_lora(self.model, "critic.model")
+        self.mcore_rl = _merge_megatron(self.mcore_rl, self.megatron, "critic")
         self.engine = self.mcore_rl
 
 

@@ -12,6 +12,8 @@ micro-batch's output in verl's layout; the results are put back in order by verl
 from __future__ import annotations
 
 import logging
+import warnings
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
@@ -23,8 +25,8 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from mcore_rl.errors import McoreRLError
-from mcore_rl.integrations.verl import verl_batches, verl_checkpoints, verl_routing
-from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError
+from mcore_rl.integrations.verl import verl_batches, verl_checkpoints, verl_optim, verl_routing
+from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError, refuse_lora
 from mcore_rl.models.builder import BuildOptions, Role
 from mcore_rl.models.forward import run_schedule
 from mcore_rl.models.micro_batch import MicroBatch
@@ -33,11 +35,14 @@ from mcore_rl.models.hf_weights import export_hf_buckets
 from mcore_rl.models.routing import ROUTED_EXPERTS
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
 from mcore_rl.platform import setup_platform
-from mcore_rl.rl.engine import ModelEngine, OptimConfig
-from mcore_rl.rl.offload import Offloader
+from mcore_rl.rl.engine import ModelEngine
+from mcore_rl.rl.offload import PARTS, PartOffloader
 
 log = logging.getLogger("mcore_rl.integrations.verl")
 Tensor = torch.Tensor
+# ``to()``'s word for the compute device (verl's worker uses it too): on the CPU platform verl's
+# get_device_name() is 'cpu' as well, which ``to()`` reads as "offload"
+ON_DEVICE = "device"
 
 
 class McoreRLEngine(BaseEngine):
@@ -53,6 +58,7 @@ class McoreRLEngine(BaseEngine):
         if not isinstance(engine_config, McoreRLEngineConfig):
             raise VerlConfigError(f"the mcore_rl engine needs engine=mcore_rl (McoreRLEngineConfig), got "
                                   f"{type(engine_config).__name__}.")
+        refuse_lora(model_config, "model")
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.platform = setup_platform(None)  # cpu or cuda, as torch sees this process
@@ -68,7 +74,7 @@ class McoreRLEngine(BaseEngine):
         self.engine: ModelEngine | None = None
         self.hf_source: str | None = None  # HF config/tokenizer copied into checkpoints' huggingface/
         self.mode: str | None = None
-        self._offloaded: dict[tuple[bool, bool, bool], Offloader] = {}
+        self._placement: PartOffloader | None = None  # which state parts are in host memory
 
     # ---- build -----------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -79,17 +85,20 @@ class McoreRLEngine(BaseEngine):
         path = self.model_config.local_path
         start = verl_checkpoints.model_start(path, self.role)
         self.hf_source = start.hf_dir
-        # verl's activation-checkpointing switch (model.enable_gradient_checkpointing, default on)
-        recompute = "full" if getattr(self.model_config, "enable_gradient_checkpointing", False) else None
-        options = BuildOptions(params_dtype=torch.bfloat16 if self.engine_config.is_bf16 else torch.float32,
-                               recompute=recompute)
-        optim = None if self.engine_config.forward_only else optim_config(self.optimizer_config,
-                                                                          self.engine_config)
+        c = self.engine_config
+        # the engine's recompute_granularity, else verl's switch (model.enable_gradient_checkpointing, default on)
+        recompute = c.recompute_granularity or (
+            "full" if getattr(self.model_config, "enable_gradient_checkpointing", False) else None)
+        options = BuildOptions(params_dtype=torch.bfloat16 if c.is_bf16 else torch.float32, recompute=recompute,
+                               recompute_num_layers=c.recompute_num_layers or 1)
+        optim = None if c.forward_only else verl_optim.optim_config(self.optimizer_config,
+                                                                    c.use_distributed_optimizer)
         # verl's hf_config carries the tokenizer's pad id (HFModelConfig): its FSDP engine's padding_idx
         args = model_args_from_hf(start.hf_dir).with_pad_token_id(
             getattr(self.model_config.hf_config, "pad_token_id", None), "verl's model_config.hf_config.pad_token_id")
         self.engine = ModelEngine(args, self.layout, self.role, self.platform,
                                   options, optim, hf_weights=start.hf_dir, init_value_head=start.init_value_head)
+        self._placement = PartOffloader(self.engine)
         _check_router_replay(self.engine, self.engine_config.router_replay.mode)
         if start.mcore_dir is not None:
             verl_checkpoints.load_model_dir_into(start.mcore_dir, self.engine)
@@ -142,21 +151,36 @@ class McoreRLEngine(BaseEngine):
 
     # ---- placement ---------------------------------------------------------------------------
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        """Offload to host memory (``device='cpu'``) or back. On the CPU platform the state
-        already lives in host memory: both directions leave it as it is."""
+        """Moves the named parts of the state (``model``: parameters, ``grad``: gradients,
+        ``optimizer``: fp32 main parameters and optimizer state) to host memory (``device='cpu'``)
+        or back to the compute device (any other ``device``; ``ON_DEVICE`` on every platform).
+        Each part moves only if it is not there already; the others stay where they are. On the
+        CPU platform the same storages are freed (correct, only not useful)."""
         super().to(device=device, model=model, optimizer=optimizer, grad=grad)
-        if self.platform.on_cpu or self.engine is None or not (model or optimizer):
+        if self._placement is None:
             return
-        key = (model, grad, optimizer and self.engine.optimizer is not None)
+        parts = [part for part, asked in zip(PARTS, (model, grad, optimizer)) if asked]
         if device == "cpu":
-            if key not in self._offloaded:
-                for wait in self.engine.before_state_moves:
-                    wait()
-                offloader = Offloader(self.engine, params=model, grads=grad, optimizer=key[2])
-                offloader.offload()
-                self._offloaded[key] = offloader
-        elif key in self._offloaded:
-            self._offloaded.pop(key).onload()
+            self._placement.offload(parts)
+        else:
+            self._placement.onload(parts)
+
+    @property
+    def offloaded(self) -> frozenset[str]:
+        """The parts of the state (``PARTS``) now in host memory."""
+        return self._placement.offloaded if self._placement is not None else frozenset()
+
+    @contextmanager
+    def _state_on_device(self):
+        """Everything on the device for a checkpoint; afterwards the offloaded parts go back."""
+        away = self.offloaded
+        if away:
+            self._placement.onload(away)
+        try:
+            yield
+        finally:
+            if away:
+                self._placement.offload(away)
 
     # ---- parallel groups ---------------------------------------------------------------------
     def get_data_parallel_rank(self) -> int:
@@ -237,19 +261,34 @@ class McoreRLEngine(BaseEngine):
                         max_ckpt_to_keep: int | None = None, **_kwargs: Any) -> None:
         """Saves model, optimizer, RNG and LR schedule (``checkpoint.save_contents``) as
         mcore_rl's ``global_step_<N>/<role>/`` step; see ``verl_checkpoints``."""
-        verl_checkpoints.save(self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
+        with self._state_on_device():
+            verl_checkpoints.save(self, local_path, hdfs_path, global_step, max_ckpt_to_keep)
 
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = True,
                         **_kwargs: Any) -> None:
         """Loads ``checkpoint.load_contents`` from a step saved by ``save_checkpoint`` (at any
-        layout). The checkpoint is never deleted, whatever ``del_local_after_load`` says."""
-        verl_checkpoints.load(self, local_path, hdfs_path, del_local_after_load)
+        layout). The checkpoint is never deleted, whatever ``del_local_after_load`` says. The LR
+        schedule's values: the config's (``optim.use_checkpoint_opt_param_scheduler=False``, verl's
+        default) or the checkpoint's; its step count is the checkpoint's."""
+        scheduler = self.engine.scheduler if self.engine is not None else None
+        keep_config = scheduler is not None and not self.optimizer_config.use_checkpoint_opt_param_scheduler
+        configured = scheduler.state_dict() if keep_config else None
+        with self._state_on_device(), warnings.catch_warnings():
+            if keep_config:  # the checkpoint's values are replaced below
+                warnings.filterwarnings("ignore", message=".*lr scheduler .*using the checkpoint's value")
+            verl_checkpoints.load(self, local_path, hdfs_path, del_local_after_load)
+        if keep_config:
+            changed = verl_optim.config_schedule_after_load(scheduler, configured)
+            if changed:
+                log.info("optim.use_checkpoint_opt_param_scheduler=False: the config's %s replace the checkpoint's",
+                         changed)
 
     def get_per_tensor_param(self, **_kwargs: Any) -> tuple[Iterator[tuple[str, Tensor]], None]:
         """(generator of (HF name, full tensor), None): ``export_hf``'s tensors, one parameter's
         at a time. Collective: every rank must run the generator to its end."""
         if self.engine is None:
             raise McoreRLError("initialize() the mcore_rl engine before exporting its weights.")
+        self.to(ON_DEVICE, model=True, optimizer=False, grad=False)  # verl offloads them again after the sync
         engine = self.engine
 
         def tensors() -> Iterator[tuple[str, Tensor]]:
@@ -292,11 +331,14 @@ def _join_parallel_state(layout: ParallelLayout, seed: int) -> None:
 
 
 class _ModeCtx(BaseEngineCtx):
-    """verl's train/eval context: the model's mode, offload per the engine's flags (see ``to``),
-    and in train mode the gradients zeroed on exit (verl's ``zero_grad_on_exit``)."""
+    """verl's train/eval context: the model's mode, offload per the engine's flags (verl's
+    ``_context_switch``; see ``to``), and in train mode the gradients zeroed on exit (verl's
+    ``zero_grad_on_exit``). Entering names the compute device ``ON_DEVICE``: verl's
+    ``get_device_name()`` is 'cpu' on the CPU platform, which would read as an offload."""
 
     def __enter__(self):
-        super().__enter__()
+        self.engine.mode = self.mode
+        self._context_switch(ON_DEVICE)
         for chunk in self.engine.engine.model:
             chunk.train(self.mode == "train")
 
@@ -325,28 +367,3 @@ class McoreRLEngineWithValueHead(McoreRLEngine):
 
     def _model_output(self, output: Tensor, inp: MicroBatch, mb: TensorDict, forward_only: bool) -> dict[str, Tensor]:
         return verl_batches.value_outputs(output, inp, mb)
-
-
-def optim_config(optimizer_config, engine_config: McoreRLEngineConfig) -> OptimConfig:
-    """verl's optimizer config (``optim=megatron``: McoreOptimizerConfig, or the base fields) ->
-    mcore_rl's OptimConfig. Warmup: ``lr_warmup_steps`` when >= 0, else the ratio of the total."""
-    o = optimizer_config
-    total = int(o.total_training_steps)
-    if total < 1:
-        raise VerlConfigError(f"optim.total_training_steps={total}; verl's trainer sets it before initialize().")
-    warmup = o.lr_warmup_steps if o.lr_warmup_steps is not None and o.lr_warmup_steps >= 0 \
-        else int(o.lr_warmup_steps_ratio * total)
-    if getattr(o, "lr_warmup_init", 0.0):
-        raise VerlConfigError(f"optim.lr_warmup_init={o.lr_warmup_init}: mcore_rl warms up from 0; set it to 0.")
-    style = getattr(o, "lr_decay_style", "constant")
-    if style not in ("constant", "linear", "cosine"):
-        raise VerlConfigError(f"optim.lr_decay_style={style!r}; mcore_rl supports constant, linear, cosine.")
-    name = getattr(o, "optimizer", "adam")
-    if name not in ("adam", "adamw", "sgd"):
-        raise VerlConfigError(f"optim.optimizer={name!r}; mcore_rl supports adam (AdamW) and sgd.")
-    decay_steps = getattr(o, "lr_decay_steps", None) or total
-    return OptimConfig(
-        name="sgd" if name == "sgd" else "adam", lr=float(o.lr), min_lr=float(getattr(o, "min_lr", 0.0)),
-        weight_decay=float(o.weight_decay), betas=tuple(o.betas), clip_grad=float(o.clip_grad),
-        warmup_steps=int(warmup), total_steps=int(decay_steps), decay_style=style,
-        use_distributed_optimizer=engine_config.use_distributed_optimizer and name != "sgd")
