@@ -6,8 +6,9 @@ size (from the ``.metadata`` storage info); ``check_files`` names what is missin
 Node-local roots: ``detect_storage`` finds whether all nodes see one file system at the root
 (probe files); ``is_writer`` says which ranks write a root's shared files (rank 0 on a shared
 root, each node's leader on node-local disks; ``peer_sync`` copies the files between nodes).
-Node identity comes from torchrun's ``GROUP_RANK`` / ``LOCAL_RANK`` environment variables,
-never from host names.
+Node identity comes from the launcher's environment, never from host names: ``MCORE_RL_NODE_RANK``
+/ ``MCORE_RL_LOCAL_RANK`` where a launcher without torchrun's variables sets them (the verl
+integration does, from Ray's node ids), else torchrun's ``GROUP_RANK`` / ``LOCAL_RANK``.
 """
 from __future__ import annotations
 
@@ -56,14 +57,19 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
+NODE_ENV, LOCAL_ENV = "MCORE_RL_NODE_RANK", "MCORE_RL_LOCAL_RANK"  # set by launchers without torchrun's
+
+
 def node_leader() -> bool:
-    """True on the process with ``LOCAL_RANK == 0`` (it writes the node's shared files)."""
-    return _env_int("LOCAL_RANK", 0) == 0
+    """True on the process whose rank within its node is 0 (it writes the node's shared files):
+    ``MCORE_RL_LOCAL_RANK``, else torchrun's ``LOCAL_RANK`` (0 when unset)."""
+    return _env_int(LOCAL_ENV if LOCAL_ENV in os.environ else "LOCAL_RANK", 0) == 0
 
 
 def node_id() -> int:
-    """This process's node: torchrun's ``GROUP_RANK`` (0 when unset, i.e. a single node)."""
-    return _env_int("GROUP_RANK", 0)
+    """This process's node: ``MCORE_RL_NODE_RANK``, else torchrun's ``GROUP_RANK`` (0 when unset,
+    i.e. a single node)."""
+    return _env_int(NODE_ENV if NODE_ENV in os.environ else "GROUP_RANK", 0)
 
 
 # ----------------------------------------------------------------------------- durable files
@@ -228,7 +234,7 @@ def node_leaders() -> dict[int, int]:
         raise CheckpointError(
             "each node needs exactly one process with LOCAL_RANK=0, but got (node: leader ranks) "
             f"{bad}; launch with torchrun (it sets GROUP_RANK and LOCAL_RANK per process) or set "
-            "GROUP_RANK to the node index and LOCAL_RANK to the rank within the node."
+            f"{NODE_ENV} to the node index and {LOCAL_ENV} to the rank within the node."
         )
     return {n: ranks[0] for n, ranks in sorted(leaders.items())}
 

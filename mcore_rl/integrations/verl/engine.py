@@ -25,7 +25,7 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from mcore_rl.errors import McoreRLError
-from mcore_rl.integrations.verl import verl_batches, verl_checkpoints, verl_optim, verl_routing
+from mcore_rl.integrations.verl import ray_nodes, verl_batches, verl_checkpoints, verl_optim, verl_routing
 from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError, refuse_lora
 from mcore_rl.models.builder import BuildOptions, Role
 from mcore_rl.models.forward import run_schedule
@@ -71,6 +71,7 @@ class McoreRLEngine(BaseEngine):
             ep=c.expert_model_parallel_size, etp=c.expert_tensor_parallel_size, sequence_parallel=c.sequence_parallel)
         self.layout.validate(torch.distributed.get_world_size())
         _join_parallel_state(self.layout, c.seed)
+        ray_nodes.set_node_identity()  # checkpoints' node-local disks under Ray (no torchrun env)
         self.engine: ModelEngine | None = None
         self.hf_source: str | None = None  # HF config/tokenizer copied into checkpoints' huggingface/
         self.mode: str | None = None
