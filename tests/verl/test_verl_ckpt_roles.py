@@ -250,3 +250,84 @@ def test_verl_save_sequence_kills_resume_retention(models, tmp_path):
     assert sorted(os.listdir(step(2))) == ["COMPLETE", "actor", "data.pt"]
     assert "global_step_3 is a complete checkpoint" in r0["rollback"] and "overwrite" in r0["rollback"], r0["rollback"]
     assert r0["step3_unchanged"]
+
+
+# ---- two simulated nodes with node-local disks -----------------------------------------------------
+def node_world(actor_dir: str, critic_dir: str, root: str, out: str) -> None:
+    """One rank per node, each node a private tmpfs at ``root``: step 1's parts reach both nodes
+    at the saves, verl's data.pt and tracker only rank 0's node; step 2's actor save seals step 1,
+    which copies data.pt to the other node first; both nodes then load step 1."""
+    workers = _workers(actor_dir, critic_dir)
+    step1 = os.path.join(root, "global_step_1")
+    _train(workers, 1)
+    _save_step(workers, root, 1)
+    saved, before = _fingerprint(workers), _files(step1)
+    _train(workers, 2)
+    workers["actor"].save_checkpoint(os.path.join(root, "global_step_2", "actor"), None, 2, KEEP["actor"])
+    after = _files(step1)
+    for role, w in workers.items():  # verl's driver passes the step it read from its tracker
+        w.load_checkpoint(os.path.join(step1, role), None, False)
+    result = {"node": int(os.environ["GROUP_RANK"]), "before": before, "after": after,
+              "tracker": _read(os.path.join(root, TRACKER)), "differs": _equal(_fingerprint(workers), saved),
+              "tmpfs": any(line.split()[1] == root and line.split()[2] == "tmpfs" for line in open("/proc/mounts"))}
+    with open(os.path.join(out, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _node_main(root: str, out: str, actor_dir: str, critic_dir: str) -> None:
+    import logging
+
+    from mcore_rl.platform import init_distributed, setup_platform
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("mcore_rl").setLevel(logging.INFO)  # the storage mode and the copies are logged
+    torch.set_num_threads(1)
+    init_distributed(setup_platform("cpu"))  # env:// as torchrun sets it
+    node_world(actor_dir, critic_dir, root, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_two_nodes_node_local(models, tmp_path):
+    """As tests/test_ckpt_two_nodes.py: two torchrun agents (--nnodes 2, one process each), each in
+    its own mount namespace with a private tmpfs at the same root path."""
+    from tests.test_ckpt_two_nodes import _free_port
+
+    root, out = str(tmp_path / "root"), str(tmp_path / "out")
+    os.makedirs(root)
+    os.makedirs(out)
+    port, procs, logs = _free_port(), [], []
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for node in range(2):
+        torchrun = (f"{sys.executable} -m torch.distributed.run --nnodes 2 --node_rank {node} --nproc_per_node 1 "
+                    f"--rdzv_backend c10d --rdzv_endpoint 127.0.0.1:{port} --max_restarts 0 "
+                    f"-m tests.verl.test_verl_ckpt_roles {root} {out} {' '.join(models)}")
+        logs.append(str(tmp_path / f"node{node}.log"))
+        with open(logs[-1], "w") as f:
+            procs.append(subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                           f"mount -t tmpfs none {root} && exec {torchrun}"],
+                                          cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=300))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append("timeout")
+    text = "\n".join(f"--- node {n} ---\n{open(log).read()[-5000:]}" for n, log in enumerate(logs))
+    assert codes == [0, 0], f"exit codes {codes}\n{text}"
+    assert os.listdir(root) == [], "the nodes did not have their own disks"
+    res = {r["node"]: r for r in (json.load(open(os.path.join(out, f"rank{k}.json"))) for k in range(2))}
+    assert res[0]["tmpfs"] and res[1]["tmpfs"] and "node-local on 2 nodes" in text, text
+    # before the seal: both parts whole on both nodes (copied at the saves), verl's files on node 0 only
+    for role in ("actor", "critic"):
+        part = {k: v for k, v in res[0]["before"].items() if k.startswith(f"{role}/")}
+        assert f"{role}/PART" in part and {k: res[1]["before"].get(k) for k in part} == part, role
+    assert "data.pt" in res[0]["before"] and "data.pt" not in res[1]["before"]
+    assert res[0]["tracker"] == "1" and res[1]["tracker"] is None  # verl's tracker: its node only, never ours
+    # sealed on both nodes: the same files, data.pt copied, the same marker
+    assert res[0]["after"] == res[1]["after"] and {"COMPLETE", "data.pt"} <= set(res[1]["after"]), text
+    assert res[0]["differs"] == [] and res[1]["differs"] == [], (res[0]["differs"], res[1]["differs"])
+
+
+if __name__ == "__main__":  # a node of test_two_nodes_node_local (run by torchrun)
+    _node_main(*sys.argv[1:5])
