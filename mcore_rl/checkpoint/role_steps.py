@@ -89,6 +89,11 @@ class RoleStepManager(CheckpointManager):
             self._seal(found, step)
         self.load(step_dir, {role: engine}, contents)
 
+    def _choices(self) -> str:
+        """This node's complete steps and how a trainer resumes one (for load errors)."""
+        scan = inventory.scan_root(self.root)
+        return _resume_hint(self.root, sorted(int(s) for s, v in scan["steps"].items() if v["marker"] == "ok"))
+
     # ---- seal ----------------------------------------------------------------------------------
     def _seal_tracked(self, found: Survey) -> Survey:
         """Seals the step the trainer's tracker names when it holds parts and is not sealed."""
@@ -105,8 +110,8 @@ class RoleStepManager(CheckpointManager):
         problems = role_parts.seal_problems(found, step)
         if problems:
             raise CheckpointError(f"{TRACKER} names step {step}, but {step_dir} cannot be completed: "
-                                  f"{'; '.join(problems)}. The step is damaged: restore it, or resume another "
-                                  f"step (trainer.resume_mode=resume_path). {found.choices()}")
+                                  f"{'; '.join(problems)}. The step is damaged: restore it, or "
+                                  f"{_resume_hint(self.root, role_parts.sealed(found))}")
         roles = sorted(found.steps[step].parts)
         writer = storage.is_writer(self._mode)
         mine = agreed(partial(role_parts.node_view, step_dir, step, roles) if writer else None,
@@ -130,7 +135,8 @@ class RoleStepManager(CheckpointManager):
         plan = role_parts.retention(found, role, self.cfg.max_ckpt_to_keep, step, tracked)
         if torch.distributed.get_rank() == 0:
             for s in plan.debris:
-                log.warning("removing crash debris %s (never completed, numbered below step %d)", self.step_dir(s), step)
+                log.warning("removing crash debris %s (never completed, numbered below step %d)",
+                            self.step_dir(s), step)
             for s, r in plan.parts:
                 log.info("retention: removing the %s part of %s (max_ckpt_to_keep=%s)", r, self.step_dir(s),
                          self.cfg.max_ckpt_to_keep)
@@ -160,8 +166,8 @@ class RoleStepManager(CheckpointManager):
             raise CheckpointError(
                 f"{final} {why}: saving step {step} again would overwrite it in place (the trainer rewrites "
                 f"its own files there), so the old step could be lost before the new one is complete. Continue "
-                f"from the step the tracker names (resume_mode=auto), or move the steps from {step} on out of "
-                f"{self.root} (or use a new trainer.default_local_dir) before rolling back.")
+                f"from the step the tracker names (verl: trainer.resume_mode=auto), or, to roll back, move the "
+                f"steps from {step} on out of {self.root} first (or save into a new trainer.default_local_dir).")
 
     def _prepare_part(self, found: Survey, step: int, role: str) -> _Pending:
         """Step ``step`` made ready for ``role``'s part: what this save may continue is kept (the
@@ -208,8 +214,14 @@ def _since() -> float:
 def _unfinished(step_dir: str, found: Survey, step: int, tracked: int | None) -> str:
     st = found.steps[step]
     named = f"names step {tracked}" if tracked is not None else "does not exist on any node"
-    done = role_parts.sealed(found)
     return (f"{step_dir} is not complete: the trainer's {TRACKER} {named}, so the save of this step did not "
             f"finish (it holds the parts {sorted(st.parts)}; a step completes when the trainer has written its "
-            f"own files and its tracker names it). Resume the step the tracker names (resume_mode=auto) or a "
-            f"complete step{f' {done}' if done else ''} (resume_from_path=...).")
+            f"own files and its tracker names it). Resume the step the tracker names (verl: "
+            f"trainer.resume_mode=auto), or {_resume_hint(found.root, role_parts.sealed(found))}")
+
+
+def _resume_hint(root: str, complete: list[int]) -> str:
+    if not complete:
+        return f"start fresh (there is no complete step under {root})."
+    return (f"resume a complete step: {sorted(complete)} under {root} (verl: trainer.resume_mode=resume_path "
+            f"trainer.resume_from_path={os.path.join(root, inventory.step_name(max(complete)))}).")

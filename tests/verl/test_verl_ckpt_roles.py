@@ -170,17 +170,22 @@ def world3(actor_dir: str, critic_dir: str, root: str, out: str) -> dict:
     step3 = os.path.join(root, "global_step_3")
     since = _since()  # collective: when this run's processes started
     stale_critic = role_parts.continues(step3, "critic", since) if rank == 0 else None
+    # step 1 lost its critic part to retention: its actor part still loads, as it was saved
+    workers["actor"].load_checkpoint(os.path.join(root, "global_step_1", "actor"), None, True)
+    fp1 = torch.load(os.path.join(out, f"fp1_rank{rank}.pt"), weights_only=True)
+    actor1 = _equal({k: v for k, v in _fingerprint(workers).items() if k.startswith("actor.")},
+                    {k: v for k, v in fp1.items() if k.startswith("actor.")})
     resumed = _resume(workers, root)
     differs = _equal(_fingerprint(workers), torch.load(os.path.join(out, f"fp2_rank{rank}.pt"), weights_only=True))
     pruned = _error(lambda: workers["critic"].load_checkpoint(os.path.join(root, "global_step_1", "critic")))
     _train(workers, 3)
     seen3 = _save_step(workers, root, 3)
     _train(workers, 4)
-    seen4 = _save_step(workers, root, 4)
+    _save_step(workers, root, 4)
     before = _files(step3) if rank == 0 else None
     rollback = _error(lambda: workers["actor"].save_checkpoint(os.path.join(step3, "actor"), None, 3, 2))
-    return {"stale_critic_continues": stale_critic, "resumed": resumed, "differs": differs, "pruned": pruned,
-            "seen3": seen3, "seen4": seen4, "rollback": rollback,
+    return {"stale_critic_continues": stale_critic, "actor1": actor1, "resumed": resumed, "differs": differs,
+            "pruned": pruned, "seen3": seen3, "rollback": rollback,
             "step3_unchanged": _files(step3) == before if rank == 0 else None}
 
 
@@ -240,6 +245,7 @@ def test_verl_save_sequence_kills_resume_retention(models, tmp_path):
     r0 = w3[0]
     assert r0["stale_critic_continues"] is False  # W2's actor part predates this run
     assert r0["resumed"] == 2 and all(r["differs"] == [] for r in w3), [r["differs"] for r in w3]
+    assert all(r["actor1"] == [] for r in w3), [r["actor1"] for r in w3]
     assert "critic part was removed by retention" in r0["pruned"], r0["pruned"]
     assert "critic/PART" not in r0["seen3"]["after_actor"]["files"]  # the stale step 3 was cleared first
     assert "data.pt" not in r0["seen3"]["after_actor"]["files"]
@@ -250,6 +256,18 @@ def test_verl_save_sequence_kills_resume_retention(models, tmp_path):
     assert sorted(os.listdir(step(2))) == ["COMPLETE", "actor", "data.pt"]
     assert "global_step_3 is a complete checkpoint" in r0["rollback"] and "overwrite" in r0["rollback"], r0["rollback"]
     assert r0["step3_unchanged"]
+
+
+def test_async_save_is_refused():
+    """verl skips its tracker when the actor's checkpoint.async_save is set: steps would never seal."""
+    from verl.trainer.config.config import CheckpointConfig
+
+    from mcore_rl.integrations.verl.config import VerlConfigError
+    from mcore_rl.integrations.verl.verl_checkpoints import check_checkpoint_config
+
+    check_checkpoint_config(CheckpointConfig())
+    with pytest.raises(VerlConfigError, match="async_save=True"):
+        check_checkpoint_config(CheckpointConfig(async_save=True))
 
 
 # ---- two simulated nodes with node-local disks -----------------------------------------------------

@@ -96,16 +96,22 @@ def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> 
     return RoleStepManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None)
 
 
+def check_checkpoint_config(checkpoint_config) -> None:
+    """verl's checkpoint settings the engine cannot honour (the engine's constructor may call it
+    to refuse them before training rather than at the first save)."""
+    if getattr(checkpoint_config, "async_save", False):
+        raise VerlConfigError("checkpoint.async_save=True: verl then skips its latest_checkpointed_iteration.txt and "
+                              "expects the engine to write it, but a step of the mcore_rl engine completes only "
+                              "once verl's own tracker names it; set checkpoint.async_save=False.")
+
+
 def save(engine, local_path: str, hdfs_path: str | None, global_step: int, max_ckpt_to_keep: int | None) -> None:
     """Saves the engine as the ``<role>`` part of step ``global_step`` (collective); verl's
     ``max_ckpt_to_keep`` for this role (None or 0: keep all) is the role's retention count."""
     if hdfs_path:
         raise CheckpointError(f"hdfs_path={hdfs_path!r}: the mcore_rl engine writes local or shared paths only "
                               "(node-local disks are synchronized by mcore_rl); leave default_hdfs_dir unset.")
-    if getattr(engine.checkpoint_config, "async_save", False):
-        raise CheckpointError("checkpoint.async_save=True: verl then skips its latest_checkpointed_iteration.txt and "
-                              "expects the engine to write it, but a step of the mcore_rl engine completes only "
-                              "once verl's own tracker names it; set checkpoint.async_save=False.")
+    check_checkpoint_config(engine.checkpoint_config)
     step_dir, step, role = step_and_role(local_path, engine.role)
     if step != global_step:
         raise CheckpointError(f"checkpoint path {local_path!r} names step {step} but global_step={global_step}.")
@@ -115,7 +121,8 @@ def save(engine, local_path: str, hdfs_path: str | None, global_step: int, max_c
 
 
 def load(engine, local_path: str, hdfs_path: str | None, del_local_after_load: bool) -> None:
-    """Loads the engine from the step ``local_path`` names (collective); deletes nothing."""
+    """Loads the engine from the step ``local_path`` names (collective), sealing the step first
+    when verl's tracker names it and it is not sealed yet; deletes nothing."""
     if hdfs_path:
         raise CheckpointError(f"hdfs_path={hdfs_path!r}: the mcore_rl engine loads local or shared paths only.")
     step_dir, _, role = step_and_role(local_path, engine.role)
@@ -126,4 +133,4 @@ def load(engine, local_path: str, hdfs_path: str | None, del_local_after_load: b
     manager.close()
 
 
-__all__: list[Any] = ["ModelStart", "model_start", "step_and_role", "save", "load"]
+__all__: list[Any] = ["ModelStart", "model_start", "step_and_role", "check_checkpoint_config", "save", "load"]
