@@ -319,10 +319,10 @@ def merge_scans(root: str, scans: dict[int, dict[str, Any]]) -> Survey:
         steps[step] = StepState(
             step, tuple(held), tuple(n for n, v in held.items() if v["marker"] == "ok"),
             tuple(n for n, v in held.items() if v["marker"] == "bad"), max(orders, default=None),
-            max(len({v["crc"] for v in ok}), 1), tuple(ok[0].get("roles", ())) if ok else (),
-            ok[0].get("kind") if ok else None, {r: tuple(n for n, _ in p) for r, p in parts.items()},
-            {r: len({c for _, c in p}) for r, p in parts.items()},
-            {n: tuple(v.get("entries", ())) for n, v in held.items()})
+            max(len({v["crc"] for v in ok}), 1), roles=tuple(ok[0].get("roles", ())) if ok else (),
+            kind=ok[0].get("kind") if ok else None, parts={r: tuple(n for n, _ in p) for r, p in parts.items()},
+            part_versions={r: len({c for _, c in p}) for r, p in parts.items()},
+            entries={n: tuple(v.get("entries", ())) for n, v in held.items()})
     trackers = {n: bytes.fromhex(scan["tracker"]) if scan["tracker"] is not None else None for n, scan in scans.items()}
     links = tuple(sorted({s for scan in scans.values() for s in scan["links"]}))
     side: dict[str, dict[int, str]] = {}
