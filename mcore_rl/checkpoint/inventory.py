@@ -28,6 +28,8 @@ from mcore_rl.checkpoint.files import file_crc32
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
 TRAINER_STATE = "trainer_state.json"
+PART = "PART"  # a role part's record (role_parts.py): <step>/<role>/PART
+PARTS_KIND = "parts"  # a marker that seals a step of role parts (role_parts.py)
 MARKER_FORMAT = 2  # 1: files with sizes; 2: + CRC-32 per file and the completion order
 _STEP_DIR = re.compile(r"^global_step_(\d{1,18})$")
 _SIDE_DIR = re.compile(r"^\.global_step_(\d{1,18})\.(incoming|outgoing)$")
@@ -36,6 +38,12 @@ _TRACKER_TEXT = re.compile(rb"^[0-9]{1,18}$")  # ASCII digits only; at most 18 f
 
 def step_name(step: int) -> str:
     return f"global_step_{step}"
+
+
+def parse_step_name(name: str) -> int | None:
+    """N for a ``global_step_<N>`` name, else None."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
 
 
 def incoming_name(step: int) -> str:
@@ -58,17 +66,21 @@ def side_dir(name: str) -> tuple[int, str] | None:
 @dataclass(frozen=True)
 class Marker:
     """A step's completion marker: its roles, completion order and every file it holds with the
-    size (and, from format 2, the CRC-32) recorded when it was written."""
+    size (and, from format 2, the CRC-32) recorded when it was written. ``kind``: None for a step
+    one manager wrote whole; ``"parts"`` for a step of role parts sealed later (role_parts.py)."""
 
     step: int
     roles: tuple[str, ...]
     order: int | None
     files: dict[str, tuple[int, str | None]]
+    kind: str | None = None
 
     def payload(self) -> dict[str, Any]:
-        return {"format": MARKER_FORMAT, "step": self.step, "roles": list(self.roles),
-                "completed": self.order,
-                "files": {rel: {"size": size, "crc32": crc} for rel, (size, crc) in sorted(self.files.items())}}
+        out = {"format": MARKER_FORMAT, "step": self.step, "roles": list(self.roles), "completed": self.order,
+               "files": {rel: {"size": size, "crc32": crc} for rel, (size, crc) in sorted(self.files.items())}}
+        if self.kind is not None:
+            out["kind"] = self.kind
+        return out
 
 
 def read_marker(path: str) -> Marker:
@@ -84,7 +96,10 @@ def read_marker(path: str) -> Marker:
         order = data.get("completed")
         if order is not None and (not isinstance(order, int) or isinstance(order, bool) or order < 0):
             raise ValueError(f"completed={order!r}")
-        return Marker(int(data["step"]), tuple(str(r) for r in data["roles"]), order, files)
+        kind = data.get("kind")
+        if kind not in (None, PARTS_KIND):
+            raise ValueError(f"kind={kind!r}")
+        return Marker(int(data["step"]), tuple(str(r) for r in data["roles"]), order, files, kind)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path} is not a valid completion marker ({type(e).__name__}: {e}); "
                               "the step is damaged: resume another complete step.") from None
@@ -114,7 +129,7 @@ def scan_root(root: str) -> dict[str, Any]:
         if m and os.path.islink(path):
             out["links"].append(int(m.group(1)))
         elif m and os.path.isdir(path):
-            out["steps"][m.group(1)] = _marker_state(os.path.join(path, MARKER))
+            out["steps"][m.group(1)] = {**_marker_state(os.path.join(path, MARKER)), **_contents(path)}
         elif side and os.path.isdir(path) and not os.path.islink(path):
             out["side"][name] = _marker_state(os.path.join(path, MARKER))
     tracker = os.path.join(root, TRACKER)
@@ -128,10 +143,22 @@ def _marker_state(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {"marker": "none", "order": None, "crc": None}
     try:
-        order = read_marker(path).order
+        marker = read_marker(path)
     except CheckpointError:
         return {"marker": "bad", "order": None, "crc": None}
-    return {"marker": "ok", "order": order, "crc": file_crc32(path)[1]}  # nodes may hold other versions
+    return {"marker": "ok", "order": marker.order, "crc": file_crc32(path)[1],  # nodes may hold other versions
+            "roles": list(marker.roles), "kind": marker.kind}
+
+
+def _contents(step_dir: str) -> dict[str, Any]:
+    """A step dir's entries (names) and its role parts' records: role -> CRC-32 of ``<role>/PART``."""
+    entries = sorted(os.listdir(step_dir))
+    parts = {}
+    for name in entries:
+        record = os.path.join(step_dir, name, PART)
+        if not os.path.islink(os.path.join(step_dir, name)) and os.path.isfile(record) and not os.path.islink(record):
+            parts[name] = file_crc32(record)[1]
+    return {"entries": entries, "parts": parts}
 
 
 # ---- the agreed survey -------------------------------------------------------------------------
@@ -145,6 +172,11 @@ class StepState:
     damaged: tuple[int, ...]
     order: int | None
     versions: int = 1  # distinct markers among the nodes (2: a replacement cut between nodes)
+    roles: tuple[str, ...] = ()  # the roles a valid marker names
+    kind: str | None = None  # the marker's kind (``"parts"``: a sealed step of role parts)
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # role -> nodes holding its PART record
+    part_versions: dict[str, int] = field(default_factory=dict)  # role -> distinct PART records among nodes
+    entries: dict[int, tuple[str, ...]] = field(default_factory=dict)  # node -> names in the step dir
 
     def state(self, nodes: tuple[int, ...]) -> str:
         """``complete`` (the same valid marker on every node), ``torn`` (no marker anywhere) or
@@ -279,10 +311,18 @@ def merge_scans(root: str, scans: dict[int, dict[str, Any]]) -> Survey:
         views = {n: scan["steps"].get(str(step)) for n, scan in scans.items()}
         ok = [v for v in views.values() if v and v["marker"] == "ok"]
         orders = [v["order"] for v in ok if v["order"] is not None]
+        held = {n: v for n, v in views.items() if v}
+        parts: dict[str, list[tuple[int, str]]] = {}
+        for n, v in held.items():
+            for role, crc in v.get("parts", {}).items():
+                parts.setdefault(role, []).append((n, crc))
         steps[step] = StepState(
-            step, tuple(n for n, v in views.items() if v), tuple(n for n, v in views.items() if v and v["marker"] == "ok"),
-            tuple(n for n, v in views.items() if v and v["marker"] == "bad"), max(orders, default=None),
-            max(len({v["crc"] for v in ok}), 1))
+            step, tuple(held), tuple(n for n, v in held.items() if v["marker"] == "ok"),
+            tuple(n for n, v in held.items() if v["marker"] == "bad"), max(orders, default=None),
+            max(len({v["crc"] for v in ok}), 1), roles=tuple(ok[0].get("roles", ())) if ok else (),
+            kind=ok[0].get("kind") if ok else None, parts={r: tuple(n for n, _ in p) for r, p in parts.items()},
+            part_versions={r: len({c for _, c in p}) for r, p in parts.items()},
+            entries={n: tuple(v.get("entries", ())) for n, v in held.items()})
     trackers = {n: bytes.fromhex(scan["tracker"]) if scan["tracker"] is not None else None for n, scan in scans.items()}
     links = tuple(sorted({s for scan in scans.values() for s in scan["links"]}))
     side: dict[str, dict[int, str]] = {}

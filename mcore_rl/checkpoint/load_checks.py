@@ -14,7 +14,7 @@ from mcore_rl.checkpoint import integrity, storage
 from mcore_rl.checkpoint.collective import agreed
 from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.files import META
-from mcore_rl.checkpoint.inventory import MARKER, TRAINER_STATE, Marker, read_marker
+from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, TRAINER_STATE, Marker, read_marker
 from mcore_rl.checkpoint.safe_load import restricted_unpickling
 from mcore_rl.checkpoint.state import LoadPlan, plan_load
 from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
@@ -28,7 +28,7 @@ def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]
     if not os.path.isfile(marker_path):
         raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {MARKER}); {choices()}")
     marker = read_marker(marker_path)
-    integrity.check_sizes(step_dir, marker.files)  # every file the step holds, all named at once
+    integrity.check_sizes(step_dir, _files_to_check(step_dir, marker, list(engines)))  # all named at once
     plans = {}
     for role, engine in engines.items():
         if role not in marker.roles:
@@ -36,7 +36,8 @@ def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]
                                   "load only the roles it saved.")
         meta = storage.read_json(os.path.join(step_dir, role, META))
         plans[role] = plan_load(meta, engine, role, tuple(contents), os.path.join(step_dir, role))
-    trainer_state = storage.read_json(os.path.join(step_dir, TRAINER_STATE))
+    # a step of role parts holds no trainer state of ours (the trainer keeps its own files there)
+    trainer_state = {} if marker.kind == PARTS_KIND else storage.read_json(os.path.join(step_dir, TRAINER_STATE))
     for role in engines:
         dist_dir = os.path.join(step_dir, role, "dist_ckpt")
         for rel, size in storage.expected_files(dist_dir).items():
@@ -47,6 +48,25 @@ def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]
                     f"{'does not list' if recorded is None else f'records with {recorded[0]} bytes'}; the "
                     "checkpoint is damaged or was tampered with: resume another step.")
     return plans, trainer_state, marker
+
+
+def _files_to_check(step_dir: str, marker: Marker, roles: list[str]) -> dict[str, tuple[int, str | None]]:
+    """The marker's files a load needs present: all of them for a step written whole; for a
+    sealed step of role parts (whose older roles retention may have removed), the loaded roles'
+    parts and every file outside the parts (the trainer's)."""
+    if marker.kind != PARTS_KIND:
+        return marker.files
+    for role in (r for r in roles if r in marker.roles):
+        if not os.path.isfile(os.path.join(step_dir, role, PART)):
+            raise CheckpointError(f"{step_dir}: the {role} part was removed by retention (its {role}/{PART} "
+                                  f"record is gone; the step still holds {_held(step_dir, marker)}); resume a "
+                                  "step that holds it, or raise the trainer's max_ckpt_to_keep for this role.")
+    return {rel: v for rel, v in marker.files.items()
+            if rel.split("/")[0] in roles or rel.split("/")[0] not in marker.roles}
+
+
+def _held(step_dir: str, marker: Marker) -> list[str]:
+    return [r for r in marker.roles if os.path.isfile(os.path.join(step_dir, r, PART))]
 
 
 def preread_pickles(step_dir: str, roles: list[str]) -> None:

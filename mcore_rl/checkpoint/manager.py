@@ -217,9 +217,9 @@ class CheckpointManager:
             out[role] = (contents, sharded_state(engine, dist, self.cfg.optimizer_sharding, is_loading=False))
         return out
 
-    def _write(self, p: _Pending, snapshot: dict, engines: dict[str, Any], trainer_state: dict) -> list:
+    def _write(self, p: _Pending, snapshot: dict, engines: dict[str, Any], trainer_state: dict | None) -> list:
         """Plans every role's shards (requests, not run yet) and writes the small files (metadata,
-        HF files, trainer state); every rank-0 write is agreed."""
+        HF files, trainer state unless None); every rank-0 write is agreed."""
         rank0 = torch.distributed.get_rank() == 0
         requests = []
         for role, (contents, state) in snapshot.items():
@@ -236,8 +236,9 @@ class CheckpointManager:
                 self._write_hf_weights(engines[role], role, os.path.join(role_dir, "huggingface"), rank0)
             meta = build_metadata(engines[role], role, contents, self.cfg.optimizer_sharding)
             agreed(partial(self._write_role_files, role, role_dir, meta) if rank0 else None, f"writing {role_dir}")
-        agreed(partial(storage.write_json_atomic, os.path.join(p.write_dir, TRAINER_STATE), trainer_state)
-               if rank0 else None, f"writing {TRAINER_STATE}")
+        if trainer_state is not None:
+            agreed(partial(storage.write_json_atomic, os.path.join(p.write_dir, TRAINER_STATE), trainer_state)
+                   if rank0 else None, f"writing {TRAINER_STATE}")
         return requests
 
     def _write_role_files(self, role: str, role_dir: str, meta: dict) -> None:
@@ -289,14 +290,15 @@ class CheckpointManager:
                f"writing {TRACKER} (step {p.step} is complete; the tracker still names the step before it)")
         self._retention(p, writer)
 
-    def _manifest(self, p: _Pending) -> integrity.Manifest:
+    def _manifest(self, p: _Pending, scope: tuple[str, ...] = ()) -> integrity.Manifest:
         """Every file of the step with size, CRC-32 and writing node: each rank's shards from
-        its writer; rank 0's other files (megatron's metadata, JSON, HF) fsynced and read back."""
+        its writer; rank 0's other files (megatron's metadata, JSON, HF) fsynced and read back.
+        ``scope``: only rank 0's files under these subdirectories (default: the whole step)."""
         mine: dict[str, tuple[int, str]] = {}
         for role, strategy in zip(p.roles, p.strategies):
             for name, digest in (strategy.writer.written_files() if strategy.writer else {}).items():
                 mine[f"{role}/dist_ckpt/{name}"] = digest
-        own = agreed(partial(_digest_rank0_files, p.write_dir) if torch.distributed.get_rank() == 0 else None,
+        own = agreed(partial(_digest_rank0_files, p.write_dir, scope) if torch.distributed.get_rank() == 0 else None,
                      f"recording the files of {p.write_dir}")
         return integrity.gather_manifest({**mine, **(own or {})}, p.write_dir)
 
@@ -406,11 +408,13 @@ def _drain(items) -> None:
         pass
 
 
-def _digest_rank0_files(write_dir: str) -> dict[str, tuple[int, str]]:
-    """Rank 0's files of a step (all but the shards, which their writers record): fsynced, then
-    read back for their CRC-32 (megatron's ``.metadata``/``common.pt`` are not fsynced by it)."""
+def _digest_rank0_files(write_dir: str, scope: tuple[str, ...] = ()) -> dict[str, tuple[int, str]]:
+    """Rank 0's files of a step (all but the shards, which their writers record) or of its
+    subdirectories ``scope``: fsynced, then read back for their CRC-32 (megatron's
+    ``.metadata``/``common.pt`` are not fsynced by it)."""
     rels = []
-    for dirpath, _, names in os.walk(write_dir):
+    tops = [os.path.join(write_dir, top) for top in scope] or [write_dir]
+    for dirpath, _, names in (walked for top in tops for walked in os.walk(top)):
         for name in names:
             path = os.path.join(dirpath, name)
             if not name.endswith(".distcp") and not name.endswith(storage.TMP_SUFFIX) and not os.path.islink(path):
@@ -418,11 +422,13 @@ def _digest_rank0_files(write_dir: str) -> dict[str, tuple[int, str]]:
     return integrity.digest_files(write_dir, sorted(rels))
 
 
-def _check_written(p: _Pending, manifest: integrity.Manifest) -> None:
+def _check_written(p: _Pending, manifest: integrity.Manifest, trainer_state: bool = True) -> None:
     """This node holds every file of the manifest with its size, the files every role's
-    ``.metadata`` names are in it, and the step's directories are durable."""
+    ``.metadata`` names are in it, and the step's directories are durable. ``trainer_state``:
+    the step's trainer state is one of them."""
     integrity.check_sizes(p.write_dir, {rel: (e.size, e.crc32) for rel, e in manifest.items()})
-    missing = [r for r in (TRAINER_STATE, *(f"{role}/{META}" for role in p.roles)) if r not in manifest]
+    required = ((TRAINER_STATE,) if trainer_state else ()) + tuple(f"{role}/{META}" for role in p.roles)
+    missing = [r for r in required if r not in manifest]
     for role in p.roles:
         for rel, size in storage.expected_files(os.path.join(p.write_dir, role, "dist_ckpt")).items():
             entry = manifest.get(f"{role}/dist_ckpt/{rel}")

@@ -4,6 +4,7 @@ layouts (TP=2 + SP packed, PP=2 padded) and micro-batchings (size 1, dynamic) co
 losses."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -58,12 +59,17 @@ def test_sft_trainer_trains_saves_and_resumes_exactly(inputs, tmp_path):
     first = sft(inputs, str(root), 3)
     assert first == straight[:3]
     step = root / "global_step_3"
-    assert (step / "COMPLETE").is_file() and (step / "actor" / "mcore_rl.json").is_file()
-    assert (step / "data_0.pt").is_file()  # verl's own files beside ours
+    # the engine wrote its role part (record last); verl then its data files and its tracker; the
+    # step is sealed (COMPLETE) by the next save or by the load that resumes it
+    assert (step / "actor" / "PART").is_file() and (step / "actor" / "mcore_rl.json").is_file()
+    assert (step / "data_0.pt").is_file() and not (step / "COMPLETE").exists()
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     resumed = sft(inputs, str(root), 6)
     assert resumed == straight[3:], (resumed, straight)  # steps 4..6, bit for bit
     assert sorted(os.listdir(root)) == ["global_step_3", "global_step_6", "latest_checkpointed_iteration.txt"]
+    sealed = json.loads((step / "COMPLETE").read_text())  # sealed at the resume: the model and verl's files
+    assert sealed["roles"] == ["actor"] and {"data_0.pt", "data_1.pt", "actor/PART"} <= set(sealed["files"])
+    assert not (root / "global_step_6" / "COMPLETE").exists()  # the newest step, until a resume seals it
 
 
 @pytest.mark.parametrize("overrides", [

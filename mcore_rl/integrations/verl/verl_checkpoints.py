@@ -1,13 +1,16 @@
-"""Where a verl engine's model starts, and its checkpoints through mcore_rl's CheckpointManager.
+"""Where a verl engine's model starts, and its checkpoints as role parts of verl's steps
+(``mcore_rl.checkpoint.role_parts``: the protocol; ``role_steps``: the manager).
 
-Who owns what when verl drives: verl's trainer picks the directory (``local_path``), writes its
-own files beside ours (``data_<dp>.pt``) and its tracker ``latest_checkpointed_iteration.txt``
-after the engine's save. The engine writes mcore_rl's step there: ``local_path`` is either the
-step directory ``<root>/global_step_<N>`` (verl's SFT trainer: the model goes to
-``global_step_<N>/actor`` or ``/critic``) or ``<root>/global_step_<N>/<role>`` (verl's PPO
-trainer). mcore_rl's completion marker in the step directory stays the truth for completeness;
-its tracker names the same step as verl's; retention (``max_ckpt_to_keep``) is mcore_rl's (a step
-is deleted only after a newer one is complete). A load never deletes a checkpoint.
+Who owns what when verl drives: verl's trainer picks the directory (``local_path``): the step
+directory ``<root>/global_step_<N>`` (verl's SFT trainer: the model goes to
+``global_step_<N>/<role>``) or ``<root>/global_step_<N>/<role>`` (verl's PPO trainer: the actor,
+then the critic, each engine its own part). After the engines' saves verl writes its own files
+into the step (``data.pt``; SFT: ``data_<dp>.pt``) and then its tracker
+``latest_checkpointed_iteration.txt``, which mcore_rl never writes. A step is complete (sealed,
+``COMPLETE``) once verl's tracker names it and every part is whole on every node; sealing happens
+at the next save or at the load that resumes it. Retention: per role, verl's
+``max_ckpt_to_keep`` for that role, over sealed steps (see role_parts). A load never deletes a
+checkpoint.
 """
 from __future__ import annotations
 
@@ -18,11 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.checkpoint.config import CheckpointConfig
-from mcore_rl.checkpoint.manager import CheckpointManager
-from mcore_rl.checkpoint.collective import any_rank
 from mcore_rl.checkpoint.convert_input import role_from_config
 from mcore_rl.checkpoint.errors import CheckpointError
 from mcore_rl.checkpoint.files import META
+from mcore_rl.checkpoint.role_steps import RoleStepManager
 from mcore_rl.integrations.verl.config import VerlConfigError
 
 log = logging.getLogger("mcore_rl.integrations.verl")
@@ -83,7 +85,7 @@ def step_and_role(local_path: str, default_role: str) -> tuple[str, int, str]:
                           f"or <root>/global_step_<N>/<{'|'.join(ROLES)}>; verl's trainers pass such paths.")
 
 
-def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> CheckpointManager:
+def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> RoleStepManager:
     c = engine.checkpoint_config
     save = tuple(getattr(c, "save_contents", None) or ("model", "optimizer", "extra"))
     load = tuple(x for x in (getattr(c, "load_contents", None) or save) if x != "hf_model")
@@ -91,37 +93,44 @@ def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> 
         save, load = ("model",), ("model",)
     cfg = CheckpointConfig(root=root, max_ckpt_to_keep=max_ckpt_to_keep or None, save_contents=save,
                            load_contents=load, verify_content=engine.engine_config.verify_content)
-    return CheckpointManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None)
+    return RoleStepManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None)
+
+
+def check_checkpoint_config(checkpoint_config) -> None:
+    """verl's checkpoint settings the engine cannot honour (the engine's constructor may call it
+    to refuse them before training rather than at the first save)."""
+    if getattr(checkpoint_config, "async_save", False):
+        raise VerlConfigError("checkpoint.async_save=True: verl then skips its latest_checkpointed_iteration.txt and "
+                              "expects the engine to write it, but a step of the mcore_rl engine completes only "
+                              "once verl's own tracker names it; set checkpoint.async_save=False.")
 
 
 def save(engine, local_path: str, hdfs_path: str | None, global_step: int, max_ckpt_to_keep: int | None) -> None:
-    """Saves the engine as role ``<role>`` of step ``global_step`` (collective)."""
+    """Saves the engine as the ``<role>`` part of step ``global_step`` (collective); verl's
+    ``max_ckpt_to_keep`` for this role (None or 0: keep all) is the role's retention count."""
     if hdfs_path:
         raise CheckpointError(f"hdfs_path={hdfs_path!r}: the mcore_rl engine writes local or shared paths only "
                               "(node-local disks are synchronized by mcore_rl); leave default_hdfs_dir unset.")
+    check_checkpoint_config(engine.checkpoint_config)
     step_dir, step, role = step_and_role(local_path, engine.role)
     if step != global_step:
         raise CheckpointError(f"checkpoint path {local_path!r} names step {step} but global_step={global_step}.")
-    others = [r for r in ROLES if r != role and os.path.isfile(os.path.join(step_dir, r, META))]
-    if any_rank([int(bool(others))])[0]:
-        raise CheckpointError(
-            f"{step_dir} already holds role(s) {others or 'on another node'}: mcore_rl writes a step whole, so a "
-            f"second engine saving into it would replace them. Give each engine its own checkpoint root.")
     manager = _manager(engine, os.path.dirname(step_dir), max_ckpt_to_keep, "save")
-    manager.save(step, {role: engine.engine}, {"global_step": step, "trainer": "verl"})
+    manager.save_role(step, role, engine.engine)
     manager.close()
 
 
 def load(engine, local_path: str, hdfs_path: str | None, del_local_after_load: bool) -> None:
-    """Loads the engine from the step ``local_path`` names (collective); deletes nothing."""
+    """Loads the engine from the step ``local_path`` names (collective), sealing the step first
+    when verl's tracker names it and it is not sealed yet; deletes nothing."""
     if hdfs_path:
         raise CheckpointError(f"hdfs_path={hdfs_path!r}: the mcore_rl engine loads local or shared paths only.")
     step_dir, _, role = step_and_role(local_path, engine.role)
     if del_local_after_load:
         log.info("del_local_after_load=True ignored: the mcore_rl engine never deletes a checkpoint it loads")
     manager = _manager(engine, os.path.dirname(step_dir), None, "load")
-    manager.load(step_dir, {role: engine.engine}, manager.cfg.load_contents)
+    manager.load_role(step_dir, role, engine.engine, manager.cfg.load_contents)
     manager.close()
 
 
-__all__: list[Any] = ["ModelStart", "model_start", "step_and_role", "save", "load"]
+__all__: list[Any] = ["ModelStart", "model_start", "step_and_role", "check_checkpoint_config", "save", "load"]
