@@ -22,14 +22,16 @@ $(STAMP): setup.py constraints-cpu.txt
 
 # mcore_rl without its own dependency list (omegaconf >= 2.4 is the main job's; hydra pins < 2.4):
 # the integration needs megatron-core and what verl already brings. verl 0.9.1 imports uvicorn and
-# fastapi without declaring them.
-$(VERL_STAMP): setup.py constraints-cpu.txt
+# fastapi without declaring them; its default RL trainer (main_ppo, trainer.use_v1) needs what its
+# verl-core extra lists for it: TransferQueue (with pyzmq, msgspec; tensordict exactly 0.10.0) and
+# cachetools (the rollout router). The extra itself also pulls GPU-only packages (nvtx, torchcodec).
+$(VERL_STAMP): setup.py constraints-cpu.txt Makefile
 	python3 -m venv $(VERL_VENV)
 	$(VERL_PY) -m pip install --quiet --upgrade pip
 	$(VERL_PY) -m pip install --quiet torch==2.13.0
 	PIP_CONSTRAINT=$(CURDIR)/constraints-cpu.txt $(VERL_PY) -m pip install --quiet 'verl==0.9.1' \
 		'transformers>=5.5.3,<5.11,!=5.6.0' uvicorn fastapi megatron-core==0.16.1 safetensors pyyaml \
-		psutil tqdm matplotlib pytest
+		psutil tqdm matplotlib pytest 'TransferQueue==0.1.11' pyzmq msgspec cachetools 'tensordict==0.10.0'
 	$(VERL_PY) -m pip install --quiet --no-deps -e .
 	touch $(VERL_STAMP)
 

@@ -7,7 +7,9 @@ writer processes an async save forks):
   errno (e.g. ``flush:EIO``, ``write:ENOSPC``), as a failing or full disk would: the faults a
   kill cannot show.
 
-``MCORE_RL_CKPT_FAULT_RANK`` (optional) limits either to one global rank.
+``MCORE_RL_CKPT_FAULT_RANK`` (optional) limits either to one global rank;
+``MCORE_RL_CKPT_FAULT_AT=<n>`` (optional) kills at the n-th time this process reaches the phase
+(e.g. one engine's save of a later step; default: the first).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import time
 PHASES = ("shards", "metadata", "marker", "swap", "tracker", "retention")
 ENV = "MCORE_RL_CKPT_FAULT"
 RANK_ENV = "MCORE_RL_CKPT_FAULT_RANK"  # optional: only this global rank dies
+AT_ENV = "MCORE_RL_CKPT_FAULT_AT"  # optional: the n-th arrival at the phase in this process dies
+_ARRIVALS: dict[str, int] = {}  # phase -> arrivals so far in this process (test-only counter)
 
 
 def _this_rank() -> bool:
@@ -31,7 +35,9 @@ def fault_point(phase: str) -> None:
     assert phase in PHASES, phase  # a typo here would make a fault test pass vacuously
     if os.environ.get(ENV) != phase or not _this_rank():
         return
-    os.kill(os.getpid(), signal.SIGKILL)
+    _ARRIVALS[phase] = _ARRIVALS.get(phase, 0) + 1
+    if _ARRIVALS[phase] == int(os.environ.get(AT_ENV, "1")):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 IO_ENV = "MCORE_RL_CKPT_IO_FAULT"

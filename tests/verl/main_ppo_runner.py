@@ -75,7 +75,7 @@ def launch(head: RayHead, workdir: str, overrides: list[str], job_env: dict[str,
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", SEARCH_PATH, *overrides,
            "trainer.logger=[console,file]", f"trainer.rollout_data_dir={dumps}",
            f"+ray_kwargs.ray_init.address={head.address}", "ray_kwargs.ray_init.num_cpus=null",
-           *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}={v}" for k, v in env_vars.items())]
+           *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_vars.items())]  # strings
     started = time.time()
     proc = subprocess.Popen(cmd, cwd=workdir, env={**os.environ, **ENV}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -60,6 +60,7 @@ class McoreRLEngine(BaseEngine):
                                   f"{type(engine_config).__name__}.")
         refuse_lora(model_config, "model")
         self.model_config, self.engine_config = model_config, engine_config
+        verl_checkpoints.check_checkpoint_config(checkpoint_config)  # refused now, not at the first save
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         self.platform = setup_platform(None)  # cpu or cuda, as torch sees this process
         if not torch.distributed.is_initialized():
