@@ -169,15 +169,16 @@ def agree(a: dict, b: dict, where: str) -> None:
     """Metrics of two runs at one step: the order-free ones exactly, the rest to rounding. verl's
     v1 replay buffer materializes a step's batch in TransferQueue insertion order, i.e. in the
     order rollouts complete (timing), so two runs sum the same rows in another order: sums and
-    means differ by float rounding (~1e-7 relative), differences of near-equal numbers (the
-    rollout_corr metrics, ~1e-7 absolute) by about as much."""
+    means differ by float rounding (~1e-7 relative); quantities that are themselves rounding
+    (the rollout_corr metrics of an on-policy run, a zero-mean advantage: ~1e-7..1e-6) by about
+    their size: relative 1e-5, absolute 1e-5."""
     keys = [k for k in a if not any(w in k for w in WALL_CLOCK)]
     assert set(keys) == {k for k in b if not any(w in k for w in WALL_CLOCK)}, where
     for k in keys:
         if k.startswith(EXACT):
             assert a[k] == b[k], f"{where}: {k} {a[k]} != {b[k]}"
         else:
-            assert abs(a[k] - b[k]) <= max(1e-5 * max(abs(a[k]), abs(b[k])), 1e-6), f"{where}: {k} {a[k]} vs {b[k]}"
+            assert abs(a[k] - b[k]) <= max(1e-5 * max(abs(a[k]), abs(b[k])), 1e-5), f"{where}: {k} {a[k]} vs {b[k]}"
 
 
 def samples(run, step: int) -> list[tuple]:
