@@ -34,13 +34,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_node(node: int, port: int, root: str, out: str, log: str) -> subprocess.Popen:
+def start_private_node(node: int, port: int, root: str, target: str, log: str) -> subprocess.Popen:
+    """One simulated node: a torchrun agent (``--nnodes 2``, one process) running ``target`` (a
+    script or ``-m module`` with its arguments) in its own mount namespace with a private tmpfs at
+    ``root``."""
     torchrun = (
         f"{sys.executable} -m torch.distributed.run --nnodes 2 --node_rank {node} "
         f"--nproc_per_node 1 --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:{port} "
-        f"--max_restarts 0 tests/two_node_ckpt_script.py --root {root} --out {out}"
+        f"--max_restarts 0 {target}"
     )
-    env = {**os.environ, "PYTHONPATH": ROOT_DIR, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": ROOT_DIR, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as f:
         return subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c",
@@ -49,20 +52,26 @@ def _start_node(node: int, port: int, root: str, out: str, log: str) -> subproce
         )
 
 
+def wait_nodes(procs: list[subprocess.Popen], logs: list[str], timeout_s: float) -> tuple[list, str]:
+    """Exit codes (``"timeout"`` for a node killed after ``timeout_s``) and the logs' tails."""
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=timeout_s))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            codes.append("timeout")
+    return codes, "\n".join(f"--- node {n} ---\n{open(log).read()[-6000:]}" for n, log in enumerate(logs))
+
+
 def test_two_nodes_node_local_root(tmp_path):
     root, out = str(tmp_path / "ckpt_root"), str(tmp_path / "out")
     os.makedirs(root)
     port = _free_port()
     logs = [str(tmp_path / f"node{n}.log") for n in range(2)]
-    procs = [_start_node(n, port, root, out, logs[n]) for n in range(2)]
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=400))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append("timeout")
-    text = "\n".join(f"--- node {n} ---\n{open(logs[n]).read()[-6000:]}" for n in range(2))
+    procs = [start_private_node(n, port, root, f"tests/two_node_ckpt_script.py --root {root} --out {out}", logs[n])
+             for n in range(2)]
+    codes, text = wait_nodes(procs, logs, 400)
     assert codes == [0, 0], f"exit codes {codes}\n{text}"
     assert os.listdir(root) == [], "the private tmpfs leaked files to the host's root"
     res = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]

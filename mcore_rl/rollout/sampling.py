@@ -85,7 +85,8 @@ def _pick(logits: Tensor, request: SampleRequest, generator: torch.Generator) ->
 @torch.no_grad()
 def sample_requests(model: torch.nn.Module, requests: list[SampleRequest], pad_id: int,
                     should_abort: Callable[[], bool] | None = None) -> list[SampleResult]:
-    """Generates every request in one left-padded batch with the model's KV cache.
+    """Generates every request in one left-padded batch with the model's KV cache (logits of the
+    last position only: a prompt's logits would be [B, P, vocab]).
 
     ``model``: a transformers causal LM (``model(input_ids, attention_mask, position_ids,
     past_key_values, use_cache)``); ``should_abort`` is polled after every decoding step: when
@@ -98,8 +99,9 @@ def sample_requests(model: torch.nn.Module, requests: list[SampleRequest], pad_i
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     generators = [torch.Generator().manual_seed(r.seed) for r in requests]
     results = [SampleResult([], [], "") for _ in requests]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     name = _cache_name(model)
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **last_only)
     cache, last = getattr(out, name), positions[:, -1:]
     live = list(range(len(requests)))
     for _ in range(max(r.max_new_tokens for r in requests)):
@@ -124,6 +126,6 @@ def sample_requests(model: torch.nn.Module, requests: list[SampleRequest], pad_i
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         last = last + 1
         out = model(input_ids=step.to(device), attention_mask=mask, position_ids=last, use_cache=True,
-                    **{name: cache})
+                    **{name: cache}, **last_only)
         cache = getattr(out, name)
     return results

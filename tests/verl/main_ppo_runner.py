@@ -1,13 +1,15 @@
 """verl's RL entry point, ``python -m verl.trainer.main_ppo``, as the tests launch it on 2 CPU cores.
 
-One Ray head per test module (``ray_head``: started by ``ray.init`` in the test process, 2 fake
+One Ray head per test module (``RayHead``: started by ``ray.init`` in the test process, 2 fake
 GPUs so verl's GPU count is met, enough logical CPUs for verl's TaskRunner, TransferQueue, agent
-and reward workers; stopped with ``ray.shutdown``, which ends exactly the processes it started).
+and reward workers; stopped with ``ray.shutdown``, then any process it started that is still
+alive is killed by its pid — never other Ray processes on the machine).
 Each launch is its own Ray job on that head; its metrics come from verl's file logger (JSON lines,
 exact floats) and its generations from ``trainer.rollout_data_dir`` (one JSON line per sample).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -16,6 +18,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+
+import psutil
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
@@ -52,12 +56,18 @@ class RayHead:
         info = ray.init(num_cpus=self.num_cpus, num_gpus=self.num_gpus, include_dashboard=False,
                         log_to_driver=False)
         self.address = info.address_info["gcs_address"]
+        self._started = psutil.Process().children(recursive=True)  # gcs, raylet, ... (the head's)
         return self
 
     def __exit__(self, *exc) -> None:
         import ray
 
+        started = {p.pid: p for p in self._started + psutil.Process().children(recursive=True)}  # + its workers
         ray.shutdown()
+        _, alive = psutil.wait_procs(list(started.values()), timeout=10)
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
         for key, value in self._saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -28,7 +27,6 @@ pytest.importorskip("verl")
 from tests.dist import run_ranks  # noqa: E402
 from tests.verl.verl_fixtures import save_tiny_model  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRACKER = "latest_checkpointed_iteration.txt"
 KEEP = {"actor": 2, "critic": 1}  # verl's trainer.max_actor_ckpt_to_keep / max_critic_ckpt_to_keep
 
@@ -308,30 +306,16 @@ def _node_main(root: str, out: str, actor_dir: str, critic_dir: str) -> None:
 def test_two_nodes_node_local(models, tmp_path):
     """As tests/test_ckpt_two_nodes.py: two torchrun agents (--nnodes 2, one process each), each in
     its own mount namespace with a private tmpfs at the same root path."""
-    from tests.test_ckpt_two_nodes import _free_port
+    from tests.test_ckpt_two_nodes import _free_port, start_private_node, wait_nodes
 
     root, out = str(tmp_path / "root"), str(tmp_path / "out")
     os.makedirs(root)
     os.makedirs(out)
-    port, procs, logs = _free_port(), [], []
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for node in range(2):
-        torchrun = (f"{sys.executable} -m torch.distributed.run --nnodes 2 --node_rank {node} --nproc_per_node 1 "
-                    f"--rdzv_backend c10d --rdzv_endpoint 127.0.0.1:{port} --max_restarts 0 "
-                    f"-m tests.verl.test_verl_ckpt_roles {root} {out} {' '.join(models)}")
-        logs.append(str(tmp_path / f"node{node}.log"))
-        with open(logs[-1], "w") as f:
-            procs.append(subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                                           f"mount -t tmpfs none {root} && exec {torchrun}"],
-                                          cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT))
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=300))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            codes.append("timeout")
-    text = "\n".join(f"--- node {n} ---\n{open(log).read()[-5000:]}" for n, log in enumerate(logs))
+    port = _free_port()
+    logs = [str(tmp_path / f"node{node}.log") for node in range(2)]
+    target = f"-m tests.verl.test_verl_ckpt_roles {root} {out} {' '.join(models)}"
+    procs = [start_private_node(node, port, root, target, logs[node]) for node in range(2)]
+    codes, text = wait_nodes(procs, logs, 300)
     assert codes == [0, 0], f"exit codes {codes}\n{text}"
     assert os.listdir(root) == [], "the nodes did not have their own disks"
     res = {r["node"]: r for r in (json.load(open(os.path.join(out, f"rank{k}.json"))) for k in range(2))}

@@ -53,6 +53,7 @@ def common(inputs: dict, steps: int) -> list[str]:
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.dtype=float32",
         "actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.rollout.temperature=0.8",
         "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1",  # several buckets
         f"reward.custom_reward_function.path={REWARD_FILE}", "reward.custom_reward_function.name=compute_score",
         "reward.num_workers=1", "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.device=cpu",
         "trainer.val_before_train=False", "trainer.test_freq=-1", f"trainer.total_training_steps={steps}",

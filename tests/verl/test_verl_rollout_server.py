@@ -178,3 +178,64 @@ def test_a_prompt_without_room_is_refused(model_dir):
     server = make_server(model_dir)
     with pytest.raises(RolloutServerError, match="leaves no room"):
         generate_all(server, [[5] * 24], ["long"])
+
+
+class _Local:
+    """Calls a server's methods as a Ray actor handle would (``handle.method.remote(...)``
+    awaited), in this process."""
+
+    def __init__(self, server, calls: list):
+        self._server, self._calls = server, calls
+
+    def __getattr__(self, name):
+        method = getattr(self._server, name)
+
+        class _Remote:
+            @staticmethod
+            def remote(*args, **kwargs):
+                self._calls.append((name, args))
+                return method(*args, **kwargs)
+
+        return _Remote
+
+
+def test_adapter_sends_buckets_from_one_rank_and_copies_views(model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from mcore_rl.integrations.verl.rollout_replica import ServerAdapter
+
+    trained = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    flat = torch.cat([t.flatten() for t in trained.values()])  # every tensor a view of one storage, as DDP's buffer
+    views, offset = {}, 0
+    for name, t in trained.items():
+        views[name] = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    config = RolloutConfig(name="mcore_rl", dtype="float32", prompt_length=16, response_length=8,
+                           load_format="dummy", tensor_model_parallel_size=2)
+    sent = {}
+    for rank in (0, 1):  # rollout TP=2: one replica, rank 0 pushes
+        monkeypatch.setenv("RANK", str(rank))
+        adapter = ServerAdapter(config, HFModelConfig(path=model_dir), None)
+        adapter.bucket_bytes = 20_000
+        server, calls = make_server(model_dir, load_format="dummy"), []
+        adapter._server = _Local(server, calls) if adapter.is_pusher else None
+        drained = []
+
+        def weights():
+            for name, t in views.items():
+                drained.append(name)
+                yield name, t
+
+        asyncio.run(adapter.update_weights(weights(), global_steps=3))
+        assert drained == list(views)  # every rank runs the collective generator to its end
+        sent[rank] = [args[0] for name, args in calls if name == "update_weights_bucket"]
+        if adapter.is_pusher:
+            assert server.global_steps == 3
+            for name, param in server.engine.model.state_dict().items():
+                assert torch.equal(param, trained[name]), name
+    assert sent[1] == [] and len(sent[0]) > 2
+    for bucket in sent[0]:
+        size = sum(t.nbytes for _, t in bucket)
+        assert size <= 20_000 or len(bucket) == 1, size  # a larger tensor travels alone
+        assert all(t.untyped_storage().nbytes() == t.nbytes for _, t in bucket)  # not the whole buffer

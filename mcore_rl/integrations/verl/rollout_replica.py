@@ -49,6 +49,14 @@ def rollout_world_size(config: Any) -> int:
     return config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied when it is a view of a larger storage: pickling a view sends its whole
+    storage (a parameter that is a view of DDP's contiguous buffer would send the whole model)."""
+    if tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
 class McoreRLReplica(RolloutReplica):
     """A replica = one CPU rollout server holding the whole model."""
 
@@ -129,7 +137,7 @@ class ServerAdapter(BaseRollout):
                 if bucket and size + tensor.nbytes > self.bucket_bytes:
                     sent += await server.update_weights_bucket.remote(bucket)
                     bucket, size = [], 0
-                bucket.append((name, tensor.detach().cpu()))
+                bucket.append((name, _own_storage(tensor.detach().cpu())))
                 size += tensor.nbytes
             if bucket:
                 sent += await server.update_weights_bucket.remote(bucket)
