@@ -44,8 +44,8 @@ prepare-smollm2: $(STAMP)
 	PY=$(PY) launch/prepare_smollm2.sh
 
 test: $(STAMP) $(VERL_STAMP) prepare-smollm2
-	$(PY) -m pytest -q tests --ignore=tests/verl
-	$(VERL_PY) -m pytest -q tests/verl
+	$(PY) -m pytest -q --durations=15 tests --ignore=tests/verl
+	$(VERL_PY) -m pytest -q --durations=15 tests/verl
 
 demo: $(STAMP)
 	launch/run.sh 2 configs/grpo_demo.yaml
