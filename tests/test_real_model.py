@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct (llama, 30 layers, 9 heads / 3 KV heads, tied embeddings, vocab 49152),
 prepared from its GGUF file: the dequantized weights equal transformers' own GGUF loader, and
-mcore_rl's logits equal transformers' on chat prompts with left padding at TP=1, TP=3 and PP=2."""
+mcore_rl's logits are as accurate as transformers' own fp32 logits (against a float64 reference) on
+chat prompts with left padding at TP=1, TP=3 and PP=2."""
 from __future__ import annotations
 
 import os
@@ -15,7 +16,6 @@ from tests.dist import run_ranks
 from tests.real_model import chat_batch, gguf_path, next_token_log_probs, smollm2_dir
 from tests.steps import forward_outputs
 
-TOL = 1e-4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,11 +24,14 @@ def hf_model():
     from transformers import AutoModelForCausalLM
 
     hf_dir = os.path.join(smollm2_dir(), "hf")
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     batch = chat_batch(hf_dir)
-    with torch.no_grad():
-        logits = model(**batch).logits
-    return hf_dir, batch, logits
+    logits = {}
+    for dtype in (torch.float32, torch.float64):
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+        with torch.no_grad():
+            logits[dtype] = model(**batch).logits
+        del model
+    return hf_dir, batch, logits[torch.float32], logits[torch.float64]
 
 
 def test_unpermute_inverts_llama_cpp_row_order():
@@ -88,19 +91,25 @@ def _logits(hf_dir: str, layout: dict, batch: dict, dtype: str = "fp32") -> torc
 
 
 @pytest.mark.parametrize("world,layout", [(1, {}), (3, dict(tp=3)), (2, dict(pp=2))], ids=["tp1", "tp3", "pp2"])
-def test_logits_equal_transformers(world, layout, hf_model):
-    hf_dir, batch, ref = hf_model
-    ours = run_ranks(world, _logits, hf_dir, layout, batch)[0][..., : ref.shape[-1]]
+def test_logits_as_accurate_as_transformers(world, layout, hf_model):
+    """Against transformers in float64: mcore_rl's fp32 error at most 1.5x transformers' own fp32
+    error. (fp32 against fp32 is no fixed bound: transformers' own fp32 logits are 7.7e-5 from
+    float64 here with one thread, and TP=3's other summation order lands 1.04e-4 from them on
+    this machine's kernels, 7.5e-5 on another's.)"""
+    hf_dir, batch, ref32, ref64 = hf_model
+    ours = run_ranks(world, _logits, hf_dir, layout, batch)[0][..., : ref32.shape[-1]]
     real = batch["attention_mask"].bool()
-    diff = (ours[real] - ref[real]).abs().max().item()
-    print(f"max |logit diff| {diff:.2e} (logits up to {ref[real].abs().max():.1f})")
-    assert diff <= TOL, diff
+    err = (ours.double() - ref64)[real].abs().max().item()
+    own = (ref32.double() - ref64)[real].abs().max().item()
+    print(f"max |logit error| vs float64: mcore_rl {err:.2e}, transformers fp32 {own:.2e} "
+          f"(vs transformers fp32 {(ours - ref32)[real].abs().max():.2e}; logits up to {ref32[real].abs().max():.1f})")
+    assert err <= 1.5 * own, (err, own)
 
 
 def test_bf16_log_probs_close_to_transformers_bf16(hf_model):
     from transformers import AutoModelForCausalLM
 
-    hf_dir, batch, ref32 = hf_model
+    hf_dir, batch, ref32, _ = hf_model
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()(**batch).logits.float()
     ours = run_ranks(1, _logits, hf_dir, {}, batch, "bf16")[0][..., : ref.shape[-1]]

@@ -97,7 +97,7 @@ def sample_requests(model: torch.nn.Module, requests: list[SampleRequest], pad_i
     ids, mask = left_pad([list(r.prompt_ids) for r in requests], pad_id)
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    generators = [torch.Generator().manual_seed(r.seed) for r in requests]
+    generators = [torch.Generator().manual_seed(r.seed) for r in requests]  # host: sampling runs on host logits
     results = [SampleResult([], [], "") for _ in requests]
     name = _cache_name(model)
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
