@@ -148,6 +148,10 @@ def offload_body(path: str, dtype: str, param_offload: bool, optimizer_offload: 
     moved = _ppo_steps(actor, ref, rows, log, root, param_offload)
     plain = _ppo_steps(twin, None, rows, [], None, False)
     loaded = _worker(path, dtype, **LOADED_OPTIM, **offload)
+    if torch.distributed.get_rank() == 0:  # verl's trainer names the finished step (it completes it)
+        with open(f"{root}/latest_checkpointed_iteration.txt", "w") as f:
+            f.write("1")
+    torch.distributed.barrier()
     loaded.engine.load_checkpoint(f"{root}/global_step_1/actor")
     after_load = placement(loaded.engine.engine)
     lr_after_load = loaded.engine.engine.optimizer.param_groups[0]["lr"]
