@@ -9,3 +9,11 @@ from __future__ import annotations
 
 class McoreRLError(Exception):
     """Base of every mcore_rl error; the message names the bad value and the fix."""
+
+
+class CheckpointError(McoreRLError, ValueError):
+    """A checkpoint or model directory on disk cannot be written or read safely.
+
+    Raised by the checkpoint manager, the converters and the file layer they share; the
+    message names the file or value and the fix.
+    """

@@ -12,8 +12,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.safe_load import UnsafeCheckpointError
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.safe_load import UnsafeCheckpointError
 
 T = TypeVar("T")
 _MAX_ERROR = 4000  # characters of one rank's error carried to the others

@@ -4,8 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.safetensors_write import parse_size
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.safetensors_write import parse_size
 
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import all_gather_bytes, distributed
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import file_crc32
-from mcore_rl.checkpoint.paths import contained
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import file_crc32
+from mcore_rl.fileio.paths import contained
 
 
 @dataclass(frozen=True)

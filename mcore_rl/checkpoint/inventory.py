@@ -22,8 +22,8 @@ from typing import Any
 
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import all_gather_bytes, distributed
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import file_crc32
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import file_crc32
 
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -12,12 +12,12 @@ import torch
 
 from mcore_rl.checkpoint import integrity, storage
 from mcore_rl.checkpoint.collective import agreed
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import META
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, TRAINER_STATE, Marker, read_marker
-from mcore_rl.checkpoint.safe_load import restricted_unpickling
+from mcore_rl.fileio.safe_load import restricted_unpickling
 from mcore_rl.checkpoint.state import LoadPlan, plan_load
-from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
+from mcore_rl.fileio.torch_dist_read import TorchDistReader
 
 
 def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...],

@@ -24,13 +24,13 @@ import torch
 from mcore_rl.checkpoint import integrity, inventory, peer_sync, step_dirs, storage
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.faults import fault_point
-from mcore_rl.checkpoint.files import META, copy_hf_files, file_crc32
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.faults import fault_point
+from mcore_rl.fileio.files import META, copy_hf_files, file_crc32
 from mcore_rl.checkpoint.inventory import MARKER, TRACKER, TRAINER_STATE, Marker
 from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
 from mcore_rl.checkpoint.model_dir import load_planned
-from mcore_rl.checkpoint.safetensors_write import parse_size, write_bucket_shards
+from mcore_rl.fileio.safetensors_write import parse_size, write_bucket_shards
 from mcore_rl.checkpoint.state import build_metadata, sharded_state
 from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
 

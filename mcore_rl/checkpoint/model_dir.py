@@ -8,8 +8,8 @@ from megatron.core import dist_checkpointing
 
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import agreed
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import META
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.state import LoadPlan, _safe_loading, apply_loaded, plan_load, sharded_state
 from mcore_rl.mapping.weights import unwrap
 

@@ -21,10 +21,10 @@ import torch
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import (agreed, all_gather_bytes, comm_device, distributed, gather_errors,
                                             raise_if_any)
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import crc32_hex, file_crc32
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import crc32_hex, file_crc32
 from mcore_rl.checkpoint.integrity import Manifest
-from mcore_rl.checkpoint.paths import contained
+from mcore_rl.fileio.paths import contained
 
 logger = logging.getLogger("mcore_rl.checkpoint")
 

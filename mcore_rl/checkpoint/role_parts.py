@@ -32,11 +32,11 @@ import shutil
 from dataclasses import dataclass
 
 from mcore_rl.checkpoint import integrity, storage, step_dirs
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.faults import fault_point, io_fault
-from mcore_rl.checkpoint.files import META, file_crc32
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.faults import fault_point, io_fault
+from mcore_rl.fileio.files import META, file_crc32
 from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, Survey, step_name
-from mcore_rl.checkpoint.paths import is_real_dir
+from mcore_rl.fileio.paths import is_real_dir
 
 PART_FORMAT = 1
 # the order a trainer saves the roles of one step in (verl: the actor, then the critic): a part

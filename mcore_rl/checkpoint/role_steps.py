@@ -31,9 +31,9 @@ import torch
 
 from mcore_rl.checkpoint import inventory, peer_sync, role_parts, step_dirs, storage
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes, all_ranks_ok
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.faults import fault_point
-from mcore_rl.checkpoint.files import process_age_s
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.faults import fault_point
+from mcore_rl.fileio.files import process_age_s
 from mcore_rl.checkpoint.integrity import gather_manifest
 from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, TRACKER, Marker, Survey
 from mcore_rl.checkpoint.manager import CheckpointManager, _check_written, _Pending, _phase

@@ -15,8 +15,8 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing import ShardedObject
 
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.safe_load import restricted_unpickling
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.safe_load import restricted_unpickling
 from mcore_rl.mapping.weights import unwrap
 
 SCHEMA_VERSION = 1

@@ -9,9 +9,9 @@ import os
 import shutil
 
 from mcore_rl.checkpoint import inventory, storage
-from mcore_rl.checkpoint.faults import fault_point, io_fault
+from mcore_rl.fileio.faults import fault_point, io_fault
 from mcore_rl.checkpoint.inventory import MARKER, TRACKER, Marker
-from mcore_rl.checkpoint.paths import is_real_dir
+from mcore_rl.fileio.paths import is_real_dir
 
 log = logging.getLogger("mcore_rl.checkpoint")
 

@@ -23,10 +23,10 @@ from typing import Any, Callable, Iterator, Literal
 import torch
 
 from mcore_rl.checkpoint.collective import all_gather_bytes, any_rank, comm_device, distributed
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import fsync_path  # noqa: F401 - storage.fsync_path for its users
-from mcore_rl.checkpoint.paths import contained
-from mcore_rl.checkpoint.safe_load import UnsafeCheckpointError, restricted_unpickling
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import fsync_path  # noqa: F401 - storage.fsync_path for its users
+from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.safe_load import UnsafeCheckpointError, restricted_unpickling
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.utils import _get_failure_dict
 
 from mcore_rl.checkpoint.collective import agreed, gather_errors, raise_if_any
 
-from mcore_rl.checkpoint.faults import hold_point, io_fault
-from mcore_rl.checkpoint.files import Crc32Stream, Writeback, crc32_hex
+from mcore_rl.fileio.faults import hold_point, io_fault
+from mcore_rl.fileio.files import Crc32Stream, Writeback, crc32_hex
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ERROR_BYTES = 4096

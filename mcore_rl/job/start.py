@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from mcore_rl.checkpoint.files import META
+from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.model_dir import load_model_dir
 from mcore_rl.config_loader import ConfigError
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
@@ -86,7 +86,7 @@ def critic_start(critic_dir: str | None, actor: Start) -> Start:
     if role is not None:
         hf_files = os.path.join(critic_dir, "huggingface")
         return Start(model_args_from_hf(hf_files), None, critic_dir, role == "actor", hf_files)
-    from mcore_rl.checkpoint.convert import role_from_config
+    from mcore_rl.conversion.convert import role_from_config
 
     head_from_lm = role_from_config(critic_dir) == "actor"
     return Start(model_args_from_hf(critic_dir), critic_dir, None, head_from_lm, critic_dir)

@@ -8,7 +8,7 @@ from typing import Iterator, Mapping
 import torch
 from safetensors import safe_open
 
-from mcore_rl.checkpoint.paths import contained
+from mcore_rl.fileio.paths import contained
 from mcore_rl.errors import McoreRLError
 
 

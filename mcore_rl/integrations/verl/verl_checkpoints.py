@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcore_rl.checkpoint.config import CheckpointConfig
-from mcore_rl.checkpoint.convert_input import role_from_config
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import META
+from mcore_rl.conversion.convert_input import role_from_config
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.role_steps import RoleStepManager
 from mcore_rl.integrations.verl.config import VerlConfigError
 

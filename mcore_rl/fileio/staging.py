@@ -13,8 +13,8 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import fsync_path
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import fsync_path
 
 
 class StagingError(CheckpointError):

@@ -44,7 +44,7 @@ class UnsafeCheckpointError(McoreRLError, pickle.UnpicklingError):
             f"refused to load {source}: it needs the Python global {refused!r}, which is not on "
             "the allowlist of classes a megatron dist-checkpoint contains. The checkpoint may be "
             "malicious; the refused code was not run. If the checkpoint comes from a trusted "
-            "writer and the class is legitimate, add it to mcore_rl.checkpoint.safe_load's "
+            "writer and the class is legitimate, add it to mcore_rl.fileio.safe_load's "
             "allowlist (METADATA_GLOBALS or SAFE_TORCH_GLOBALS)."
         )
 

@@ -22,13 +22,13 @@ from typing import Iterator, Literal
 
 import torch
 
-from mcore_rl.checkpoint.convert_input import HF_DTYPE_NAMES
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import META, peak_rss_mb
-from mcore_rl.checkpoint.paths import contained
-from mcore_rl.checkpoint.safetensors_write import ShardedSafetensorsWriter, TensorSpec
-from mcore_rl.checkpoint.staging import Staging, overlaps
-from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
+from mcore_rl.conversion.convert_input import HF_DTYPE_NAMES
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import META, peak_rss_mb
+from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec
+from mcore_rl.fileio.staging import Staging, overlaps
+from mcore_rl.fileio.torch_dist_read import TorchDistReader
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 

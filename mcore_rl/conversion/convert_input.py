@@ -11,9 +11,9 @@ import json
 import os
 from typing import Literal
 
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.paths import contained
-from mcore_rl.checkpoint.staging import overlaps
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.staging import overlaps
 
 INDEX_FILE = "model.safetensors.index.json"
 DtypeName = Literal["fp32", "bf16", "fp16"]

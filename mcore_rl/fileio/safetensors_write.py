@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import Writeback
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import Writeback
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -9,7 +9,7 @@ import shutil
 import threading
 import zlib
 
-from mcore_rl.checkpoint.faults import io_fault
+from mcore_rl.fileio.faults import io_fault
 
 META = "mcore_rl.json"  # schema version, role, architecture facts, layout, contents, versions
 # HF files that travel with the weights (config, generation config, tokenizer, chat template:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.errors import CheckpointError
 
 
 class UnsafePathError(CheckpointError):

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.paths import contained
-from mcore_rl.checkpoint.safe_load import load_payload, restricted_pickle_load
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.safe_load import load_payload, restricted_pickle_load
 
 METADATA_FILE = ".metadata"
 

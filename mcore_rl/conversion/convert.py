@@ -25,11 +25,11 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl.checkpoint import storage
-from mcore_rl.checkpoint.convert_input import (ConvertError, DtypeName, check_input, check_output, input_dtype,
+from mcore_rl.conversion.convert_input import (ConvertError, DtypeName, check_input, check_output, input_dtype,
                                                role_from_config)
-from mcore_rl.checkpoint.errors import CheckpointError
-from mcore_rl.checkpoint.files import META, copy_hf_files, peak_rss_mb, process_age_s
-from mcore_rl.checkpoint.staging import Staging, StagingError
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import META, copy_hf_files, peak_rss_mb, process_age_s
+from mcore_rl.fileio.staging import Staging, StagingError
 from mcore_rl.checkpoint.state import build_metadata
 from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
 from mcore_rl.errors import McoreRLError

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.checkpoint.convert_input import ConvertError
-from mcore_rl.checkpoint.safetensors_write import ShardedSafetensorsWriter, TensorSpec
-from mcore_rl.checkpoint.staging import Staging
+from mcore_rl.conversion.convert_input import ConvertError
+from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec
+from mcore_rl.fileio.staging import Staging
 from mcore_rl.mapping.gguf import GGUF_TABLES, GGUFError, gguf_architecture, hf_name, read_gguf_tensors
 
 # GGUF architecture -> the HF class transformers builds from it

@@ -1,0 +1,6 @@
+"""The converters' library: HF ↔ mcore dist-checkpoint and GGUF → HF (entry points in ``converters/``).
+
+- ``convert`` / ``convert_input``: HF safetensors → mcore dist-checkpoint (one process or torchrun).
+- ``merge``: mcore dist-checkpoint → HF safetensors, and the ``test`` comparison.
+- ``gguf_convert``: GGUF → HF safetensors.
+"""
