@@ -261,7 +261,7 @@ def check_step(step_dir: str) -> str | None:
     import torch  # noqa: F401  (heavy: only in the checks)
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    from mcore_rl.checkpoint.safe_load import restricted_unpickling
+    from mcore_rl.fileio.safe_load import restricted_unpickling
 
     if not os.path.isfile(os.path.join(step_dir, "COMPLETE")):
         return None  # a replacement cut short between its renames: finished by the next start

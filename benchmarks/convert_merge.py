@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)  # run as a script
 
 import torch  # noqa: E402
 
-from mcore_rl.checkpoint.safetensors_write import ShardedSafetensorsWriter, TensorSpec  # noqa: E402
+from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec  # noqa: E402
 
 SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4,
              vocab_size=32000)
@@ -52,9 +52,9 @@ def throughput_goal(size_gib: float) -> float:
 
 # what each tool imports before its work, as it imports it (config.json is read without transformers)
 CONVERT_IMPORTS = ("from mcore_rl.platform.fixes import megatron_import_fixes\n"
-                   "with megatron_import_fixes(on_cpu=True):\n    import mcore_rl.checkpoint.convert\n"
+                   "with megatron_import_fixes(on_cpu=True):\n    import mcore_rl.conversion.convert\n"
                    "import mcore_rl.platform, converters.hf_to_mcore")
-MERGE_IMPORTS = "import mcore_rl.checkpoint.merge, converters.mcore_to_hf"
+MERGE_IMPORTS = "import mcore_rl.conversion.merge, converters.mcore_to_hf"
 
 
 def layer_specs(i: int, h: int, f: int, q: int, kv: int) -> list[TensorSpec]:

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_third_party(0)
     from mcore_rl.errors import McoreRLError
-    from mcore_rl.checkpoint.gguf_convert import gguf_to_hf
+    from mcore_rl.conversion.gguf_convert import gguf_to_hf
 
     try:
         s = gguf_to_hf(a.gguf_path, a.output_path, a.overwrite, a.max_shard_size)

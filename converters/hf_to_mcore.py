@@ -47,7 +47,7 @@ def run_conversion(a: argparse.Namespace) -> int:
     with megatron_import_fixes(on_cpu=True):  # megatron's import-time torch.compile deferred
         import torch
 
-        from mcore_rl.checkpoint.convert import ConvertOptions, convert
+        from mcore_rl.conversion.convert import ConvertOptions, convert
     from mcore_rl.platform import init_distributed, setup_platform
 
     platform = setup_platform("cpu")
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.entry import error_line, quiet_third_party
 
     quiet_third_party(int(os.environ.get("RANK", "0")))
-    from mcore_rl.checkpoint.convert_input import preflight
+    from mcore_rl.conversion.convert_input import preflight
     from mcore_rl.errors import McoreRLError
 
     try:

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _test(local_dir: str, test_hf_dir: str, atol: float) -> int:
-    from mcore_rl.checkpoint.merge import compare
+    from mcore_rl.conversion.merge import compare
 
     diffs, problems = compare(local_dir, test_hf_dir)
     bad = [c for c, d in diffs.items() if not d <= atol]  # a NaN difference is never within atol
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "test":
             return _test(args.local_dir, args.test_hf_dir, args.atol)
-        from mcore_rl.checkpoint.merge import merge
+        from mcore_rl.conversion.merge import merge
 
         summary = merge(args.local_dir, args.target_dir, args.max_shard_size, args.model_class,
                         overwrite=args.overwrite, progress=sys.stderr.isatty(), dtype=args.dtype)

@@ -132,7 +132,7 @@ def load_and_step(hf: str, layout_kwargs: dict, root: str) -> dict:
 def refused(hf: str, layout_kwargs: dict, root: str) -> dict:
     """Resuming a dp_reshardable ``root`` in this layout: the error, and whether model and
     optimizer state stayed untouched."""
-    from mcore_rl.checkpoint.errors import CheckpointError
+    from mcore_rl.errors import CheckpointError
 
     engine, actor = build(hf, layout_kwargs, seed=77)
     train(actor, range(5, 6))  # an optimizer state of its own, which must survive the refusal

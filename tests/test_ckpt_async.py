@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from mcore_rl.checkpoint.faults import HOLD_ENV
+from mcore_rl.fileio.faults import HOLD_ENV
 from tests.ckpt_bodies import build_engine, hf_dir_for, hf_params, manager, optimizer_fingerprint, train
 from tests.dist import run_ranks
 

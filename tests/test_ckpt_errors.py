@@ -20,7 +20,7 @@ def _listing(root: str) -> dict[str, int]:
 
 
 def _error_of(fn) -> str:
-    from mcore_rl.checkpoint.errors import CheckpointError
+    from mcore_rl.errors import CheckpointError
 
     try:
         fn()

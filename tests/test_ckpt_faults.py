@@ -16,7 +16,7 @@ import sys
 import time
 import uuid
 
-from mcore_rl.checkpoint.faults import ENV, RANK_ENV
+from mcore_rl.fileio.faults import ENV, RANK_ENV
 from tests.test_job import ROOT
 
 TRACKER = "latest_checkpointed_iteration.txt"

@@ -12,7 +12,7 @@ import shutil
 
 import torch
 
-from mcore_rl.checkpoint.faults import IO_ENV, RANK_ENV
+from mcore_rl.fileio.faults import IO_ENV, RANK_ENV
 from tests.ckpt_bodies import build_engine, hf_dir_for, manager, train
 from tests.dist import run_ranks
 
@@ -32,7 +32,7 @@ def _digests(path: str) -> dict[str, str]:
 
 
 def _faults(hf_dir: str, base: str) -> dict:
-    from mcore_rl.checkpoint.errors import CheckpointError
+    from mcore_rl.errors import CheckpointError
 
     engine, model = build_engine(hf_dir, {}, "actor", False, seed=1)
     rank = torch.distributed.get_rank()

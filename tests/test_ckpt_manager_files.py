@@ -144,7 +144,7 @@ def _full_rows(name: str, written: dict) -> int:
 
 def test_load_contents_may_not_hold_hf_model():
     from mcore_rl.checkpoint.config import CheckpointConfig
-    from mcore_rl.checkpoint.errors import CheckpointError
+    from mcore_rl.errors import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"load_contents may not hold 'hf_model'.*load 'model' instead"):
         CheckpointConfig(load_contents=("model", "hf_model"))

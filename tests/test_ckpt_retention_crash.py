@@ -7,7 +7,7 @@ import glob
 import os
 import shutil
 
-from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.errors import CheckpointError
 from tests.ckpt_bodies import build_engine, hf_dir_for, manager, train
 from tests.dist import run_ranks
 

@@ -115,7 +115,7 @@ def test_rollback_and_restart_keep_the_new_branch(tmp_path):
 
 
 def _trackers(hf_dir: str, base: str) -> dict:
-    from mcore_rl.checkpoint.errors import CheckpointError
+    from mcore_rl.errors import CheckpointError
 
     engine, _ = build_engine(hf_dir, {}, "actor", False, seed=1)
     logged = _Logged()

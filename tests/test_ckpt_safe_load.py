@@ -88,7 +88,7 @@ def _load(eng, ckpt: str, guarded: bool, force_no_weights_only: bool = False):
     """Loads ckpt; returns (loaded state or None, 'ExceptionType: message' or None)."""
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.checkpoint.safe_load import restricted_unpickling
+    from mcore_rl.fileio.safe_load import restricted_unpickling
 
     if force_no_weights_only:
         os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
@@ -175,7 +175,7 @@ def test_without_the_guard_the_planted_code_runs(attacked, name):
 
 
 def test_restricted_unpickler_refuses_before_running(tmp_path):
-    from mcore_rl.checkpoint.safe_load import UnsafeCheckpointError, restricted_pickle_load
+    from mcore_rl.fileio.safe_load import UnsafeCheckpointError, restricted_pickle_load
     from mcore_rl.errors import McoreRLError
 
     marker = tmp_path / "ran"
@@ -190,7 +190,7 @@ def test_restricted_unpickler_refuses_before_running(tmp_path):
 def test_context_restores_everything_and_nests():
     from torch.distributed.checkpoint import default_planner, filesystem
 
-    from mcore_rl.checkpoint.safe_load import restricted_unpickling
+    from mcore_rl.fileio.safe_load import restricted_unpickling
 
     def current():
         return (torch.load, filesystem.pickle, filesystem.FileSystemReader.read_data,

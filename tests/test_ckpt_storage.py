@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 
-from mcore_rl.checkpoint.errors import CheckpointError
+from mcore_rl.errors import CheckpointError
 from mcore_rl.checkpoint.integrity import FileEntry, gather_manifest
 from mcore_rl.checkpoint.peer_sync import sync_step_to_all_nodes, transfer_plan
 from mcore_rl.checkpoint.storage import (
@@ -173,7 +173,7 @@ def test_check_files_names_truncated_and_missing_shards(saved_ckpt, tmp_path):
 def _shared_root_two_nodes(root: str, nodes: list[tuple[int, int]]) -> dict:
     """Rank r plays (node, local rank) ``nodes[r]`` on one shared file system: detect + sync must
     see 'shared' and move nothing."""
-    from mcore_rl.checkpoint.files import file_crc32
+    from mcore_rl.fileio.files import file_crc32
 
     rank = torch.distributed.get_rank()
     os.environ.update(GROUP_RANK=str(nodes[rank][0]), LOCAL_RANK=str(nodes[rank][1]))
@@ -257,7 +257,7 @@ def test_inventory_reads_metadata_without_running_planted_code(tmp_path):
     # .metadata is a pickle: the inventory reads it through the restricted unpickler
     import pickle
 
-    from mcore_rl.checkpoint.safe_load import UnsafeCheckpointError
+    from mcore_rl.fileio.safe_load import UnsafeCheckpointError
     from mcore_rl.checkpoint.storage import expected_files
 
     marker = tmp_path / "ran"

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import uuid
 
-from mcore_rl.checkpoint.faults import ENV, RANK_ENV
+from mcore_rl.fileio.faults import ENV, RANK_ENV
 from mcore_rl.job.loop import wall_clock
 from tests.two_node_ckpt_script import file_digests  # one hashing helper for both
 

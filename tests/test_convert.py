@@ -35,7 +35,7 @@ MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek
 def _convert_all(jobs: list[tuple[str, str]], split: dict | None = None) -> dict:
     """In one rank world: convert each (hf_dir, out_dir); returns (tensors written, most
     parameters held in real memory at once) per output."""
-    from mcore_rl.checkpoint.convert import ConvertOptions, convert
+    from mcore_rl.conversion.convert import ConvertOptions, convert
 
     out = {}
     for hf, dst in jobs:
@@ -51,7 +51,7 @@ def _load_and_export(dirs: dict[str, str]) -> dict:
     from megatron.core import dist_checkpointing
 
     from mcore_rl.checkpoint.model_dir import load_model_dir
-    from mcore_rl.checkpoint.safe_load import restricted_unpickling
+    from mcore_rl.fileio.safe_load import restricted_unpickling
     from mcore_rl.checkpoint.storage import read_json
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.models.hf_weights import export_hf
@@ -137,7 +137,7 @@ def test_convert_then_merge_gives_back_every_hf_tensor(converted, tmp_path):
     """HF -> mcore (the converter) -> HF (the merge): every tensor bit-identical, names exact."""
     from safetensors import safe_open
 
-    from mcore_rl.checkpoint.merge import merge
+    from mcore_rl.conversion.merge import merge
 
     base, hf_dirs, _ = converted
     for name in VARIANTS:
@@ -202,7 +202,7 @@ def _raw_tensors(model_dirs: list[str]) -> list[dict[str, torch.Tensor]]:
     """Every global tensor of each model directory's dist_ckpt, read by megatron's loader."""
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.checkpoint.safe_load import restricted_unpickling
+    from mcore_rl.fileio.safe_load import restricted_unpickling
 
     with restricted_unpickling():
         return [dist_checkpointing.load_plain_tensors(os.path.join(d, "dist_ckpt")) for d in model_dirs]

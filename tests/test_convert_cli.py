@@ -59,7 +59,7 @@ def test_cli_test_flag_passes_and_a_weight_corruption_fails(tmp_path):
 
 def _errors(cases: dict[str, tuple[str, str, dict]]) -> dict[str, str]:
     """Each case converted in a world of one; the error type and message it raised."""
-    from mcore_rl.checkpoint.convert import ConvertOptions, convert
+    from mcore_rl.conversion.convert import ConvertOptions, convert
 
     out = {}
     for name, (hf, dst, extra) in cases.items():
@@ -75,7 +75,7 @@ def _errors(cases: dict[str, tuple[str, str, dict]]) -> dict[str, str]:
 
 def _unwritten_coverage(hf: str) -> str:
     """A resolver that wrote nothing must fail the coverage check (HF tensors unused)."""
-    from mcore_rl.checkpoint.convert import HFShardResolver, check_coverage
+    from mcore_rl.conversion.convert import HFShardResolver, check_coverage
     from mcore_rl.mapping.hf_io import SafetensorsReader
     from mcore_rl.mapping.weights import canonical_params
     from mcore_rl.models.builder import BuildOptions, build_model

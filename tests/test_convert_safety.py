@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _convert(jobs: list[tuple[str, str, dict]]) -> dict[str, str]:
     """In one rank world: each (hf_dir, out_dir, ConvertOptions overrides); out_dir -> dtype
     written, or the error's text."""
-    from mcore_rl.checkpoint.convert import ConvertOptions, convert
+    from mcore_rl.conversion.convert import ConvertOptions, convert
 
     out = {}
     for hf, dst, extra in jobs:
@@ -75,8 +75,8 @@ def _listing(directory) -> list[str]:
 def test_failed_merge_keeps_the_old_target_and_leaves_nothing(dirs, tmp_path):
     """--overwrite onto an earlier merge, failing part-way (a shard truncated): the old files stay
     exactly as they were, no new shard is left beside them, no staging directory remains."""
-    from mcore_rl.checkpoint.merge import merge
-    from mcore_rl.checkpoint.torch_dist_read import TorchDistReadError
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.fileio.torch_dist_read import TorchDistReadError
 
     target, copy = tmp_path / "target", tmp_path / "copy"
     merge(dirs["tp2"], str(target), max_shard_size=40_000)
@@ -94,7 +94,7 @@ def test_failed_merge_keeps_the_old_target_and_leaves_nothing(dirs, tmp_path):
 
 
 def test_merge_target_overlapping_the_model_dir_is_refused(dirs, tmp_path):
-    from mcore_rl.checkpoint.merge import MergeError, merge
+    from mcore_rl.conversion.merge import MergeError, merge
 
     copy = tmp_path / "model"
     shutil.copytree(dirs["tp2"], copy)
@@ -107,7 +107,7 @@ def test_merge_target_overlapping_the_model_dir_is_refused(dirs, tmp_path):
 
 def _blind_rank(hf: str, outs: list[str]) -> str:
     """Rank r converts into outs[r]: a different parent per rank, as a node-local disk would be."""
-    from mcore_rl.checkpoint.convert import ConvertOptions, convert
+    from mcore_rl.conversion.convert import ConvertOptions, convert
 
     try:
         convert(ConvertOptions(hf, outs[torch.distributed.get_rank()], tp=2), progress=False)
@@ -128,8 +128,8 @@ def test_output_every_rank_cannot_see_is_refused_on_every_rank(dirs, tmp_path):
 def test_dtype_is_the_inputs_unless_asked_and_config_states_it(dirs, tmp_path):
     """bf16 HF -> convert (default) -> bf16 in dist_ckpt -> merge -> bf16 safetensors and a config
     saying bfloat16 (dtype and torch_dtype); --dtype fp16 / fp32 at conversion or at the merge."""
-    from mcore_rl.checkpoint.merge import merge
-    from mcore_rl.checkpoint.torch_dist_read import TorchDistReader
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.fileio.torch_dist_read import TorchDistReader
 
     source = _tensors(dirs["hf_bf16"])
     assert {t.dtype for t in source.values()} == {torch.bfloat16}
@@ -179,7 +179,7 @@ def test_reward_model_converts_to_the_in_memory_critic(tmp_path):
     num_labels=2 is refused by the same check as load_hf's."""
     from transformers import AutoModelForSequenceClassification
 
-    from mcore_rl.checkpoint.merge import merge
+    from mcore_rl.conversion.merge import merge
 
     for name, labels in (("rm", 1), ("rm2", 2)):
         config = tiny_config("qwen2", num_hidden_layers=2, num_labels=labels)
@@ -210,7 +210,7 @@ def test_nan_and_inf_always_fail_the_comparison(dirs, tmp_path):
     also when both sides hold the same non-finite values."""
     from safetensors.torch import save_file
 
-    from mcore_rl.checkpoint.merge import compare
+    from mcore_rl.conversion.merge import compare
 
     cli = subprocess.Popen([sys.executable, os.path.join(ROOT, "converters", "mcore_to_hf.py"), "test",
                             "--local_dir", dirs["nonfinite"], "--test_hf_dir", dirs["hf_nonfinite"]],
@@ -268,8 +268,8 @@ def test_overlapping_chunks_are_refused_naming_the_key(dirs, tmp_path):
     """TP=2 splits linear_proj's input dim in two chunks; moving the second one element left makes
     an overlap and a gap with the same element count (the old fill count passed it, leaving
     uninitialised memory in the merged tensor)."""
-    from mcore_rl.checkpoint.merge import merge
-    from mcore_rl.checkpoint.torch_dist_read import TorchDistReadError
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.fileio.torch_dist_read import TorchDistReadError
 
     key = "decoder.layers.self_attention.linear_proj.weight"
     copy = tmp_path / "copy"
@@ -307,8 +307,8 @@ def _escapes(tp2: str, tmp_path) -> dict[str, tuple[str, str]]:
 def test_file_names_leaving_the_checkpoint_are_refused(dirs, tmp_path):
     """relative_path '../x.distcp', an absolute path, a shard symlinked outside: each is refused
     naming the entry (library and CLI: one error line, exit code 2), nothing is merged."""
-    from mcore_rl.checkpoint.merge import merge
-    from mcore_rl.checkpoint.paths import UnsafePathError
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.fileio.paths import UnsafePathError
 
     cases = _escapes(dirs["tp2"], tmp_path)
     env = {**os.environ, "PYTHONPATH": ROOT}

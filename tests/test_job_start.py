@@ -108,7 +108,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_trained_checkpoint_merges_to_hf_and_restarts_the_job(name, tmp_path):
-    from mcore_rl.checkpoint.merge import merge
+    from mcore_rl.conversion.merge import merge
 
     model, train_layout, reload_layout = CASES[name]
     cfg = _config(tmp_path / "run", *model, *train_layout)

@@ -53,7 +53,7 @@ def saved(tmp_path_factory):
 
 
 def _merge(local_dir, target, **kw):
-    from mcore_rl.checkpoint.merge import merge
+    from mcore_rl.conversion.merge import merge
 
     return merge(local_dir, str(target), **kw)
 
@@ -100,7 +100,7 @@ def test_merge_equals_engine_export_and_scores(saved, tmp_path, name):
 
 def test_rules_agree_with_weight_map(saved):
     """The merge enumerates the table as WeightMap(tp=1) does (mapping/weights.py imports megatron)."""
-    from mcore_rl.checkpoint.merge import canonical_rules, open_model_dir
+    from mcore_rl.conversion.merge import canonical_rules, open_model_dir
     from mcore_rl.models.hf_weights import weight_map
 
     for name, (local, _, _, _) in saved.items():
@@ -116,7 +116,7 @@ def test_rules_agree_with_weight_map(saved):
 def test_small_shards_index_and_load(saved, tmp_path):
     from safetensors import safe_open
 
-    from mcore_rl.checkpoint.safetensors_write import TensorSpec
+    from mcore_rl.fileio.safetensors_write import TensorSpec
 
     local, export, scores, batch = saved["qwen2_moe_ep2"]
     limit = 64 * 1024  # the 51 KiB embedding fits; the 200x64 fp32 lm_head too; many shards
@@ -182,8 +182,8 @@ def test_cli_merge_and_test_without_megatron(saved, tmp_path):
 
 
 def test_errors_name_the_problem(saved, tmp_path):
-    from mcore_rl.checkpoint.merge import MergeError
-    from mcore_rl.checkpoint.torch_dist_read import TorchDistReadError
+    from mcore_rl.conversion.merge import MergeError
+    from mcore_rl.fileio.torch_dist_read import TorchDistReadError
     from mcore_rl.errors import McoreRLError
 
     local, _, _, _ = saved["llama_critic"]
@@ -224,7 +224,7 @@ def test_errors_name_the_problem(saved, tmp_path):
 
 def test_config_of_another_architecture_names_missing_and_unconsumed(saved, tmp_path):
     """Every expected HF tensor must come from the checkpoint and every model key must be consumed."""
-    from mcore_rl.checkpoint.merge import MergeError
+    from mcore_rl.conversion.merge import MergeError
 
     for name, model_type, message in [
         ("llama_tp2", "qwen2", r"expected tensors missing: \[.decoder.layers.0.self_attention.linear_qkv.bias"),
@@ -241,7 +241,7 @@ def test_config_of_another_architecture_names_missing_and_unconsumed(saved, tmp_
 
 
 def test_reader_parts_and_objects(saved):
-    from mcore_rl.checkpoint.torch_dist_read import TorchDistReader, TorchDistReadError
+    from mcore_rl.fileio.torch_dist_read import TorchDistReader, TorchDistReadError
 
     local, export, _, _ = saved["mixtral_ep2"]
     reader = TorchDistReader(os.path.join(local, "dist_ckpt"))
@@ -260,7 +260,7 @@ def test_reader_parts_and_objects(saved):
 def test_writer_plans_like_hf(tmp_path):
     from safetensors.torch import load_file
 
-    from mcore_rl.checkpoint.safetensors_write import (SafetensorsWriteError, ShardedSafetensorsWriter,
+    from mcore_rl.fileio.safetensors_write import (SafetensorsWriteError, ShardedSafetensorsWriter,
                                                        TensorSpec, parse_size)
 
     assert (parse_size("5GB"), parse_size("2MiB"), parse_size("1.5KB"), parse_size(10)) == (

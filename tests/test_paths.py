@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mcore_rl.checkpoint.paths import UnsafePathError, contained
+from mcore_rl.fileio.paths import UnsafePathError, contained
 from mcore_rl.mapping.hf_io import SafetensorsReader
 
 

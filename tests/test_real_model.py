@@ -55,7 +55,7 @@ def test_dequantized_weights_equal_transformers_gguf_loader(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from mcore_rl.checkpoint.gguf_convert import gguf_to_hf
+    from mcore_rl.conversion.gguf_convert import gguf_to_hf
 
     path = gguf_path()
     gguf_to_hf(path, str(tmp_path / "hf"))

@@ -38,7 +38,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_gguf_to_hf_refusals(tmp_path):
-    from mcore_rl.checkpoint.gguf_convert import gguf_to_hf
+    from mcore_rl.conversion.gguf_convert import gguf_to_hf
     from mcore_rl.errors import McoreRLError
 
     garbage = tmp_path / "bad.gguf"

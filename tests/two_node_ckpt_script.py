@@ -79,7 +79,7 @@ def main() -> None:
     import torch
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.checkpoint.files import file_crc32
+    from mcore_rl.fileio.files import file_crc32
     from mcore_rl.checkpoint.integrity import gather_manifest
     from mcore_rl.checkpoint.peer_sync import sync_step_to_all_nodes
     from mcore_rl.checkpoint.storage import detect_storage, node_id, node_leader, write_json_atomic

@@ -7,6 +7,9 @@ writer processes an async save forks):
   errno (e.g. ``flush:EIO``, ``write:ENOSPC``), as a failing or full disk would: the faults a
   kill cannot show.
 
+  ``MCORE_RL_CKPT_IO_FAULT=<point>:<ERRNO>@<suffix>`` fails only for paths ending in
+  ``<suffix>`` (e.g. ``stat:EIO@global_step_1/COMPLETE``): one file of a survey, not all of them.
+
 ``MCORE_RL_CKPT_FAULT_RANK`` (optional) limits either to one global rank;
 ``MCORE_RL_CKPT_FAULT_AT=<n>`` (optional) kills at the n-th time this process reaches the phase
 (e.g. one engine's save of a later step; default: the first).
@@ -42,18 +45,22 @@ def fault_point(phase: str) -> None:
 
 IO_ENV = "MCORE_RL_CKPT_IO_FAULT"
 # flush: a shard's background fdatasync; write: a shard's write after its first item (a disk
-# that fills up mid-file); marker / tracker / cleanup: the manager's own writes and deletions
-IO_POINTS = ("flush", "write", "marker", "tracker", "cleanup")
+# that fills up mid-file); marker / tracker / cleanup: the manager's own writes and deletions;
+# stat / open / rename: a file's metadata lookup, opening it to read, renaming it (a flaky disk,
+# an NFS ESTALE) wherever the code routes those calls through this hook
+IO_POINTS = ("flush", "write", "marker", "tracker", "cleanup", "stat", "open", "rename")
 
 
 def io_fault(point: str, path: str = "") -> None:
-    """Raises ``OSError(<errno>)`` for ``path`` when ``MCORE_RL_CKPT_IO_FAULT=<point>:<ERRNO>``."""
+    """Raises ``OSError(<errno>)`` for ``path`` when ``MCORE_RL_CKPT_IO_FAULT=<point>:<ERRNO>``
+    (``...@<suffix>``: only when ``path`` ends with ``<suffix>``)."""
     assert point in IO_POINTS, point
     spec = os.environ.get(IO_ENV)
     if not spec or not _this_rank():
         return
-    name, _, code = spec.partition(":")
-    if name != point:
+    spec_point, _, only = spec.partition("@")
+    name, _, code = spec_point.partition(":")
+    if name != point or (only and not os.path.normpath(path).endswith(os.path.normpath(only))):
         return
     number = getattr(errno, code or "EIO", None)
     if not isinstance(number, int):

@@ -121,7 +121,7 @@ def _resume(workers: dict, root: str) -> int:
 
 
 def _error(fn) -> str:
-    from mcore_rl.checkpoint.errors import CheckpointError
+    from mcore_rl.errors import CheckpointError
 
     try:
         fn()

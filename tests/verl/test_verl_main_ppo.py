@@ -188,7 +188,7 @@ def samples(run, step: int) -> list[tuple]:
 
 def hf_weights(step_dir, role: str) -> dict:
     """The HF-named tensors of a saved role (the merge path: torch_dist read without megatron)."""
-    from mcore_rl.checkpoint.merge import iter_hf_tensors, open_model_dir, plan_units
+    from mcore_rl.conversion.merge import iter_hf_tensors, open_model_dir, plan_units
 
     model = open_model_dir(str(step_dir / role))
     units, dims = plan_units(model)

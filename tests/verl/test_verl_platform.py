@@ -9,7 +9,7 @@ import torch
 
 verl = pytest.importorskip("verl")
 
-from mcore_rl.checkpoint.errors import CheckpointError  # noqa: E402
+from mcore_rl.errors import CheckpointError  # noqa: E402
 from mcore_rl.integrations.verl import platform  # noqa: E402
 from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError  # noqa: E402
 from mcore_rl.integrations.verl.verl_checkpoints import step_and_role  # noqa: E402
