@@ -90,7 +90,7 @@ def test_failed_merge_keeps_the_old_target_and_leaves_nothing(dirs, tmp_path):
     assert {name: (target / name).read_bytes() for name in _listing(target)} == before
     assert _listing(tmp_path) == ["copy", "target"]  # no staging or replaced directory left
     merge(dirs["tp2"], str(target), overwrite=True)  # a complete merge replaces the whole directory
-    assert _listing(target) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert _listing(target) == ["config.json", "generation_config.json", "mcore_rl_export.json", "model.safetensors"]
 
 
 def test_merge_target_overlapping_the_model_dir_is_refused(dirs, tmp_path):

@@ -124,7 +124,7 @@ def test_small_shards_index_and_load(saved, tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert summary.shards == len(files) > 3 and sorted(os.listdir(tmp_path / "hf")) == sorted(
-        files + ["config.json", "generation_config.json", "model.safetensors.index.json"])
+        files + ["config.json", "generation_config.json", "mcore_rl_export.json", "model.safetensors.index.json"])
     total = 0
     for file in files:
         with safe_open(str(tmp_path / "hf" / file), framework="pt") as f:
@@ -198,9 +198,18 @@ def test_errors_name_the_problem(saved, tmp_path):
     (tmp_path / "c" / "keep.txt").write_text("x")
     with pytest.raises(MergeError, match="is not empty; pass --overwrite"):
         _merge(local, tmp_path / "c")
+    with pytest.raises(MergeError, match=r"was not written by this command: it holds \['keep.txt'\] and no "
+                                         r"mcore_rl_export.json record; --overwrite replaces only"):
+        _merge(local, tmp_path / "c", overwrite=True)  # not an earlier merge: kept
+    os.remove(tmp_path / "c" / "keep.txt")
+    _merge(local, tmp_path / "c")  # empty: written
     (tmp_path / "c" / "model-00001-of-00009.safetensors").write_text("stale")
-    _merge(local, tmp_path / "c", overwrite=True)  # the directory is replaced as a whole
-    assert sorted(os.listdir(tmp_path / "c")) == ["config.json", "model.safetensors"]
+    with pytest.raises(MergeError, match=r"holds \['model-00001-of-00009.safetensors'\], which its "
+                                         r"mcore_rl_export.json does not list"):
+        _merge(local, tmp_path / "c", overwrite=True)
+    os.remove(tmp_path / "c" / "model-00001-of-00009.safetensors")
+    _merge(local, tmp_path / "c", overwrite=True)  # an earlier merge: the directory is replaced as a whole
+    assert sorted(os.listdir(tmp_path / "c")) == ["config.json", "mcore_rl_export.json", "model.safetensors"]
 
     copy = tmp_path / "copy"
     shutil.copytree(local, copy)

@@ -12,8 +12,9 @@ import os
 from typing import Literal
 
 from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import hf_side_files
 from mcore_rl.fileio.paths import contained
-from mcore_rl.fileio.staging import overlaps
+from mcore_rl.fileio.output_dir import check_replaceable, input_overlap, refuse_file, settle_output
 
 INDEX_FILE = "model.safetensors.index.json"
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -122,8 +123,10 @@ def check_shard(path: str) -> None:
 
 
 def check_input(hf_dir: str) -> list[str]:
-    """Validates the HF directory (config.json, every shard named and complete); returns the shards."""
+    """Validates the HF directory (config.json, side files inside it, every shard named and complete);
+    returns the shards."""
     read_config(hf_dir)
+    hf_side_files(hf_dir)  # a tokenizer / config file linked out of the directory: refused before any write
     shards = shard_files(hf_dir)
     for path in shards:
         check_shard(path)
@@ -131,17 +134,19 @@ def check_input(hf_dir: str) -> list[str]:
 
 
 def check_output(path: str, hf_dir: str, overwrite: bool) -> None:
-    """Refuses a file, an output that overlaps the input (the same directory, inside it or
-    containing it: even with ``overwrite``), and a non-empty directory unless ``overwrite``."""
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise ConvertError(f"--output_path {path!r} is a file; pass a directory.")
-    if overlaps(path, hf_dir):
-        raise ConvertError(f"--output_path {path!r} overlaps --hf_model_path {hf_dir!r} (the same directory, "
+    """Settles what an interrupted run left beside ``path``, then refuses a file, an output that
+    overlaps the input on resolved paths (the same directory, inside it or containing it, or
+    what a link under the input points at: even with ``overwrite``), a non-empty directory
+    unless ``overwrite``, and with it anything but an earlier converter output
+    (``fileio.output_dir``)."""
+    settle_output(path, ConvertError)
+    refuse_file(path, f"--output_path {path!r}", ConvertError)
+    via = input_overlap(path, hf_dir)
+    if via is not None:
+        raise ConvertError(f"--output_path {path!r} overlaps --hf_model_path {hf_dir!r}{via} (the same directory, "
                            "or one inside the other); write the output to a directory outside the input "
                            "(--overwrite never replaces the input).")
-    if os.path.isdir(path) and os.listdir(path) and not overwrite:
-        raise ConvertError(f"--output_path {path!r} is not empty; pass --overwrite to replace it (the old "
-                           "output is kept until the new one is complete) or choose an empty directory.")
+    check_replaceable(path, overwrite, "model_dir", f"--output_path {path!r}", ConvertError)
 
 
 def preflight(hf_dir: str, output_path: str, overwrite: bool, dtype: str | None, role: str | None) -> None:

@@ -10,6 +10,8 @@ import torch
 
 from mcore_rl.conversion.convert_input import ConvertError
 from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec
+from mcore_rl.fileio.output_dir import (check_replaceable, input_overlap, refuse_file, settle_output,
+                                         write_export_record)
 from mcore_rl.fileio.staging import Staging
 from mcore_rl.mapping.gguf import GGUF_TABLES, GGUFError, gguf_architecture, hf_name, read_gguf_tensors
 
@@ -40,14 +42,15 @@ def _open_reader(path: str):
 
 
 def _check_output(output: str, gguf_path: str, overwrite: bool) -> None:
-    if os.path.lexists(output) and not os.path.isdir(output):
-        raise ConvertError(f"--output_path {output!r} is a file; pass a directory.")
-    if os.path.realpath(gguf_path).startswith(os.path.realpath(output) + os.sep):
+    """Settles an interrupted earlier run's leftovers, then refuses a file, an output holding
+    the GGUF file (resolved), a non-empty directory unless ``overwrite``, and with it anything
+    but an earlier HF export of this project (``fileio.output_dir``)."""
+    settle_output(output, ConvertError)
+    refuse_file(output, f"--output_path {output!r}", ConvertError)
+    if input_overlap(output, gguf_path) is not None:
         raise ConvertError(f"--output_path {output!r} contains --gguf_path {gguf_path!r}; write the output "
                            "elsewhere (--overwrite never replaces the input).")
-    if os.path.isdir(output) and os.listdir(output) and not overwrite:
-        raise ConvertError(f"--output_path {output!r} is not empty; pass --overwrite to replace it (the old "
-                           "output is kept until the new one is complete) or choose an empty directory.")
+    check_replaceable(output, overwrite, "hf_export", f"--output_path {output!r}", ConvertError)
 
 
 def _tensor_specs(reader, arch: str) -> list[TensorSpec]:
@@ -91,6 +94,7 @@ def gguf_to_hf(gguf_path: str, output: str, overwrite: bool = False, max_shard_s
             writer.write(name, tensor)
         writer.close()
         layers = _write_hf_files(gguf_path, stage.path, arch)
+        write_export_record(stage.path, "gguf_to_hf")
         stage.commit()
     except BaseException:
         stage.discard()

@@ -27,7 +27,9 @@ from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META, peak_rss_mb
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec
-from mcore_rl.fileio.staging import Staging, overlaps
+from mcore_rl.fileio.output_dir import (check_replaceable, input_overlap, refuse_file, settle_output,
+                                         write_export_record)
+from mcore_rl.fileio.staging import Staging
 from mcore_rl.fileio.torch_dist_read import TorchDistReader
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
@@ -242,17 +244,17 @@ def _hf_config(model: ModelDir, model_class: ModelClass) -> dict:
 
 
 def check_target(target_dir: str, local_dir: str, overwrite: bool) -> None:
-    """Refuses a file, a target that overlaps the model directory (even with ``overwrite``) and a
-    non-empty directory unless ``overwrite``."""
-    if os.path.lexists(target_dir) and not os.path.isdir(target_dir):
-        raise MergeError(f"target_dir {target_dir} is a file; pass a directory.")
-    if overlaps(target_dir, local_dir):
-        raise MergeError(f"target_dir {target_dir} overlaps the model directory {local_dir} (the same "
+    """Settles what an interrupted merge left beside ``target_dir``, then refuses a file, a
+    target that overlaps the model directory on resolved paths (links under it included; even
+    with ``overwrite``), a non-empty directory unless ``overwrite``, and with it anything but
+    an earlier HF export of this project (``fileio.output_dir``)."""
+    settle_output(target_dir, MergeError)
+    refuse_file(target_dir, f"target_dir {target_dir}", MergeError)
+    via = input_overlap(target_dir, local_dir)
+    if via is not None:
+        raise MergeError(f"target_dir {target_dir} overlaps the model directory {local_dir}{via} (the same "
                          "directory, or one inside the other); write the HF model outside it.")
-    if os.path.isdir(target_dir) and os.listdir(target_dir) and not overwrite:
-        raise MergeError(f"target_dir {target_dir} is not empty; pass --overwrite (overwrite=True) to replace "
-                         "it (the old directory is kept until the new model is complete), or choose an empty "
-                         "directory.")
+    check_replaceable(target_dir, overwrite, "hf_export", f"target_dir {target_dir}", MergeError)
 
 
 def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dtype, directory: str,
@@ -297,6 +299,7 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
         writer = _write_model(model, units, dims, out_dtype, stage.path, max_shard_size, progress)
         with open(os.path.join(stage.path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
+        write_export_record(stage.path, "mcore_to_hf merge")
         stage.commit()
     except BaseException:
         stage.discard()

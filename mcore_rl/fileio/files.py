@@ -10,6 +10,7 @@ import threading
 import zlib
 
 from mcore_rl.fileio.faults import io_fault
+from mcore_rl.fileio.paths import contained
 
 META = "mcore_rl.json"  # schema version, role, architecture facts, layout, contents, versions
 # HF files that travel with the weights (config, generation config, tokenizer, chat template:
@@ -28,12 +29,25 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def copy_hf_files(src: str, dst: str) -> None:
-    """Copies the ``HF_FILES`` present in ``src`` into ``dst`` (created)."""
-    os.makedirs(dst, exist_ok=True)
+def hf_side_files(src: str) -> list[tuple[str, str]]:
+    """(name, real path) of the ``HF_FILES`` present in ``src``, each inside ``src`` on resolved
+    paths (``paths.contained``; a hub-cache snapshot's links into its repo's ``blobs/`` too): a
+    side file that is a link leaving the model directory raises ``UnsafePathError``."""
+    found = []
     for name in HF_FILES:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copyfile(os.path.join(src, name), os.path.join(dst, name))
+        path = contained(src, name, f"the HF model directory {src}", hub_cache=True)
+        if os.path.isfile(path):
+            found.append((name, os.path.realpath(path)))
+    return found
+
+
+def copy_hf_files(src: str, dst: str) -> None:
+    """Copies the ``HF_FILES`` present in ``src`` into ``dst`` (created), as regular files;
+    refused (``UnsafePathError``, nothing copied) when one is a link leaving ``src``."""
+    files = hf_side_files(src)
+    os.makedirs(dst, exist_ok=True)
+    for name, real in files:
+        shutil.copyfile(real, os.path.join(dst, name))
 
 
 def peak_rss_mb() -> float:
