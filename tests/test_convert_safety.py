@@ -324,3 +324,30 @@ def test_file_names_leaving_the_checkpoint_are_refused(dirs, tmp_path):
     code, (_, err) = cli.wait(timeout=300), cli.communicate()
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and cases["dotdot"][1] in err, err
     assert not os.path.exists(tmp_path / "cli_out")
+
+
+def test_merge_overwrite_keeps_what_it_did_not_write(dirs, tmp_path):
+    """Issue #29 defect 6: a model directory whose dist_ckpt is a link into the target (resolved,
+    the target overlaps the input), and a target holding a sibling model (not an earlier
+    export): merge --overwrite refuses both and changes nothing; an earlier export is replaced."""
+    from mcore_rl.conversion.merge import MergeError, merge
+
+    target, model, models = tmp_path / "target", tmp_path / "model", tmp_path / "models"
+    merge(dirs["tp2"], str(target))
+    shutil.copytree(os.path.join(dirs["tp2"], "dist_ckpt"), target / "dist_ckpt")
+    model.mkdir()
+    shutil.copytree(os.path.join(dirs["tp2"], "huggingface"), model / "huggingface")
+    shutil.copy(os.path.join(dirs["tp2"], "mcore_rl.json"), model)
+    (model / "dist_ckpt").symlink_to(target / "dist_ckpt")
+    merge(dirs["tp2"], str(models / "other"))
+    before = {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    with pytest.raises(MergeError, match=rf"target_dir {target} overlaps the model directory {model} \(its entry "
+                                         rf"{model}/dist_ckpt resolves to {target}/dist_ckpt\)"):
+        merge(str(model), str(target), overwrite=True)
+    with pytest.raises(MergeError, match=rf"target_dir {models} was not written by this command: it holds "
+                                         r"\['other'\] and no mcore_rl_export.json record"):
+        merge(dirs["tp2"], str(models), overwrite=True)
+    assert {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
+    merge(str(model), str(models / "other"), overwrite=True)  # an earlier export: replaced
+    merged, reference = _tensors(models / "other"), _tensors(target)
+    assert merged.keys() == reference.keys() and all(torch.equal(merged[k], reference[k]) for k in merged)

@@ -71,8 +71,9 @@ def test_kill_at_every_rename_then_the_next_run_settles(tmp_path, old):
             continue
         assert run.returncode == -9, run.stderr
         assert _state(final)[1], phase  # the kill left hidden directories beside the output
-        settle(str(final))  # what the next run does first
-        assert _state(final) == (settled, []), (phase, _state(final))
+        if phase != "stage_swapped":  # there: the next run's Staging.create settles by itself
+            settle(str(final))  # what the next run's output check does first
+            assert _state(final) == (settled, []), (phase, _state(final))
         assert _write(final, "next").returncode == 0  # and the run itself
         assert _state(final) == ("next", []), phase
 
