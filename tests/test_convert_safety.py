@@ -351,3 +351,26 @@ def test_merge_overwrite_keeps_what_it_did_not_write(dirs, tmp_path):
     merge(str(model), str(models / "other"), overwrite=True)  # an earlier export: replaced
     merged, reference = _tensors(models / "other"), _tensors(target)
     assert merged.keys() == reference.keys() and all(torch.equal(merged[k], reference[k]) for k in merged)
+
+
+def test_merge_killed_between_the_renames_is_finished_by_the_next_run(dirs, tmp_path):
+    """Issue #29 defect 5 through the CLI: merge --overwrite killed after the old export was moved
+    aside (no target, two hidden copies); the next run of the same command puts the complete
+    copy in place first, then replaces it: the target is the full model, nothing hidden is left."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.fileio.faults import ENV
+
+    target, reference = tmp_path / "target", tmp_path / "reference"
+    merge(dirs["tp2"], str(reference))
+    merge(dirs["tp2"], str(target), max_shard_size=40_000)  # the old export: several shards
+    argv = [sys.executable, "converters/mcore_to_hf.py", "merge", "--local_dir", dirs["tp2"], "--target_dir",
+            str(target), "--overwrite"]
+    killed = subprocess.run(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, ENV: "stage_aside"},
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert sorted(n.split("-")[0] for n in _listing(tmp_path)) == [".target.replaced", ".target.staging",
+                                                                    "reference"]
+    merge(dirs["tp2"], str(target), overwrite=True)  # the next run (the CLI's library call)
+    assert _listing(tmp_path) == ["reference", "target"]
+    merged, want = _tensors(target), _tensors(reference)
+    assert merged.keys() == want.keys() and all(torch.equal(merged[k], want[k]) for k in merged)

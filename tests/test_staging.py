@@ -95,6 +95,17 @@ def test_next_converter_run_settles_before_checking_its_output(tmp_path):
         with pytest.raises(error, match="is not empty; pass --overwrite"):
             check(str(final), str(hf), False)
         assert _state(final)[0] == "new" and not [n for n in os.listdir(tmp_path) if n.startswith(".")], name
+    # a failed observation while settling is a refusal naming it, never a guess: nothing moves
+    final = tmp_path / "eio"
+    assert _write(final, "old").returncode == 0
+    assert _write(final, "new", **{ENV: "stage_aside"}).returncode == -9
+    left = _state(final)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(IO_ENV, f"stat:EIO@{final}")
+        with pytest.raises(ConvertError, match=rf"cannot settle what an interrupted run left beside {final}: "
+                                               r".*Input/output error \(injected"):
+            check_output(str(final), str(hf), True)
+    assert _state(final) == left
 
 
 def test_ctrl_c_between_the_renames_loses_neither_copy(tmp_path, monkeypatch):
