@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -117,9 +118,10 @@ def test_ctrl_c_between_the_renames_loses_neither_copy(tmp_path, monkeypatch):
         final = tmp_path / f"after_rename_{which}" / "out"
         assert _write(final, "old").returncode == 0
         stage = Staging.create(str(final))
-        for name in ("sub", "tag", "sub/tag"):
-            path = os.path.join(stage.path, name)
-            os.mkdir(path) if name == "sub" else open(path, "w").write("new")
+        os.mkdir(os.path.join(stage.path, "sub"))
+        for name in ("tag", "sub/tag"):
+            with open(os.path.join(stage.path, name), "w") as f:
+                f.write("new")
         calls = []
 
         def rename(src, dst, which=which):
@@ -172,6 +174,29 @@ def test_a_live_or_foreign_owner_is_never_touched(tmp_path):
     assert [str(w.message) for w in caught if issubclass(w.category, StagingWarning)] == [
         f"{old_format} was left by an interrupted run of an older mcore_rl (no owner recorded, so it is not "
         f"removed); remove it once no converter writes {final}."]
-    open(os.path.join(live.path, "tag"), "w").write("live")
+    with open(os.path.join(live.path, "tag"), "w") as f:
+        f.write("live")
     live.commit()
     assert open(final / "tag").read() == "live"
+
+
+def test_another_running_process_is_untouched_until_it_dies(tmp_path):
+    """A concurrently running writer of the same output (another process) keeps its staging
+    directory while it runs; killed and not yet reaped (a zombie), it counts as dead."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ident = f"{child.pid}-{staging._start_ticks(child.pid)}-{staging._host()}-cccccccc"
+        (tmp_path / f".out.staging-{ident}").mkdir()
+        settle(str(tmp_path / "out"))
+        assert os.listdir(tmp_path) == [f".out.staging-{ident}"]
+        child.kill()
+        for _ in range(1000):  # the kill lands: a zombie until reaped
+            with open(f"/proc/{child.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        settle(str(tmp_path / "out"))
+        assert os.listdir(tmp_path) == []
+    finally:
+        child.kill()
+        child.wait()
