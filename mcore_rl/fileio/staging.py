@@ -119,7 +119,8 @@ def owner_dead(ident: str) -> bool:
 
 
 def _leftover_re(final: str) -> re.Pattern:
-    return re.compile(re.escape("." + os.path.basename(final)) + r"\.(staging|replaced)-(\d+-\d+-[0-9a-f]{8}-[0-9a-f]{8})")
+    ident = r"(\d+-\d+-[0-9a-f]{8}-[0-9a-f]{8})"  # new_id()
+    return re.compile(re.escape("." + os.path.basename(final)) + r"\.(staging|replaced)-" + ident)
 
 
 def _survey(final: str) -> dict[str, dict[str, str]]:
