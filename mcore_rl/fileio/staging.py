@@ -82,10 +82,11 @@ def _make_parents(parent: str) -> list[str]:
 
 def _start_ticks(pid: int) -> int | None:
     """Start time of process ``pid`` in clock ticks since boot (``/proc``); None when it does not
-    exist. Raises OSError when it cannot be told (no ``/proc``, no permission)."""
+    exist or has exited (a zombie). Raises OSError when it cannot be told (no ``/proc``)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name: field 3 onwards
+        return None if fields[0] in ("Z", "X") else int(fields[19])  # field 3: state, 22: starttime
     except FileNotFoundError:
         return None
     except (ValueError, IndexError) as e:
