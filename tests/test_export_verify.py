@@ -17,7 +17,7 @@ import struct
 import pytest
 import torch
 
-from tests.read_fixtures import build
+from tests.read_fixtures import build, flip_in_up_proj
 
 UP = "model.layers.1.mlp.up_proj.weight"
 
@@ -50,26 +50,11 @@ def _step_copy(dirs, tmp_path, name: str = "global_step_1") -> str:
     return str(dst / "actor")
 
 
-def _flip_in_up_proj(model_dir: str) -> None:
-    """Flips one bit of a byte of layer 1's up_proj rows inside the shard (found by its bytes)."""
-    from mcore_rl.fileio.torch_dist_read import TorchDistReader
-
-    reader = TorchDistReader(os.path.join(model_dir, "dist_ckpt"))
-    fc1 = reader.read("decoder.layers.mlp.linear_fc1.weight", (1,)).contiguous()
-    reader.close()
-    shard = os.path.join(model_dir, "dist_ckpt", "__0_0.distcp")
-    data = bytearray(open(shard, "rb").read())
-    at = data.find(fc1.numpy().tobytes()[:64])
-    assert at > 0
-    data[at + fc1.numel() * 4 * 3 // 4 + 1] ^= 0x10  # in the second half of fc1: up_proj
-    open(shard, "wb").write(bytes(data))
-
-
 @pytest.mark.parametrize("kind", ["step", "conv"])
 def test_flipped_byte_in_a_shard_is_refused_naming_it(dirs, tmp_path, kind):
     local = _step_copy(dirs, tmp_path) if kind == "step" else shutil.copytree(dirs["conv"], tmp_path / "conv")
     local = str(local)
-    _flip_in_up_proj(local)
+    flip_in_up_proj(local)
     code, _, err = cli("merge", "--local_dir", local, "--target_dir", str(tmp_path / "out"))
     one_error(code, err, "dist_ckpt/__0_0.distcp has CRC-32", "COMPLETE" if kind == "step" else "RECORD")
     assert not os.path.exists(tmp_path / "out")
@@ -167,7 +152,7 @@ def _damage(model_dir: str, what: str) -> None:
         data = bytearray(open(shard, "rb").read())
         for info in reader._storage.values():
             data[info.offset + 30:info.offset + 130] = bytes(range(100, 200))
-        reader.close()
+        del reader
         open(shard, "wb").write(bytes(data))
     elif what == "shard_huge":  # every record a tiny pickle claiming 2**62 bytes
         size = os.path.getsize(shard)
@@ -214,3 +199,31 @@ def test_damaged_reference_is_one_error_line(dirs, tmp_path, what):
     _damage_hf(hf, what)
     code, _, err = cli("test", "--local_dir", dirs["conv"], "--test_hf_dir", hf)
     one_error(code, err, os.path.join(hf, ""))
+
+
+def test_unsealed_role_part_is_vouched_for_by_its_part_record(dirs, tmp_path):
+    """verl's newest step stays unsealed (no COMPLETE) until the next save: its role part's PART
+    record (files with CRC-32) vouches for it; a PART of another step or role does not."""
+    from mcore_rl.checkpoint.role_parts import PartRecord, read_part, write_part
+
+    local = _step_copy(dirs, tmp_path, "global_step_3")
+    step = os.path.dirname(local)
+    marker = json.load(open(os.path.join(step, "COMPLETE")))
+    files = {rel: (e["size"], e["crc32"]) for rel, e in marker["files"].items() if rel.startswith("actor/")}
+    os.remove(os.path.join(step, "COMPLETE"))
+    write_part(os.path.join(local, "PART"), PartRecord(3, "actor", 1.0, files))
+    code, _, err = cli("merge", "--local_dir", local, "--target_dir", str(tmp_path / "ok"))
+    assert code == 0, err
+    write_part(os.path.join(local, "PART"), PartRecord(2, "actor", 1.0, files))
+    assert read_part(os.path.join(local, "PART")).step == 2
+    code, _, err = cli("merge", "--local_dir", local, "--target_dir", str(tmp_path / "bad"))
+    one_error(code, err, "records the actor part of step 2, not the actor part of step 3")
+
+
+def test_load_model_dir_verifies_the_record_first(dirs):
+    """A job's model.mcore_dir (and verl's) is checked like a merge: the fixture's 1-rank world
+    loaded the converter output, a copy with a flipped byte and a step without its marker."""
+    out = dirs["load_model_dir"]
+    assert out["good"] == "loaded"
+    assert "CheckpointError" in out["flipped"] and "dist_ckpt/__0_0.distcp has CRC-32" in out["flipped"], out
+    assert "CheckpointError" in out["torn"] and "it has no COMPLETE marker" in out["torn"], out

@@ -25,7 +25,7 @@ import torch
 
 from mcore_rl.checkpoint import model_record, storage
 from mcore_rl.conversion.convert_input import HF_DTYPE_NAMES
-from mcore_rl.errors import CheckpointError
+from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.files import META, file_crc32, peak_rss_mb
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec
@@ -111,12 +111,24 @@ def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
         if role not in ("actor", "critic"):
             raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
         hf_dir = os.path.join(local_dir, "huggingface")
-        args = model_args_from_hf(hf_dir)
+        args = _model_args(hf_dir)
         same_dir(local_dir, reader)
     except BaseException:
         reader.close()
         raise
     return ModelDir(local_dir, role, args, reader, hf_dir, meta)
+
+
+def _model_args(hf_dir: str) -> ModelArgs:
+    """ModelArgs of ``hf_dir/config.json``; a value of the wrong type is a MergeError naming the file."""
+    try:
+        return model_args_from_hf(hf_dir)
+    except McoreRLError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        raise MergeError(f"{os.path.join(hf_dir, 'config.json')} is not a usable model config ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]}); the file is damaged: use the config the checkpoint "
+                         "was saved with.") from None
 
 
 def _verify_all(record: model_record.DirRecord, reader: TorchDistReader) -> None:
@@ -228,7 +240,12 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
         used.add(key)
         info = reader.tensors[key]
         probe = torch.empty(info.shape[len(index):], dtype=info.dtype, device="meta")
-        outs = transform.to_hf(probe, dims)
+        try:
+            outs = transform.to_hf(probe, dims)
+        except (RuntimeError, ValueError, TypeError, IndexError, ZeroDivisionError) as e:
+            raise MergeError(f"{model.path}: {key!r} of shape {tuple(info.shape)} does not fit huggingface/config.json "
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); merge the checkpoint with "
+                             "the config it was saved with.") from None
         specs = tuple(TensorSpec(n, tuple(t.shape), info.dtype) for n, t in zip(hf_names, outs))
         units.append(Unit(canonical, key, index, transform, specs))
     if args.tie_embeddings and model.role == "actor":

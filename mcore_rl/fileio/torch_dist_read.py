@@ -347,7 +347,7 @@ def _short(error: BaseException) -> str:
 def _fd_crc32(f, chunk_bytes: int = 8 << 20) -> tuple[int, str]:
     """(size, CRC-32 hex) of the open file ``f`` from its start."""
     f.seek(0)
-    crc, size, buf = 0, 0, bytearray(chunk_bytes)
+    crc, size, buf = 0, 0, bytearray(max(1, min(chunk_bytes, os.fstat(f.fileno()).st_size + 1)))
     view = memoryview(buf)
     while n := f.readinto(buf):
         crc = zlib.crc32(view[:n], crc)
