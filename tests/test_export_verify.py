@@ -227,3 +227,24 @@ def test_load_model_dir_verifies_the_record_first(dirs):
     assert out["good"] == "loaded"
     assert "CheckpointError" in out["flipped"] and "dist_ckpt/__0_0.distcp has CRC-32" in out["flipped"], out
     assert "CheckpointError" in out["torn"] and "it has no COMPLETE marker" in out["torn"], out
+
+
+def test_tiling_check_is_bounded(tmp_path):
+    """A crafted .metadata with thousands of chunks per key: the tiling check takes milliseconds
+    (it was pairwise: 8M box comparisons here), and a grid of more than MAX_CELLS cells is refused."""
+    import time
+    from types import SimpleNamespace
+
+    from mcore_rl.fileio.torch_dist_read import TorchDistReader, TorchDistReadError
+
+    me = SimpleNamespace(path=str(tmp_path))
+    n = 4000
+    chunks = [((i,), (1,)) for i in range(n)]
+    start = time.monotonic()
+    TorchDistReader._check_tiling(me, "k", (), (n,), chunks)
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(TorchDistReadError, match=r"chunks at \(5,\) and \(5,\) overlap"):
+        TorchDistReader._check_tiling(me, "k", (), (n,), chunks[:-1] + [((5,), (1,))])
+    rows = [box for i in range(3000) for box in (((i, 0), (1, i + 1)), ((i, i + 1), (1, 3000 - i - 1)))]
+    with pytest.raises(TorchDistReadError, match="more than 4194304 cells"):  # each row cut elsewhere
+        TorchDistReader._check_tiling(me, "k", (), (3000, 3000), rows)
