@@ -248,3 +248,16 @@ def test_tiling_check_is_bounded(tmp_path):
     rows = [box for i in range(3000) for box in (((i, 0), (1, i + 1)), ((i, i + 1), (1, 3000 - i - 1)))]
     with pytest.raises(TorchDistReadError, match="more than 4194304 cells"):  # each row cut elsewhere
         TorchDistReader._check_tiling(me, "k", (), (3000, 3000), rows)
+
+
+@pytest.mark.parametrize("fault, text", [
+    ("stat:EIO@global_step_1/COMPLETE", "cannot check"),  # an error while looking is not "absent"
+    ("stat:ESTALE@actor/RECORD", "cannot check"),
+    ("open:EIO@dist_ckpt/__0_0.distcp", "dist_ckpt/__0_0.distcp is unreadable"),
+    ("open:EIO@dist_ckpt/.metadata", "dist_ckpt/.metadata is unreadable"),
+])
+def test_io_errors_while_verifying_are_one_error_line(dirs, tmp_path, monkeypatch, fault, text):
+    monkeypatch.setenv("MCORE_RL_CKPT_IO_FAULT", fault)
+    code, _, err = cli("merge", "--local_dir", dirs["step"], "--target_dir", str(tmp_path / "out"))
+    one_error(code, err, text)
+    assert not os.path.exists(tmp_path / "out")
