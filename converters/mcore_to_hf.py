@@ -8,6 +8,8 @@ CKPT: ``global_step_<N>/actor`` or ``.../critic`` written by CheckpointManager, 
 output (``dist_ckpt/`` + ``huggingface/`` + ``mcore_rl.json``). The merged model has the dtype of
 the checkpoint's model parameters unless --dtype says otherwise; config.json states it. ``test``
 compares every merged tensor with HF's and exits 1 on any mismatch (a NaN or inf always is one).
+Both first check every file of CKPT against its record (the step's COMPLETE marker, a role part's
+PART, a converter output's RECORD: size and CRC-32); --skip_verify reads it unchecked and says so.
 Bad input: one line "error: ..." on stderr, exit code 2, nothing written.
 """
 from __future__ import annotations
@@ -38,17 +40,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="dtype of the merged weights (default: the checkpoint's model parameters')")
     m.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty target_dir (the old one stays until the new model is complete)")
+    _skip_flag(m)
     t = sub.add_parser("test", help="compare the merged tensors with a HF model directory")
     t.add_argument("--local_dir", required=True, help="model dir: global_step_<N>/actor or .../critic, or a hf_to_mcore.py output")
     t.add_argument("--test_hf_dir", required=True, help="HF model directory to compare every tensor with")
     t.add_argument("--atol", type=_atol, default=0.0, help="allowed max abs diff per tensor (default 0: exact)")
+    _skip_flag(t)
     return p
 
 
-def _test(local_dir: str, test_hf_dir: str, atol: float) -> int:
+def _skip_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip_verify", action="store_true",
+                   help="read the model dir without checking its files against its record (the step's COMPLETE "
+                   "marker, a part's PART, a converter's RECORD: sizes and CRC-32); the output says so")
+
+
+def _test(local_dir: str, test_hf_dir: str, atol: float, verify: bool) -> int:
     from mcore_rl.conversion.merge import compare
 
-    diffs, problems = compare(local_dir, test_hf_dir)
+    diffs, problems = compare(local_dir, test_hf_dir, verify=verify)
     bad = [c for c, d in diffs.items() if not d <= atol]  # a NaN difference is never within atol
     for cls in sorted(diffs):
         print(f"{'MISMATCH' if cls in bad else 'ok':8s} max|diff| {diffs[cls]:.3e}  {cls}")
@@ -68,13 +78,16 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.errors import McoreRLError
 
     quiet_third_party(0)
+    if args.skip_verify:
+        print(f"--skip_verify: {args.local_dir} is read WITHOUT checking its files against its record")
     try:
         if args.command == "test":
-            return _test(args.local_dir, args.test_hf_dir, args.atol)
+            return _test(args.local_dir, args.test_hf_dir, args.atol, not args.skip_verify)
         from mcore_rl.conversion.merge import merge
 
         summary = merge(args.local_dir, args.target_dir, args.max_shard_size, args.model_class,
-                        overwrite=args.overwrite, progress=sys.stderr.isatty(), dtype=args.dtype)
+                        overwrite=args.overwrite, progress=sys.stderr.isatty(), dtype=args.dtype,
+                        verify=not args.skip_verify)
         print(f"{summary.line()} -> {args.target_dir}")
         return 0
     except McoreRLError as e:  # bad input: the message names the value and the fix

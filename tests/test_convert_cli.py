@@ -36,7 +36,7 @@ def test_cli_test_flag_passes_and_a_weight_corruption_fails(tmp_path):
     assert "torch" in imported and not any(m.split(".")[0] == "transformers" for m in imported)
     assert "verify: max abs diff" in r.stdout and "PASS" in r.stdout, r.stdout
     assert "tensors" in r.stdout and "peak RSS" in r.stdout and "start-up" in r.stdout, r.stdout
-    assert sorted(os.listdir(out)) == ["dist_ckpt", "huggingface", "mcore_rl.json"]
+    assert sorted(os.listdir(out)) == ["RECORD", "dist_ckpt", "huggingface", "mcore_rl.json"]
     assert json.loads((out / "mcore_rl.json").read_text())["contents"] == ["model"]
 
     # the same checkpoint against HF weights with one tensor changed by 1%: the check must fail

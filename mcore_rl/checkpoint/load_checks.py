@@ -14,7 +14,8 @@ from mcore_rl.checkpoint import integrity, storage
 from mcore_rl.checkpoint.collective import agreed
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META
-from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, TRAINER_STATE, Marker, read_marker
+from mcore_rl.checkpoint.inventory import (MARKER, PART, PARTS_KIND, TRAINER_STATE, Marker, parse_step_name,
+                                          read_marker)
 from mcore_rl.fileio.safe_load import restricted_unpickling
 from mcore_rl.checkpoint.state import LoadPlan, plan_load
 from mcore_rl.fileio.torch_dist_read import TorchDistReader
@@ -28,6 +29,7 @@ def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]
     if not os.path.isfile(marker_path):
         raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {MARKER}); {choices()}")
     marker = read_marker(marker_path)
+    check_step_number(step_dir, marker)
     integrity.check_sizes(step_dir, _files_to_check(step_dir, marker, list(engines)))  # all named at once
     plans = {}
     for role, engine in engines.items():
@@ -48,6 +50,16 @@ def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]
                     f"{'does not list' if recorded is None else f'records with {recorded[0]} bytes'}; the "
                     "checkpoint is damaged or was tampered with: resume another step.")
     return plans, trainer_state, marker
+
+
+def check_step_number(step_dir: str, marker: Marker) -> None:
+    """A step directory named ``global_step_<N>`` holds the marker of step N: a step copied or
+    renamed under another number must not load as that number (its trainer state, its tracker)."""
+    named = parse_step_name(os.path.basename(os.path.normpath(step_dir)))
+    if named is not None and named != marker.step:
+        raise CheckpointError(f"{os.path.join(step_dir, MARKER)} is the marker of step {marker.step}, but the "
+                              f"directory is named for step {named}: it was copied or renamed; put it back under "
+                              f"global_step_{marker.step} (or load it from a directory not named for a step).")
 
 
 def _files_to_check(step_dir: str, marker: Marker, roles: list[str]) -> dict[str, tuple[int, str | None]]:

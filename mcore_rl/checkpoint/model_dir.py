@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from megatron.core import dist_checkpointing
 
-from mcore_rl.checkpoint import storage
+from mcore_rl.checkpoint import integrity, model_record, storage
 from mcore_rl.checkpoint.collective import agreed
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META
@@ -21,6 +23,51 @@ def read_plan(model_dir: str, engine, role: str, contents: tuple[str, ...]) -> L
         raise CheckpointError(f"{model_dir} has no {META}; it is not a model directory written by "
                               "mcore_rl (convert a HF model with converters/hf_to_mcore.py).")
     return plan_load(storage.read_json(meta_path), engine, role, tuple(contents), model_dir)
+
+
+def verify_model_dir(model_dir: str) -> tuple[int, int]:
+    """Collective: ``model_dir``'s record (``model_record.find_record``: the step's marker, a
+    part's record or a converter's RECORD) found on every rank, every file ``.metadata`` names and
+    mcore_rl.json recorded, and every recorded file's size and CRC-32 checked on every node, the
+    work split by size over the node's ranks. Returns the (device, inode) of ``dist_ckpt/``, to
+    check after the load that the directory was not replaced meanwhile (``same_identity``)."""
+    dist_dir = os.path.join(model_dir, "dist_ckpt")
+
+    def find() -> tuple[model_record.DirRecord, tuple[int, int]]:
+        ident = _identity(dist_dir)
+        record = model_record.find_record(model_dir)
+        needed = [META] + [f"dist_ckpt/{rel}" for rel in storage.expected_files(dist_dir)]
+        missing = sorted(set(needed) - set(record.files))
+        if missing:
+            raise CheckpointError(f"{model_dir}: {missing[:8]} not in its record {record.source}: the files were "
+                                  "added or renamed after it was written; restore the directory.")
+        return record, ident
+
+    record, ident = agreed(find, f"checking the record of {model_dir}")
+    group = storage.node_ranks()
+    sizes = {rel: size for rel, (size, _) in record.files.items()}
+    mine = integrity.share(sorted(sizes), sizes, group.index(torch.distributed.get_rank()), len(group))
+    part = model_record.DirRecord(record.path, record.source, {rel: record.files[rel] for rel in mine})
+    agreed(lambda: model_record.verify(part, []), f"verifying the content of {model_dir}")
+    return ident
+
+
+def same_identity(model_dir: str, ident: tuple[int, int]) -> None:
+    """Collective: ``model_dir/dist_ckpt`` is still the directory ``verify_model_dir`` checked."""
+    def check() -> None:
+        if _identity(os.path.join(model_dir, "dist_ckpt")) != ident:
+            raise CheckpointError(f"{model_dir} was replaced while it was loaded (a save of the same step or a "
+                                  "copy changed it); the engine may hold a mix of two saves: load it again.")
+    agreed(check, f"checking {model_dir} after the load")
+
+
+def _identity(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} ({e.strerror or e}); the model directory is incomplete or "
+                              "was removed.") from None
+    return st.st_dev, st.st_ino
 
 
 def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None = None) -> None:
@@ -52,14 +99,19 @@ def _split_off(engine, state: dict, prefix: str) -> dict[str, dict]:
     return kept
 
 
-def load_model_dir(model_dir: str, engine, init_value_head: bool = False) -> None:
+def load_model_dir(model_dir: str, engine, init_value_head: bool = False, verify: bool = True) -> None:
     """Loads the ``model`` contents of ``model_dir`` into ``engine`` at any TP/PP/EP layout
     (collective over the engine's world). The engine's role must be the directory's, except with
     ``init_value_head=True``: a critic engine takes the trunk of an actor directory (its LM head
-    is not read) and keeps its value head's initialisation, as ``load_hf`` does for a causal LM."""
+    is not read) and keeps its value head's initialisation, as ``load_hf`` does for a causal LM.
+    ``verify``: first every file is checked against the directory's record (``verify_model_dir``)."""
     if init_value_head and engine.role != "critic":
         raise CheckpointError(f"init_value_head=True loads an actor's trunk into a critic; the engine is "
                               f"a {engine.role!r}: drop init_value_head.")
     role = "actor" if init_value_head else engine.role
+    model_dir = os.path.abspath(model_dir)
+    ident = verify_model_dir(model_dir) if verify else None
     plan = agreed(lambda: read_plan(model_dir, engine, role, ("model",)), f"checking {model_dir}")
     load_planned(model_dir, engine, plan, keep_prefix="output_layer." if init_value_head else None)
+    if ident is not None:
+        same_identity(model_dir, ident)

@@ -10,7 +10,8 @@ tensors exactly as ``mapping.weights.load_hf_weights`` does and the item is the 
 A parameter's real tensor lives until its last item is written: peak memory is one parameter (one
 expert for MoE) plus its HF sources. Collective: every rank of a TP x PP x EP world writes its part.
 The output is written into a staging directory beside it and renamed into place when complete
-(``staging.Staging``); the input and output checks are ``convert_input``'s (no megatron there).
+(``staging.Staging``), with its ``RECORD`` (every file's size and CRC-32, written last, verified by
+every reader: ``checkpoint.model_record``); the input and output checks are ``convert_input``'s.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl.checkpoint import storage
+from mcore_rl.checkpoint.model_record import write_record
 from mcore_rl.conversion.convert_input import (ConvertError, DtypeName, check_input, check_output, input_dtype,
                                                role_from_config)
 from mcore_rl.errors import CheckpointError
@@ -298,6 +300,7 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
             copy_hf_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"))
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
             storage.write_json_atomic(os.path.join(stage.path, META), build_metadata(facts, role, ("model",), None))
+            write_record(stage.path, role)  # last: every file with size and CRC-32, which readers verify
         summary = _summary(role, dtype, resolver, time.time() - start)
         if rank0:
             stage.commit()

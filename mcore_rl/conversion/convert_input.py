@@ -15,6 +15,7 @@ from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import hf_side_files
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.output_dir import check_replaceable, input_overlap, refuse_file, settle_output
+from mcore_rl.mapping.hf_io import MAX_HEADER
 
 INDEX_FILE = "model.safetensors.index.json"
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -104,7 +105,7 @@ def check_shard(path: str) -> None:
     with open(path, "rb") as f:
         raw = f.read(8)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        header = f.read(n) if 0 < n <= size - 8 else b""
+        header = f.read(n) if 0 < n <= min(size - 8, MAX_HEADER) else b""  # safetensors' cap
     try:
         meta = json.loads(header)
     except (ValueError, UnicodeDecodeError):

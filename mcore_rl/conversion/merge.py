@@ -18,13 +18,15 @@ import re
 import shutil
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator, Literal
 
 import torch
 
+from mcore_rl.checkpoint import model_record, storage
 from mcore_rl.conversion.convert_input import HF_DTYPE_NAMES
-from mcore_rl.errors import CheckpointError
-from mcore_rl.fileio.files import META, peak_rss_mb
+from mcore_rl.errors import CheckpointError, McoreRLError
+from mcore_rl.fileio.files import META, file_crc32, peak_rss_mb
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec
 from mcore_rl.fileio.output_dir import (check_replaceable, input_overlap, refuse_file, settle_output,
@@ -84,8 +86,11 @@ class MergeSummary:
                 f"shard(s), {self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
 
 
-def open_model_dir(local_dir: str) -> ModelDir:
-    """Validates ``local_dir`` (``global_step_N/<role>`` or a converter output) and opens it."""
+def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
+    """Validates ``local_dir`` (``global_step_N/<role>`` or a converter output) and opens it.
+    ``verify``: first every file is checked against the record that vouches for the directory
+    (the step's marker, a part's record, a converter's ``RECORD``: size and CRC-32), and every
+    file the merge reads must be recorded; ``verify=False`` skips that (``--skip_verify``)."""
     local_dir = os.path.abspath(local_dir)
     meta_path = os.path.join(local_dir, META)
     if not os.path.isfile(meta_path):
@@ -94,18 +99,77 @@ def open_model_dir(local_dir: str) -> ModelDir:
         hint = (f"it holds model dirs {roles}: pass one of them, e.g. {os.path.join(local_dir, roles[0])}"
                 if roles else "pass a model dir (global_step_<N>/actor or a converter output)")
         raise MergeError(f"{local_dir} is not a model directory: no {META}; {hint}.")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    if "model" not in meta.get("contents", []):
-        raise MergeError(f"{local_dir}: {META} contents {meta.get('contents')} hold no 'model' weights "
-                         "(saved without 'model' in checkpoint.save_contents); nothing to merge.")
-    role = meta.get("role")
-    if role not in ("actor", "critic"):
-        raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
-    hf_dir = os.path.join(local_dir, "huggingface")
-    args = model_args_from_hf(hf_dir)
-    reader = TorchDistReader(os.path.join(local_dir, "dist_ckpt"))
+    record = model_record.find_record(local_dir) if verify else None
+    reader = TorchDistReader(os.path.join(local_dir, "dist_ckpt"),
+                             before_parse=None if record is None else partial(_verify_all, record))
+    try:
+        if record is not None:
+            _check_recorded(record, reader, local_dir)
+        meta = storage.read_json(meta_path)
+        contents, role = meta.get("contents"), meta.get("role")
+        if not isinstance(contents, list) or "model" not in contents:
+            raise MergeError(f"{local_dir}: {META} contents {contents!r} hold no 'model' weights (saved without "
+                             "'model' in checkpoint.save_contents, or the file is damaged); nothing to merge.")
+        if role not in ("actor", "critic"):
+            raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
+        hf_dir = os.path.join(local_dir, "huggingface")
+        args = _model_args(hf_dir)
+        same_dir(local_dir, reader)
+    except BaseException:
+        reader.close()
+        raise
     return ModelDir(local_dir, role, args, reader, hf_dir, meta)
+
+
+def _model_args(hf_dir: str) -> ModelArgs:
+    """ModelArgs of ``hf_dir/config.json``; a value of the wrong type is a MergeError naming the file."""
+    try:
+        return model_args_from_hf(hf_dir)
+    except McoreRLError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
+        raise MergeError(f"{os.path.join(hf_dir, 'config.json')} is not a usable model config ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]}); the file is damaged: use the config the checkpoint "
+                         "was saved with.") from None
+
+
+def _verify_all(record: model_record.DirRecord, reader: TorchDistReader) -> None:
+    """Every recorded file's size and CRC-32; ``dist_ckpt/`` files read through ``reader``'s handle
+    (the bytes it will read), before its ``.metadata`` is parsed."""
+    def crc_of(rel: str) -> tuple[int, str]:
+        if rel.startswith("dist_ckpt/"):
+            return reader.crc32(rel[len("dist_ckpt/"):])
+        return file_crc32(os.path.join(record.path, rel))
+
+    model_record.verify(record, [], crc_of)
+
+
+def _check_recorded(record: model_record.DirRecord, reader: TorchDistReader, local_dir: str) -> None:
+    """Every file the merge reads (those ``.metadata`` names, mcore_rl.json, huggingface/) is recorded."""
+    needed = [META] + [f"dist_ckpt/{rel}" for rel in reader.files()]
+    needed += model_record.listed(os.path.join(local_dir, "huggingface"), local_dir)
+    missing = sorted(set(needed) - set(record.files))
+    if missing:
+        raise MergeError(f"{local_dir}: {missing[:8]} {'is' if len(missing) == 1 else 'are'} not in its record "
+                         f"{record.source}: the files were added or renamed after it was written; restore the "
+                         f"directory, {model_record.SKIP_HINT}.")
+
+
+def same_dir(local_dir: str, reader: TorchDistReader) -> None:
+    """``local_dir/dist_ckpt`` is still the directory ``reader`` holds: the step was not replaced
+    (a save of the same step, a copy) since it was opened; else a CheckpointError."""
+    path = os.path.join(local_dir, "dist_ckpt")
+    try:
+        st = os.stat(path)
+        now = (st.st_dev, st.st_ino)
+    except OSError as e:
+        now = (-1, -1)
+        why = e.strerror or str(e)
+    else:
+        why = "another directory is there now"
+    if now != reader.identity():
+        raise MergeError(f"{local_dir} was replaced or removed while it was read ({why}): a save of the same step "
+                         "or a copy changed it; nothing was written: run again when it is done.")
 
 
 def dist_key(canonical: str, stacked: bool = True) -> tuple[str, tuple[int, ...]]:
@@ -178,7 +242,12 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
         used.add(key)
         info = reader.tensors[key]
         probe = torch.empty(info.shape[len(index):], dtype=info.dtype, device="meta")
-        outs = transform.to_hf(probe, dims)
+        try:
+            outs = transform.to_hf(probe, dims)
+        except (RuntimeError, ValueError, TypeError, IndexError, ZeroDivisionError) as e:
+            raise MergeError(f"{model.path}: {key!r} of shape {tuple(info.shape)} does not fit huggingface/config.json "
+                             f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); merge the checkpoint with "
+                             "the config it was saved with.") from None
         specs = tuple(TensorSpec(n, tuple(t.shape), info.dtype) for n, t in zip(hf_names, outs))
         units.append(Unit(canonical, key, index, transform, specs))
     if args.tie_embeddings and model.role == "actor":
@@ -280,15 +349,24 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
 
 def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
           model_class: ModelClass | None = None, overwrite: bool = False,
-          progress: bool = False, dtype: str | None = None) -> MergeSummary:
+          progress: bool = False, dtype: str | None = None, verify: bool = True) -> MergeSummary:
     """Writes the HF model of ``local_dir`` into ``target_dir``: safetensors shards of at most
     ``max_shard_size`` (+ index), config.json (critic: ``*ForTokenClassification``, num_labels=1;
     ``dtype``/``torch_dtype``: the dtype written, see ``written_dtype``) and the tokenizer /
     generation files of ``local_dir/huggingface``. Written into a staging directory beside
     ``target_dir`` and renamed into place when complete: a failure leaves nothing new and an
-    old ``target_dir`` (``overwrite``) as it was."""
+    old ``target_dir`` (``overwrite``) as it was. ``verify``: see ``open_model_dir``; a directory
+    replaced while it is merged is an error (nothing is written)."""
     start = time.monotonic()
-    model = open_model_dir(local_dir)
+    model = open_model_dir(local_dir, verify)
+    try:
+        return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype)
+    finally:
+        model.reader.close()
+
+
+def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: int | str,
+                model_class: ModelClass | None, overwrite: bool, progress: bool, dtype: str | None) -> MergeSummary:
     check_target(target_dir, model.path, overwrite)
     config = _hf_config(model, model_class or "auto")
     units, dims = plan_units(model)
@@ -300,6 +378,7 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
         with open(os.path.join(stage.path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         write_export_record(stage.path, "mcore_to_hf merge")
+        same_dir(model.path, model.reader)  # the side files above came from the directory the shards did
         stage.commit()
     except BaseException:
         stage.discard()
@@ -313,15 +392,21 @@ def tensor_class(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", name))
 
 
-def compare(local_dir: str, test_hf_dir: str) -> tuple[dict[str, float], list[str]]:
+def compare(local_dir: str, test_hf_dir: str, verify: bool = True) -> tuple[dict[str, float], list[str]]:
     """Merges ``local_dir`` in memory (tensor by tensor) against the HF dir ``test_hf_dir``:
     max abs diff per tensor class, and problems (missing/extra names, shape or dtype mismatch, a
     NaN or inf on either side: such a tensor's class gets diff inf, it never matches)."""
     from mcore_rl.mapping.hf_io import SafetensorsReader
 
-    model = open_model_dir(local_dir)
+    model = open_model_dir(local_dir, verify)
+    try:
+        return _compare_open(model, SafetensorsReader(test_hf_dir), test_hf_dir)
+    finally:
+        model.reader.close()
+
+
+def _compare_open(model: ModelDir, ref, test_hf_dir: str) -> tuple[dict[str, float], list[str]]:
     units, dims = plan_units(model)
-    ref = SafetensorsReader(test_hf_dir)
     diffs: dict[str, float] = {}
     problems, seen = [], set()
     for name, tensor in iter_hf_tensors(model, units, dims):
@@ -342,4 +427,5 @@ def compare(local_dir: str, test_hf_dir: str) -> tuple[dict[str, float], list[st
             diff = math.inf
         diffs[cls] = max(diffs.get(cls, 0.0), diff)
     problems += [f"{n}: in {test_hf_dir} but not merged" for n in sorted(set(ref) - seen)]
+    same_dir(model.path, model.reader)
     return diffs, problems

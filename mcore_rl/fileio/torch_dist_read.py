@@ -10,19 +10,27 @@ requested part, so memory per read is that part (plus one chunk in flight).
 """
 from __future__ import annotations
 
+import collections
 import io
 import math
 import os
+import pickle
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.faults import io_fault
+from mcore_rl.fileio.files import crc32_hex
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safe_load import load_payload, restricted_pickle_load
 
 METADATA_FILE = ".metadata"
+MAX_CHUNKS = 1 << 16  # chunks of one key (a save writes one per rank that holds a part of it)
+MAX_CELLS = 1 << 22  # cells of the grid a tiling check builds (bounds its time and memory)
+MAX_OPEN = 256  # shard files held open at once
 
 
 class TorchDistReadError(CheckpointError):
@@ -47,25 +55,103 @@ class TorchDistReader:
     (e.g. ``(layer,)`` or ``(layer, expert)``) with those dims removed.
     """
 
-    def __init__(self, dist_dir: str | os.PathLike) -> None:
+    def __init__(self, dist_dir: str | os.PathLike,
+                 before_parse: Callable[["TorchDistReader"], None] | None = None) -> None:
+        """``before_parse(self)`` runs once the directory is open, before ``.metadata`` is
+        unpickled (e.g. to check every file's checksum through ``crc32``)."""
         self.path = os.fspath(dist_dir)
         meta_path = os.path.join(self.path, METADATA_FILE)
-        if not os.path.isfile(meta_path):
+        try:  # every file is opened relative to this handle: a step renamed away (replaced) stays ours
+            self._dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise TorchDistReadError(
+                f"{self.path} is not a torch_dist checkpoint ({e.strerror or e}). Pass the dist_ckpt/ "
+                "directory of a model dir written by CheckpointManager or a converter.") from None
+        self._files: collections.OrderedDict[str, Any] = collections.OrderedDict()  # rel -> open file
+        try:
+            if before_parse is not None:
+                before_parse(self)
+            with self._open(METADATA_FILE) as f:
+                self._meta = restricted_pickle_load(f, source=meta_path)
+            self._index_metadata(meta_path)
+        except FileNotFoundError:
+            self.close()
             raise TorchDistReadError(
                 f"{self.path} is not a torch_dist checkpoint: {meta_path} does not exist. Pass the "
-                "dist_ckpt/ directory of a model dir written by CheckpointManager or a converter.")
-        with open(meta_path, "rb") as f:
-            self._meta = restricted_pickle_load(f, source=meta_path)
+                "dist_ckpt/ directory of a model dir written by CheckpointManager or a converter.") from None
+        except CheckpointError:
+            self.close()
+            raise
+        except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
+                IndexError, MemoryError, RecursionError, OverflowError) as e:
+            self.close()
+            raise TorchDistReadError(f"{meta_path} is not a readable torch_dist .metadata ({type(e).__name__}: "
+                                     f"{_short(e)}); the file is truncated or damaged: use another copy of "
+                                     "the checkpoint.") from None
+
+    def _index_metadata(self, meta_path: str) -> None:
+        """``tensors``, ``objects`` and the storage index from the unpickled ``.metadata``; any
+        entry of the wrong type is an error naming the file."""
+        sdm, storage = getattr(self._meta, "state_dict_metadata", None), getattr(self._meta, "storage_data", None)
+        if not isinstance(sdm, dict) or not isinstance(storage, dict):
+            raise TorchDistReadError(f"{meta_path} holds a {type(self._meta).__name__}, not torch.distributed."
+                                     "checkpoint Metadata; the file is damaged: use another copy.")
         self.tensors: dict[str, TensorInfo] = {}
         self.objects: list[str] = []
-        for key, md in self._meta.state_dict_metadata.items():
+        for key, md in sdm.items():
             if hasattr(md, "chunks"):
-                chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
-                self.tensors[key] = TensorInfo(key, tuple(md.size), md.properties.dtype, chunks)
+                if len(md.chunks) > MAX_CHUNKS:
+                    raise TorchDistReadError(f"{meta_path} gives {key!r} {len(md.chunks)} chunks, more than "
+                                             f"{MAX_CHUNKS} (no save writes that many); the file is damaged.")
+                chunks = tuple((_ints(c.offsets), _ints(c.sizes)) for c in md.chunks)
+                dtype = md.properties.dtype
+                if not isinstance(dtype, torch.dtype):
+                    raise TypeError(f"dtype {dtype!r} of {key!r}")
+                self.tensors[key] = TensorInfo(key, _ints(md.size), dtype, chunks)
             else:
                 self.objects.append(key)
-        self._storage = {(idx.fqn, tuple(idx.offset) if idx.offset is not None else None): info
-                         for idx, info in self._meta.storage_data.items()}
+        self._storage = {(idx.fqn, _ints(idx.offset) if idx.offset is not None else None): info
+                         for idx, info in storage.items()}
+
+    def _open(self, rel: str):
+        """``rel`` (inside ``self.path``) opened for reading relative to the directory handle."""
+        io_fault("open", os.path.join(self.path, rel))
+        return os.fdopen(os.open(rel, os.O_RDONLY, dir_fd=self._dir_fd), "rb")
+
+    def _file(self, rel: str):
+        """The open file ``rel`` (kept open: a replaced step's files stay readable)."""
+        f = self._files.get(rel)
+        if f is None:
+            if len(self._files) >= MAX_OPEN:
+                self._files.popitem(last=False)[1].close()
+            f = self._files[rel] = self._open(rel)
+        else:
+            self._files.move_to_end(rel)
+        return f
+
+    def identity(self) -> tuple[int, int]:
+        """(device, inode) of the directory this reader reads (held open since it was created)."""
+        st = os.fstat(self._dir_fd)
+        return st.st_dev, st.st_ino
+
+    def crc32(self, rel: str) -> tuple[int, str]:
+        """(size, CRC-32 hex) of the file ``rel`` of this directory, read through the reader's handle."""
+        return _fd_crc32(self._file(rel))
+
+    def close(self) -> None:
+        """Closes the directory handle and every open file."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        if getattr(self, "_dir_fd", None) is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def keys(self) -> list[str]:
         """Every key: tensors, then ShardedObjects."""
@@ -114,7 +200,9 @@ class TorchDistReader:
     def _check_tiling(self, key: str, index: tuple[int, ...], shape: tuple[int, ...],
                       chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
         """The chunks' boxes, restricted to the part at ``index``, lie inside the shape, are pairwise
-        disjoint and their volumes add up to the part's: every element is written exactly once."""
+        disjoint and their volumes add up to the part's: every element is written exactly once.
+        Checked on the grid of the boxes' edges (each box marks its cells, a cell marked twice is
+        an overlap): time and memory grow with the grid's cells, at most ``MAX_CELLS``."""
         part = shape[len(index):]
         boxes = []
         for offsets, sizes in chunks:
@@ -124,7 +212,11 @@ class TorchDistReader:
                                          f"{sizes} outside its shape {shape}; the .metadata file is damaged.")
             boxes.append((offsets[len(index):], sizes[len(index):]))
         covered = sum(math.prod(sizes) for _, sizes in boxes)
-        clash = next(((a[0], b[0]) for i, a in enumerate(boxes) for b in boxes[i + 1:] if _boxes_meet(a, b)), None)
+        clash = _first_clash(boxes, part) if covered == math.prod(part) else None
+        if clash == "cells":
+            raise TorchDistReadError(f"{self.path}: {key!r} at index {index}: its {len(boxes)} chunks cut the part "
+                                     f"into more than {MAX_CELLS} cells (no save does that); the .metadata file "
+                                     "is damaged: use another checkpoint.")
         if clash is not None or covered != math.prod(part):
             what = (f"chunks at {clash[0]} and {clash[1]} overlap" if clash is not None
                     else f"its chunks cover {covered} of the {math.prod(part)} elements")
@@ -138,29 +230,39 @@ class TorchDistReader:
         if key not in self.objects:
             raise TorchDistReadError(f"{self.path}: no ShardedObject key {key!r} in the checkpoint.")
         data = self._read_bytes(key, None)
-        return load_payload(data, f"ShardedObject payload {key!r} in {self._locate(key, None)[0]}")
+        return load_payload(data, f"ShardedObject payload {key!r} in {self._locate(key, None)[0][0]}")
 
     def _load_chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         """One chunk, checked to be the tensor ``.metadata`` promises (shape and dtype)."""
         file, info = self._locate(key, offsets)
-        with open(file, "rb") as f:  # torch reads the record straight into the tensor's storage
-            chunk = torch.load(_Span(f, info.offset, info.length), map_location="cpu", weights_only=True)
         want = self.tensors[key].dtype
+        if math.prod(sizes) * want.itemsize > info.length:
+            raise TorchDistReadError(f"{file}: the chunk of {key!r} at {offsets} ({tuple(sizes)} {want}) does not "
+                                     f"fit its {info.length} bytes; the .metadata file is damaged.")
+        try:  # torch reads the record straight into the tensor's storage
+            chunk = torch.load(_Span(self._file(file[1]), info.offset, info.length), map_location="cpu",
+                               weights_only=True)
+        except CheckpointError:
+            raise
+        except (OSError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, KeyError,
+                AttributeError, IndexError, MemoryError, RecursionError, OverflowError) as e:
+            raise TorchDistReadError(f"{file[0]}: the chunk of {key!r} at {offsets} is unreadable ({type(e).__name__}: "
+                                     f"{_short(e)}); the checkpoint is damaged: use another copy.") from None
         if not torch.is_tensor(chunk) or tuple(chunk.shape) != tuple(sizes) or chunk.dtype != want:
             got = f"{tuple(chunk.shape)} {chunk.dtype}" if torch.is_tensor(chunk) else type(chunk).__name__
-            raise TorchDistReadError(f"{file}: the chunk of {key!r} at {offsets} holds {got}, .metadata promises "
+            raise TorchDistReadError(f"{file[0]}: the chunk of {key!r} at {offsets} holds {got}, .metadata promises "
                                      f"{tuple(sizes)} {want}; the checkpoint is damaged: use another one.")
         return chunk
 
     def _read_bytes(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
-        file, info = self._locate(key, offsets)
-        with open(file, "rb") as f:
-            f.seek(info.offset)
-            return f.read(info.length)
+        (_, rel), info = self._locate(key, offsets)
+        f = self._file(rel)
+        f.seek(info.offset)
+        return f.read(info.length)
 
-    def _locate(self, key: str, offsets: tuple[int, ...] | None) -> tuple[str, Any]:
-        """(file, storage info) of one item; errors name a damaged .metadata, a missing or a
-        truncated file."""
+    def _locate(self, key: str, offsets: tuple[int, ...] | None) -> tuple[tuple[str, str], Any]:
+        """((file, its name relative to this directory), storage info) of one item; errors name a
+        damaged .metadata, a missing or a truncated file."""
         info = self._storage.get((key, offsets))
         if info is None:
             raise TorchDistReadError(f"{self.path}: .metadata lists {key!r} (chunk at {offsets}) but "
@@ -169,16 +271,29 @@ class TorchDistReader:
             raise TorchDistReadError(
                 f"{self.path}: {key!r} is stored with transforms {info.transform_descriptors} "
                 "(e.g. compression), which this reader does not support; save without them.")
-        file = contained(self.path, info.relative_path, os.path.join(self.path, METADATA_FILE))
-        if not os.path.isfile(file):
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
+            raise TorchDistReadError(f"{self.path}: .metadata stores {key!r} at offset {offset!r}, length "
+                                     f"{length!r}; the .metadata file is damaged.")
+        rel = getattr(info, "relative_path", None)
+        file = contained(self.path, rel, os.path.join(self.path, METADATA_FILE))
+        try:
+            size = os.fstat(self._file(rel).fileno()).st_size
+        except FileNotFoundError:
             raise TorchDistReadError(
                 f"{file} is missing: it holds {key!r}; the checkpoint is incomplete (copy the whole "
-                "dist_ckpt/ directory).")
-        if os.path.getsize(file) < info.offset + info.length:
+                "dist_ckpt/ directory), or it was replaced or removed while being read.") from None
+        except OSError as e:
+            raise TorchDistReadError(f"{file} is unreadable ({e.strerror or e}): it holds {key!r}.") from None
+        if size < offset + length:
             raise TorchDistReadError(
-                f"{file} is truncated: {key!r} needs bytes {info.offset}..{info.offset + info.length}, "
-                f"the file has {os.path.getsize(file)} bytes; copy the checkpoint again.")
-        return file, info
+                f"{file} is truncated: {key!r} needs bytes {offset}..{offset + length}, "
+                f"the file has {size} bytes; copy the checkpoint again.")
+        return (file, rel), info
+
+    def files(self) -> list[str]:
+        """Every file ``.metadata`` names (relative to this directory), and ``.metadata``."""
+        return sorted({METADATA_FILE} | {str(getattr(info, "relative_path", "")) for info in self._storage.values()})
 
 
 class _Span(io.RawIOBase):
@@ -213,10 +328,49 @@ class _Span(io.RawIOBase):
         return got
 
 
-def _boxes_meet(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    """True when boxes (offsets, sizes) share an element (they overlap in every dimension)."""
-    return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
-
-
 def _overlap(index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
     return all(off <= i < off + size for i, off, size in zip(index, offsets, sizes))
+
+
+def _ints(values) -> tuple[int, ...]:
+    """A tuple of ints (a torch.Size, list or tuple of them); TypeError for anything else."""
+    out = tuple(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+        raise TypeError(f"{values!r} is not a sequence of integers")
+    return out
+
+
+def _short(error: BaseException) -> str:
+    return " ".join(str(error).split())[:200]
+
+
+def _fd_crc32(f, chunk_bytes: int = 8 << 20) -> tuple[int, str]:
+    """(size, CRC-32 hex) of the open file ``f`` from its start."""
+    f.seek(0)
+    crc, size, buf = 0, 0, bytearray(max(1, min(chunk_bytes, os.fstat(f.fileno()).st_size + 1)))
+    view = memoryview(buf)
+    while n := f.readinto(buf):
+        crc = zlib.crc32(view[:n], crc)
+        size += n
+    return size, crc32_hex(crc)
+
+
+def _first_clash(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], part: tuple[int, ...]):
+    """The first two boxes (offsets, sizes) that share an element, None when they are disjoint,
+    or ``"cells"`` when the grid of their edges has more than ``MAX_CELLS`` cells."""
+    if len(boxes) < 2:
+        return None
+    edges = [sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d, n in enumerate(part)]
+    if math.prod(max(len(e) - 1, 1) for e in edges) > MAX_CELLS:
+        return "cells"
+    owner = torch.full([max(len(e) - 1, 1) for e in edges], -1, dtype=torch.int32)
+    where = [{v: i for i, v in enumerate(e)} for e in edges]
+    for b, (offsets, sizes) in enumerate(boxes):
+        if 0 in sizes:
+            continue
+        cells = owner[tuple(slice(where[d][o], where[d][o + s]) for d, (o, s) in enumerate(zip(offsets, sizes)))]
+        taken = cells[cells >= 0]
+        if taken.numel():
+            return boxes[int(taken[0])][0], offsets
+        cells.fill_(b)
+    return None

@@ -1,19 +1,84 @@
-"""Lazy reads of HF safetensors checkpoints (the Hub's on-disk format)."""
+"""Lazy reads of HF safetensors checkpoints (the Hub's on-disk format).
+
+Every file's header is checked before the safetensors library opens it: its length at most
+``MAX_HEADER`` (100 MB, the library's own cap) and inside the file, a JSON object of tensor entries
+(dtype, shape, data_offsets) whose bytes match dtype and shape and lie inside the file. A damaged
+file, index or header is a ``SafetensorsFormatError`` naming the file.
+"""
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Iterator, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from mcore_rl.fileio.paths import contained
 from mcore_rl.errors import McoreRLError
 
+MAX_HEADER = 100_000_000  # bytes; safetensors refuses longer headers too
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
 
 class HFWeightsError(McoreRLError, FileNotFoundError):
     """A HF directory without readable safetensors weights."""
+
+
+class SafetensorsFormatError(McoreRLError, ValueError):
+    """A safetensors file, header or index that is damaged or not safetensors."""
+
+
+def read_header(path: str) -> dict[str, dict]:
+    """The tensor entries (name -> {dtype, shape, data_offsets}) of the safetensors file ``path``,
+    checked against the file's size; a SafetensorsFormatError naming the file otherwise."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER, size - 8):
+                raise SafetensorsFormatError(
+                    f"{path}: its header length {n} is not within 1..{min(MAX_HEADER, max(size - 8, 0))} "
+                    f"({size} bytes on disk, headers are at most {MAX_HEADER}); the file is truncated or not "
+                    "safetensors: copy it again.")
+            text = f.read(n)
+    except OSError as e:
+        raise SafetensorsFormatError(f"{path} is unreadable ({e.strerror or e}).") from None
+    try:
+        header = json.loads(text)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        header = None
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError(f"{path}: its header is not a JSON object; the file is damaged or not "
+                                     "safetensors: copy it again.")
+    entries = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, entry in entries.items():
+        problem = _entry_problem(entry, size - 8 - n)
+        if problem:
+            raise SafetensorsFormatError(f"{path}: tensor {name!r} {problem}; the file is damaged or truncated: "
+                                         "copy it again.")
+    return entries
+
+
+def _entry_problem(entry, data_bytes: int) -> str | None:
+    """Why a header entry is not a tensor inside ``data_bytes`` of data, or None."""
+    if not isinstance(entry, dict):
+        return f"is described by a JSON {type(entry).__name__}, not an object"
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _ITEMSIZE:
+        return f"has dtype {dtype!r}"
+    ints = [x for x in (shape or []) + (offsets or []) if isinstance(x, int) and not isinstance(x, bool) and x >= 0] \
+        if isinstance(shape, list) and isinstance(offsets, list) else None
+    if ints is None or len(ints) != len(shape) + len(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        return f"has shape {shape!r} and data_offsets {offsets!r}"
+    if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
+        return f"of shape {shape} {dtype} has {offsets[1] - offsets[0]} bytes (data_offsets {offsets})"
+    if offsets[1] > data_bytes:
+        return f"needs bytes up to {offsets[1]} of the data, the file holds {data_bytes}"
+    return None
 
 
 class SafetensorsReader(Mapping[str, torch.Tensor]):
@@ -21,24 +86,29 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
 
     Reads ``model.safetensors.index.json`` when present, else every ``*.safetensors`` file. Every
     file name (the index's ``weight_map`` values, the listing) must stay inside the directory
-    (``paths.contained``: no ``..``, no absolute path, no symlink leaving it).
+    (``paths.contained``: no ``..``, no absolute path, no symlink leaving it); every file's
+    header is checked (``read_header``) and the index may name only tensors its file holds.
     """
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = os.fspath(directory)
         index = os.path.join(self.directory, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = _weight_map(index)
             paths = {v: contained(self.directory, v, index, hub_cache=True) for v in set(weight_map.values())}
+            held = {v: read_header(p) for v, p in paths.items()}
+            absent = sorted(k for k, v in weight_map.items() if k not in held[v])
+            if absent:
+                raise SafetensorsFormatError(f"{index} maps {absent[:4]} to files that do not hold them; the index "
+                                             "does not belong to these files: copy the model again.")
             self._files = {k: paths[v] for k, v in weight_map.items()}
         else:
             self._files = {}
-            for name in sorted(os.listdir(self.directory)):
+            names = sorted(os.listdir(self.directory)) if os.path.isdir(self.directory) else []
+            for name in names:
                 if name.endswith(".safetensors"):
                     path = contained(self.directory, name, f"the listing of {self.directory}", hub_cache=True)
-                    with safe_open(path, framework="pt") as f:
-                        self._files.update({k: path for k in f.keys()})
+                    self._files.update({k: path for k in read_header(path)})
         if not self._files:
             raise HFWeightsError(
                 f"no *.safetensors weights in {self.directory!r}; save the HF model with "
@@ -47,11 +117,31 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         path = self._files[key]
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor(key)
+        try:
+            with safe_open(path, framework="pt") as f:
+                return f.get_tensor(key)
+        except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as e:
+            raise SafetensorsFormatError(f"{path}: tensor {key!r} is unreadable ({type(e).__name__}: "
+                                         f"{' '.join(str(e).split())[:200]}); copy the file again.") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    """The ``weight_map`` of a HF index file (tensor name -> file name), checked."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SafetensorsFormatError(f"{index} is not readable JSON ({type(e).__name__}: {e}); copy the model "
+                                     "again.") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise SafetensorsFormatError(f"{index} holds no weight_map of tensor names to file names (got "
+                                     f"{type(weight_map).__name__}); the index is damaged: copy the model again.")
+    return weight_map
