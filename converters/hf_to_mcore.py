@@ -16,12 +16,14 @@ import os
 import shutil
 import subprocess
 import sys
+
+from mcore_rl.entry import OneLineParser  # argparse, one ``error:`` line on a usage error
 import tempfile
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (argparse exits 2 on an unknown or malformed flag)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line (an unknown or malformed flag: one ``error:`` line, exit 2)."""
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf_model_path", required=True, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--output_path", required=True, help="model directory to write (must be empty or absent)")
     for name in ("tp", "pp", "ep", "etp"):
@@ -76,7 +78,7 @@ def run_conversion(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 done, 1 the --test check failed, 2 bad input (one ``error:`` line)."""
     a = parse_args(argv)
-    from mcore_rl.entry import error_line, quiet_third_party
+    from mcore_rl.entry import error_line, os_error_line, quiet_third_party
 
     quiet_third_party(int(os.environ.get("RANK", "0")))
     from mcore_rl.conversion.convert_input import preflight
@@ -87,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         code = run_conversion(a)
     except McoreRLError as e:  # bad input: the message names the value and the fix
         print(error_line(e), file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a permission, a failing device: the staging is already discarded
+        print(os_error_line(e, f"converting {a.hf_model_path!r} into {a.output_path!r}"), file=sys.stderr)
         return 2
     if code == 0 and a.test and os.environ.get("RANK", "0") == "0":
         verify = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_logits.py")

@@ -16,6 +16,8 @@ import argparse
 import math
 import sys
 
+from mcore_rl.entry import OneLineParser  # argparse, one ``error:`` line on a usage error
+
 
 def _atol(text: str) -> float:
     value = float(text)
@@ -25,7 +27,7 @@ def _atol(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("merge", help="write the HF model (safetensors shards + config + tokenizer)")
     m.add_argument("--local_dir", required=True, help="model dir: global_step_<N>/actor or .../critic, or a hf_to_mcore.py output")
@@ -64,7 +66,7 @@ def _test(local_dir: str, test_hf_dir: str, atol: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 done, 1 ``test`` found a mismatch, 2 bad input (one ``error:`` line)."""
     args = _parser().parse_args(argv)
-    from mcore_rl.entry import error_line, quiet_third_party
+    from mcore_rl.entry import error_line, os_error_line, quiet_third_party
     from mcore_rl.errors import McoreRLError
 
     quiet_third_party(0)
@@ -79,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except McoreRLError as e:  # bad input: the message names the value and the fix
         print(error_line(e), file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a permission, a failing device: the staging is already discarded
+        doing = (f"comparing {args.local_dir!r} with {args.test_hf_dir!r}" if args.command == "test"
+                 else f"merging {args.local_dir!r} into {args.target_dir!r}")
+        print(os_error_line(e, doing), file=sys.stderr)
         return 2
 
 

@@ -3,9 +3,11 @@ filter, and the one-line form of a refusal. Nothing here runs at import; library
 filter warnings themselves."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 # (category, message regex) of notices that say nothing a user of the job can act on
 QUIET_WARNINGS = (
@@ -32,3 +34,23 @@ def quiet_third_party(rank: int) -> None:
 def error_line(error: BaseException) -> str:
     """``error: <message>`` on one line (a refusal's message names the value and the fix)."""
     return "error: " + " ".join(str(error).split())
+
+
+def os_error_line(error: OSError, doing: str) -> str:
+    """The one line for an operating-system error at a command's boundary (a full disk, a
+    permission, a failing device): what the command was doing, the file and the system's words,
+    e.g. ``error: writing the HF model to 'out' failed: [Errno 28] No space left on device:
+    '/x/.out.staging-1/model.safetensors'; ...``."""
+    where = f": {error.filename!r}" if error.filename else ""
+    what = f"[Errno {error.errno}] {error.strerror}" if error.errno else str(error)
+    return error_line(f"{doing} failed: {what}{where}; check free space, permissions and the device "
+                      "where the files live, then run again (nothing was left behind).")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one ``error: ...`` line (exit code 2) naming the
+    command, the problem and where the usage is, instead of argparse's usage block; subcommand
+    parsers made by ``add_subparsers`` inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")

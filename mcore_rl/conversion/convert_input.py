@@ -13,6 +13,7 @@ from typing import Literal
 
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.safetensors_header import check_safetensors
 from mcore_rl.fileio.staging import overlaps
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -96,29 +97,14 @@ def shard_files(hf_dir: str) -> list[str]:
     return [contained(hf_dir, n, f"the listing of {hf_dir}", hub_cache=True) for n in names]
 
 
-def check_shard(path: str) -> None:
-    """A safetensors file whose header is not a JSON object of tensor entries, or promises more
-    bytes than the file holds (a truncated copy), is refused."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        header = f.read(n) if 0 < n <= size - 8 else b""
+def check_shard(path: str) -> dict:
+    """A safetensors file whose header is not a JSON object of tensor entries, whose offsets do
+    not match their dtype and shape or do not tile the data, or that promises more bytes than
+    the file holds (a truncated copy), is refused; returns its tensor entries."""
     try:
-        meta = json.loads(header)
-    except (ValueError, UnicodeDecodeError):
-        meta = None
-    entries = [v for k, v in meta.items() if k != "__metadata__"] if isinstance(meta, dict) else None
-    ends = [e.get("data_offsets") for e in entries] if entries is not None and all(
-        isinstance(e, dict) for e in entries) else None
-    if ends is None or not all(isinstance(o, list) and len(o) == 2 and all(isinstance(x, int) for x in o)
-                               for o in ends):
-        raise ConvertError(f"{path}: unreadable safetensors header ({size} bytes on disk); the file is "
-                           "truncated or not safetensors; copy it again.")
-    end = max((o[1] for o in ends), default=0)
-    if 8 + n + end > size:
-        raise ConvertError(f"{path} is truncated: {size} bytes on disk, its header needs {8 + n + end}; "
-                           "copy the file again.")
+        return check_safetensors(path)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
 
 
 def check_input(hf_dir: str) -> list[str]:

@@ -5,6 +5,7 @@ here so that unsupported settings fail with a message that names the value and t
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -131,6 +132,54 @@ def _require(cfg: Any, name: str) -> Any:
     return value
 
 
+# every size and scale ModelArgs takes from the config: (name, kind, required); kind "count" is
+# an integer >= 1, "positive" a finite number > 0, "fraction" a number in [0, 1), "scale" >= 0
+_CHECKED_FIELDS = (
+    ("vocab_size", "count", True), ("hidden_size", "count", True), ("intermediate_size", "count", True),
+    ("num_hidden_layers", "count", True), ("num_attention_heads", "count", True),
+    ("num_key_value_heads", "count", False), ("head_dim", "count", False),
+    ("max_position_embeddings", "count", True), ("rms_norm_eps", "positive", True),
+    ("attention_dropout", "fraction", False), ("initializer_range", "scale", False),
+)
+_KIND_TEXT = {"count": "an integer >= 1", "positive": "a finite number > 0",
+              "fraction": "a number in [0, 1)", "scale": "a finite number >= 0"}
+
+
+def _fits(value: Any, kind: str) -> bool:
+    """Whether a config value is of ``kind`` (JSON types: a bool or a string is never a number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind == "count":
+        return isinstance(value, int) and value >= 1
+    if not math.isfinite(value):
+        return False
+    return {"positive": value > 0, "fraction": 0 <= value < 1, "scale": value >= 0}[kind]
+
+
+def check_config_values(cfg: Any, where: str = "") -> None:
+    """Refuses a config whose sizes and scales are of the wrong type or range (``hidden_size:
+    "64"``, ``num_hidden_layers: 0``, a negative eps), naming the key, the value and what it must
+    be, before anything is built from them; and heads that do not divide as attention needs.
+    ``where`` names the config in errors (its path)."""
+    where = where or f"the config (model_type {cfg.model_type!r})"
+    for name, kind, required in _CHECKED_FIELDS:
+        value = getattr(cfg, name, None)
+        if value is None and not required:
+            continue
+        if value is None:
+            raise ConfigError(f"{where} is missing {name!r}; add it ({_KIND_TEXT[kind]}).")
+        if not _fits(value, kind):
+            raise ConfigError(f"{where}: {name}={value!r} ({type(value).__name__}) must be {_KIND_TEXT[kind]}; "
+                              "fix the value in config.json.")
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}; "
+                          "fix the values in config.json.")
+    if getattr(cfg, "head_dim", None) is None and cfg.hidden_size % heads:
+        raise ConfigError(f"{where}: hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads="
+                          f"{heads} and head_dim is unset; set head_dim or fix the sizes in config.json.")
+
+
 def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
@@ -161,6 +210,8 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     """Builds ModelArgs from a HF directory or config; ``max_seq_len`` defaults to the config's."""
     cfg = _args_source(source)
     arch = lookup_arch(cfg.model_type)
+    check_config_values(cfg, os.path.join(os.fspath(source), "config.json")
+                        if isinstance(source, (str, os.PathLike)) else "")
     hidden = _require(cfg, "hidden_size")
     heads = _require(cfg, "num_attention_heads")
     max_pos = _require(cfg, "max_position_embeddings")
