@@ -4,7 +4,8 @@
   torchrun --nproc_per_node 2 converters/hf_to_mcore.py ... --tp 2     # the work split over 2 ranks
 
 The output does not depend on --tp/--pp/--ep (they only split the work; load it at any layout).
---dtype: default the input's (config.json dtype / torch_dtype; fp32 when unset).
+--dtype: default the weights' own (mixed fp32/bf16/fp16: fp32; no tensor is rounded); a config.json
+stating another dtype is a warning naming both; the output's config states the dtype written.
 --test: afterwards, in a fresh process, load the output at TP=1 and compare logits with
 transformers' model (fails with exit code 1 when max |diff| > 1e-4 in fp32).
 Bad input: one line "error: ..." on stderr, exit code 2, nothing written.
@@ -32,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--use_cpu_initialization", action="store_true",
                    help="accepted for compatibility: the conversion never touches a GPU")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype of the written weights (default: the input's, from config.json)")
+                   help="dtype of the written weights (default: the weights' own, whatever config.json says)")
     p.add_argument("--role", choices=["actor", "critic"], default=None,
                    help="default: from config.json architectures")
     p.add_argument("--test", action="store_true", help="verify logits against transformers afterwards")
@@ -78,9 +79,10 @@ def run_conversion(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 done, 1 the --test check failed, 2 bad input (one ``error:`` line)."""
     a = parse_args(argv)
-    from mcore_rl.entry import error_line, os_error_line, quiet_third_party
+    from mcore_rl.entry import error_line, one_line_warnings, os_error_line, quiet_third_party
 
     quiet_third_party(int(os.environ.get("RANK", "0")))
+    one_line_warnings()
     from mcore_rl.conversion.convert_input import preflight
     from mcore_rl.errors import McoreRLError
 

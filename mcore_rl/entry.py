@@ -31,6 +31,19 @@ def quiet_third_party(rank: int) -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
+def one_line_warnings() -> None:
+    """A command's process prints warnings of mcore_rl's own categories as one ``warning: ...``
+    line (no file and source line); other warnings keep Python's format."""
+    default = warnings.formatwarning
+
+    def form(message, category, filename, lineno, line=None) -> str:
+        if category.__module__.startswith("mcore_rl."):
+            return "warning: " + " ".join(str(message).split()) + "\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = form
+
+
 def error_line(error: BaseException) -> str:
     """``error: <message>`` on one line (a refusal's message names the value and the fix)."""
     return "error: " + " ".join(str(error).split())

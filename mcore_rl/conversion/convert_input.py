@@ -58,16 +58,60 @@ def role_from_config(hf_dir: str) -> Literal["actor", "critic"]:
                        "actor|critic.")
 
 
-def input_dtype(hf_dir: str) -> DtypeName:
-    """The dtype config.json states (``dtype``, else ``torch_dtype``), as a --dtype name; fp32
-    when neither is set."""
+class DtypeWarning(UserWarning):
+    """config.json states a dtype the weights are not stored in (the weights' dtype is kept)."""
+
+
+def stated_dtype(hf_dir: str) -> DtypeName | None:
+    """The dtype config.json states (``dtype``, else ``torch_dtype``) as a --dtype name; None
+    when neither is set; an error for a dtype the converter cannot write."""
     config = read_config(hf_dir)
-    stated = config.get("dtype") or config.get("torch_dtype") or "float32"
+    stated = config.get("dtype") or config.get("torch_dtype")
+    if stated is None:
+        return None
     by_hf = {v: k for k, v in HF_DTYPE_NAMES.items()}
     if not isinstance(stated, str) or stated.removeprefix("torch.") not in by_hf:
         raise ConvertError(f"{hf_dir}/config.json states dtype {stated!r}, which the converter cannot keep; "
                            f"pass --dtype {'|'.join(HF_DTYPE_NAMES)}.")
     return by_hf[stated.removeprefix("torch.")]  # type: ignore[return-value]
+
+
+def stored_dtypes(hf_dir: str) -> set[str]:
+    """The floating-point dtypes the shards store their tensors in, as --dtype names (other
+    safetensors float types are refused: the converter writes fp32, bf16 or fp16)."""
+    names = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+    found = {e["dtype"] for path in shard_files(hf_dir) for e in check_shard(path).values()}
+    floats = {d for d in found if d.startswith(("F", "BF", "C"))}
+    other = sorted(floats - set(names))
+    if other:
+        raise ConvertError(f"{hf_dir}: tensors stored as {other}, which the converter does not read; it "
+                           "converts fp32, bf16 and fp16 weights: convert the model to one of them first.")
+    return {names[d] for d in floats}
+
+
+def resolve_dtype(hf_dir: str) -> tuple[DtypeName, str | None]:
+    """The dtype the converter writes by default and a warning, if any: the weights' own dtype
+    (never rounded); mixed float dtypes give the widest (fp32 when bf16 and fp16 are mixed, as
+    neither holds the other); a config.json stating another dtype is named in the warning."""
+    stored = stored_dtypes(hf_dir)
+    stated = stated_dtype(hf_dir)
+    if not stored:  # no floating-point tensor at all: what the config says, else fp32
+        chosen: DtypeName = stated or "fp32"
+    else:
+        chosen = next(iter(stored)) if len(stored) == 1 else "fp32"  # type: ignore[assignment]
+    notes = []
+    if len(stored) > 1:
+        notes.append(f"the weights in {hf_dir} are stored in {sorted(stored)}; writing {chosen} (no tensor rounded)")
+    if stated is not None and stated != chosen:
+        notes.append(f"{hf_dir}/config.json states dtype {HF_DTYPE_NAMES[stated]} but the weights are stored in "
+                     f"{'/'.join(sorted(stored))}; writing {chosen}, the weights' own, and the output's config "
+                     f"says {HF_DTYPE_NAMES[chosen]}; pass --dtype {stated} to round them to the config's dtype")
+    return chosen, "; ".join(notes) + "." if notes else None
+
+
+def input_dtype(hf_dir: str) -> DtypeName:
+    """The dtype the converter writes by default: the weights' own (``resolve_dtype``)."""
+    return resolve_dtype(hf_dir)[0]
 
 
 def shard_files(hf_dir: str) -> list[str]:
@@ -136,7 +180,7 @@ def preflight(hf_dir: str, output_path: str, overwrite: bool, dtype: str | None,
     if role is None:
         role_from_config(hf_dir)
     if dtype is None:
-        input_dtype(hf_dir)
+        resolve_dtype(hf_dir)  # a dtype it cannot write fails here; the warning is convert()'s
     check_output(output_path, hf_dir, overwrite)
     model_type = read_config(hf_dir).get("model_type")
     if not isinstance(model_type, str):
