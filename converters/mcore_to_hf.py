@@ -1,7 +1,8 @@
 """mcore model dir -> HF model dir, on CPU, tensor by tensor (no megatron, no torch.distributed).
 
   python converters/mcore_to_hf.py merge --local_dir CKPT --target_dir OUT [--max_shard_size 5GB]
-      [--model_class auto|causal_lm|token_classification] [--dtype fp32|bf16|fp16] [--overwrite]
+      [--model_class auto|causal_lm|token_classification|sequence_classification] [--dtype fp32|bf16|fp16]
+      [--overwrite]
   python converters/mcore_to_hf.py test --local_dir CKPT --test_hf_dir HF [--atol 0]
 
 CKPT: ``global_step_<N>/actor`` or ``.../critic`` written by CheckpointManager, or a converter
@@ -33,9 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--local_dir", required=True, help="model dir: global_step_<N>/actor or .../critic, or a hf_to_mcore.py output")
     m.add_argument("--target_dir", required=True, help="HF output directory (must be empty or absent)")
     m.add_argument("--max_shard_size", default="5GB", help="bytes or e.g. 5GB, 500MB, 2GiB (default 5GB)")
-    m.add_argument("--model_class", default="auto", choices=["auto", "causal_lm", "token_classification"],
-                   help="auto (default): from the role in mcore_rl.json (actor: causal LM, critic: token "
-                   "classification with one label); causal_lm on a critic is an error")
+    m.add_argument("--model_class", default="auto",
+                   choices=["auto", "causal_lm", "token_classification", "sequence_classification"],
+                   help="auto (default): the class huggingface/config.json records when it fits the role in "
+                   "mcore_rl.json (a reward model stays *ForSequenceClassification), else actor: causal LM, "
+                   "critic: token classification with one label; causal_lm on a critic is an error")
     m.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="dtype of the merged weights (default: the checkpoint's model parameters')")
     m.add_argument("--overwrite", action="store_true",

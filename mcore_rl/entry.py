@@ -67,3 +67,26 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"error: {self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+# set by launch/torchrun_job.py for its ranks: the file the first refusing rank writes its line to
+REFUSAL_ENV = "MCORE_RL_REFUSAL_FILE"
+
+
+def report_refusal(error: BaseException, rank: int) -> None:
+    """Reports an error mcore_rl raised on purpose once per job, not once per rank: under
+    ``launch/torchrun_job.py`` (``launch/run.sh``) the first rank to refuse writes its ``error:``
+    line to the file ``$MCORE_RL_REFUSAL_FILE`` names (created exclusively; later ranks write
+    nothing) and the launcher prints it; without it (a plain torchrun), rank 0 prints it."""
+    line = error_line(error)
+    path = os.environ.get(REFUSAL_ENV)
+    if not path:
+        if rank == 0:
+            print(line, file=sys.stderr, flush=True)
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another rank refused first: its line is the job's
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(line + "\n")
