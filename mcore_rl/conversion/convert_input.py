@@ -11,7 +11,7 @@ import json
 import os
 from typing import Literal
 
-from mcore_rl.errors import CheckpointError
+from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_header import check_safetensors
 from mcore_rl.fileio.staging import overlaps
@@ -58,8 +58,9 @@ def role_from_config(hf_dir: str) -> Literal["actor", "critic"]:
                        "actor|critic.")
 
 
-class DtypeWarning(UserWarning):
-    """config.json states a dtype the weights are not stored in (the weights' dtype is kept)."""
+class DtypeWarning(McoreRLError, UserWarning):
+    """config.json states a dtype the weights are not stored in (the weights' dtype is kept).
+    An McoreRLError too: where warnings are turned into errors it is a refusal like the others."""
 
 
 def stated_dtype(hf_dir: str) -> DtypeName | None:

@@ -132,14 +132,13 @@ def _require(cfg: Any, name: str) -> Any:
     return value
 
 
-# every size and scale ModelArgs takes from the config: (name, kind, required); kind "count" is
-# an integer >= 1, "positive" a finite number > 0, "fraction" a number in [0, 1), "scale" >= 0
+# every size and scale ModelArgs takes from the config: (name, kind); kind "count" is an
+# integer >= 1, "positive" a finite number > 0, "fraction" a number in [0, 1), "scale" >= 0
 _CHECKED_FIELDS = (
-    ("vocab_size", "count", True), ("hidden_size", "count", True), ("intermediate_size", "count", True),
-    ("num_hidden_layers", "count", True), ("num_attention_heads", "count", True),
-    ("num_key_value_heads", "count", False), ("head_dim", "count", False),
-    ("max_position_embeddings", "count", True), ("rms_norm_eps", "positive", True),
-    ("attention_dropout", "fraction", False), ("initializer_range", "scale", False),
+    ("vocab_size", "count"), ("hidden_size", "count"), ("intermediate_size", "count"),
+    ("num_hidden_layers", "count"), ("num_attention_heads", "count"), ("num_key_value_heads", "count"),
+    ("head_dim", "count"), ("max_position_embeddings", "count"), ("rms_norm_eps", "positive"),
+    ("attention_dropout", "fraction"), ("initializer_range", "scale"),
 )
 _KIND_TEXT = {"count": "an integer >= 1", "positive": "a finite number > 0",
               "fraction": "a number in [0, 1)", "scale": "a finite number >= 0"}
@@ -156,28 +155,24 @@ def _fits(value: Any, kind: str) -> bool:
     return {"positive": value > 0, "fraction": 0 <= value < 1, "scale": value >= 0}[kind]
 
 
-def check_config_values(cfg: Any, where: str = "") -> None:
+def check_config_values(cfg: Any, mla: bool = False) -> None:
     """Refuses a config whose sizes and scales are of the wrong type or range (``hidden_size:
     "64"``, ``num_hidden_layers: 0``, a negative eps), naming the key, the value and what it must
-    be, before anything is built from them; and heads that do not divide as attention needs.
-    ``where`` names the config in errors (its path)."""
-    where = where or f"the config (model_type {cfg.model_type!r})"
-    for name, kind, required in _CHECKED_FIELDS:
+    be, before anything is built from them; and query heads that key/value heads do not divide.
+    The message is the same for a directory and for its transformers config object."""
+    where = f"config.json (model_type {cfg.model_type!r})"
+    for name, kind in _CHECKED_FIELDS:
         value = getattr(cfg, name, None)
-        if value is None and not required:
+        if value is None:  # optional, or missing: _require names it
             continue
-        if value is None:
-            raise ConfigError(f"{where} is missing {name!r}; add it ({_KIND_TEXT[kind]}).")
         if not _fits(value, kind):
             raise ConfigError(f"{where}: {name}={value!r} ({type(value).__name__}) must be {_KIND_TEXT[kind]}; "
                               "fix the value in config.json.")
-    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    if heads % kv:
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads is not None and not mla and heads % kv:  # MLA's key/value heads are its query heads
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}; "
                           "fix the values in config.json.")
-    if getattr(cfg, "head_dim", None) is None and cfg.hidden_size % heads:
-        raise ConfigError(f"{where}: hidden_size={cfg.hidden_size} is not a multiple of num_attention_heads="
-                          f"{heads} and head_dim is unset; set head_dim or fix the sizes in config.json.")
 
 
 def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
@@ -210,8 +205,7 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     """Builds ModelArgs from a HF directory or config; ``max_seq_len`` defaults to the config's."""
     cfg = _args_source(source)
     arch = lookup_arch(cfg.model_type)
-    check_config_values(cfg, os.path.join(os.fspath(source), "config.json")
-                        if isinstance(source, (str, os.PathLike)) else "")
+    check_config_values(cfg, mla=arch.attention == "mla")
     hidden = _require(cfg, "hidden_size")
     heads = _require(cfg, "num_attention_heads")
     max_pos = _require(cfg, "max_position_embeddings")
