@@ -107,7 +107,7 @@ def test_bad_headers_and_config_values_are_named(models, tmp_path):
     """config.json sizes of the wrong type or range and safetensors headers whose offsets do not
     match dtype and shape (or do not tile the data) are refused naming the key / entry and value,
     in the library and, through both converters, as one error line with nothing written."""
-    from mcore_rl.conversion.convert_input import ConvertError, check_shard
+    from mcore_rl.conversion.convert_input import ConvertError, check_shard, role_from_config
     from mcore_rl.models.hf_config import ConfigError, model_args_from_hf
 
     good = json.loads(open(os.path.join(models["hf"], "config.json")).read())
@@ -117,7 +117,9 @@ def test_bad_headers_and_config_values_are_named(models, tmp_path):
              "rms_norm_eps": (-1e-6, "rms_norm_eps=-1e-06 (float) must be a finite number > 0"),
              "max_position_embeddings": (1.5, "max_position_embeddings=1.5 (float) must be an integer >= 1"),
              "attention_dropout": (1.0, "attention_dropout=1.0 (float) must be a number in [0, 1)"),
-             "num_key_value_heads": (3, "num_attention_heads=4 is not a multiple of num_key_value_heads=3")}
+             "num_key_value_heads": (3, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+             "tie_word_embeddings": ("no", "tie_word_embeddings='no' (str) must be true or false"),  # bool("no")
+             "rope_theta": ("1e4", "rope_theta='1e4' (str) must be a finite number > 0")}
     for key, (value, text) in cases.items():
         d = tmp_path / f"cfg_{key}"
         d.mkdir()
@@ -125,6 +127,9 @@ def test_bad_headers_and_config_values_are_named(models, tmp_path):
         with pytest.raises(ConfigError) as e:
             model_args_from_hf(str(d))
         assert text in str(e.value) and "config.json (model_type 'llama')" in str(e.value), (key, str(e.value))
+    (tmp_path / "cfg_tie_word_embeddings" / "config.json").write_text(json.dumps({**good, "architectures": 5}))
+    with pytest.raises(ConvertError, match=r"architectures=5 is not a list of class names"):
+        role_from_config(str(tmp_path / "cfg_tie_word_embeddings"))
     shard = os.path.join(models["hf"], "model.safetensors")
     texts = {"offsets": "data_offsets [0, 51196] span 51196 bytes, its dtype F32 and shape [200, 64] need 51200",
              "shape": "its dtype F32 and shape [201, 64] need 51456", "dtype": "its dtype F16 and shape [200, 64]",

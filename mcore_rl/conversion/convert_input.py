@@ -48,6 +48,9 @@ def role_from_config(hf_dir: str) -> Literal["actor", "critic"]:
     """``*ForCausalLM`` -> actor, ``*ForTokenClassification`` / ``*ForSequenceClassification``
     -> critic, from config.json ``architectures``."""
     archs = read_config(hf_dir).get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConvertError(f"{hf_dir}/config.json: architectures={archs!r} is not a list of class names (e.g. "
+                           "[\"LlamaForCausalLM\"]); fix it, or pass --role actor|critic.")
     for name in archs:
         if name.endswith("ForCausalLM"):
             return "actor"

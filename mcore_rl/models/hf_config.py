@@ -132,24 +132,30 @@ def _require(cfg: Any, name: str) -> Any:
     return value
 
 
-# every size and scale ModelArgs takes from the config: (name, kind); kind "count" is an
-# integer >= 1, "positive" a finite number > 0, "fraction" a number in [0, 1), "scale" >= 0
+# every size, scale and switch ModelArgs takes from the config: (name, kind); kind "count" is an
+# integer >= 1, "size" an integer >= 0, "positive" a finite number > 0, "fraction" a number in [0, 1), "scale" >= 0,
+# "flag" true/false (a string "no" would read as True), "table" an object (null: absent)
 _CHECKED_FIELDS = (
     ("vocab_size", "count"), ("hidden_size", "count"), ("intermediate_size", "count"),
     ("num_hidden_layers", "count"), ("num_attention_heads", "count"), ("num_key_value_heads", "count"),
     ("head_dim", "count"), ("max_position_embeddings", "count"), ("rms_norm_eps", "positive"),
-    ("attention_dropout", "fraction"), ("initializer_range", "scale"),
+    ("attention_dropout", "fraction"), ("initializer_range", "scale"), ("rope_theta", "positive"),
+    ("sliding_window", "size"), ("tie_word_embeddings", "flag"), ("attention_bias", "flag"),
+    ("mlp_bias", "flag"), ("use_sliding_window", "flag"), ("token_classification_bias", "flag"),
+    ("rope_parameters", "table"), ("rope_scaling", "table"),
 )
-_KIND_TEXT = {"count": "an integer >= 1", "positive": "a finite number > 0",
-              "fraction": "a number in [0, 1)", "scale": "a finite number >= 0"}
+_KIND_TEXT = {"count": "an integer >= 1", "size": "an integer >= 0", "positive": "a finite number > 0", "fraction": "a number in [0, 1)",
+              "scale": "a finite number >= 0", "flag": "true or false", "table": "a JSON object or null"}
 
 
 def _fits(value: Any, kind: str) -> bool:
     """Whether a config value is of ``kind`` (JSON types: a bool or a string is never a number)."""
+    if kind in ("flag", "table"):
+        return isinstance(value, bool if kind == "flag" else dict)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
-    if kind == "count":
-        return isinstance(value, int) and value >= 1
+    if kind in ("count", "size"):
+        return isinstance(value, int) and value >= (1 if kind == "count" else 0)
     if not math.isfinite(value):
         return False
     return {"positive": value > 0, "fraction": 0 <= value < 1, "scale": value >= 0}[kind]
@@ -168,6 +174,10 @@ def check_config_values(cfg: Any, mla: bool = False) -> None:
         if not _fits(value, kind):
             raise ConfigError(f"{where}: {name}={value!r} ({type(value).__name__}) must be {_KIND_TEXT[kind]}; "
                               "fix the value in config.json.")
+        theta = value.get("rope_theta") if kind == "table" else None
+        if theta is not None and not _fits(theta, "positive"):
+            raise ConfigError(f"{where}: {name}.rope_theta={theta!r} ({type(theta).__name__}) must be "
+                              f"{_KIND_TEXT['positive']}; fix the value in config.json.")
     heads = getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     if heads is not None and not mla and heads % kv:  # MLA's key/value heads are its query heads
