@@ -140,6 +140,22 @@ def test_bad_headers_and_config_values_are_named(models, tmp_path):
         with pytest.raises(ConvertError) as e:
             check_shard(str(tmp_path / f"{mode}.safetensors"))
         assert text in str(e.value), (mode, str(e.value))
+    # an index naming a tensor its file does not hold (the writer's error blamed the disk)
+    from safetensors.torch import save_file
+
+    from mcore_rl.conversion.convert_input import check_input
+
+    mixed = tmp_path / "index_lies"
+    mixed.mkdir()
+    (mixed / "config.json").write_text(json.dumps(good))
+    os.link(shard, mixed / "model.safetensors")
+    save_file({"x": torch.ones(2)}, str(mixed / "other.safetensors"))
+    names = list(json.loads(open(shard, "rb").read()[8:8 + struct.unpack("<Q", open(shard, "rb").read(8))[0]]))
+    weight_map = {n: "model.safetensors" for n in names if n != "__metadata__"} | {"model.norm.weight": "other.safetensors"}
+    (mixed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ConvertError, match=r"names tensors their files do not hold: \['model.norm.weight "
+                                           r"\(other.safetensors\)'\]"):
+        check_input(str(mixed))
     # the commands: the config value and the header named, nothing written
     bad_cfg, bad_st = tmp_path / "bad_cfg", tmp_path / "bad_st"
     for d in (bad_cfg, bad_st):

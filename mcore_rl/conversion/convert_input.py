@@ -156,11 +156,21 @@ def check_shard(path: str) -> dict:
 
 
 def check_input(hf_dir: str) -> list[str]:
-    """Validates the HF directory (config.json, every shard named and complete); returns the shards."""
+    """Validates the HF directory (config.json, every shard named and complete, every tensor an
+    index names present in the file it names); returns the shards."""
     read_config(hf_dir)
     shards = shard_files(hf_dir)
-    for path in shards:
-        check_shard(path)
+    held = {path: check_shard(path) for path in shards}
+    index = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]  # shard_files checked it
+        absent = sorted(f"{name} ({file})" for name, file in weight_map.items()
+                        if name not in held[contained(hf_dir, file, index, hub_cache=True)])
+        if absent:
+            raise ConvertError(f"{index} names tensors their files do not hold: {absent[:6]}"
+                               f"{f' and {len(absent) - 6} more' if len(absent) > 6 else ''}; the index does not "
+                               "match the shards: copy the complete checkpoint again or re-export it.")
     return shards
 
 
