@@ -30,7 +30,8 @@ for name in "${multi[@]}"; do
   if [ -n "${!name:-}" ]; then set_count=$((set_count + 1)); else missing+=("$name"); fi
 done
 if [ "$set_count" -eq 0 ]; then
-  exec "$bin/python" launch/torchrun_job.py --standalone --nproc_per_node="$nproc" launch/train.py --config "$config" "$@"
+  exec "$bin/python" launch/torchrun_job.py --standalone --nproc_per_node="$nproc" \
+    launch/train.py --config "$config" "$@"
 fi
 if [ "$set_count" -ne "${#multi[@]}" ]; then
   echo "launch/run.sh: multi-node launch needs NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT;" \

@@ -5,9 +5,10 @@
 Rank 0 prints the layout, a progress bar and a closing summary. Other ranks print nothing
 unless they fail (their tracebacks still reach stderr). An error mcore_rl raises on purpose (a
 config typo, a refused checkpoint) ends the rank with exit code 2 and one ``error:`` line for the
-job (``mcore_rl.entry.report_refusal``; launch/run.sh prints it once, without torchrun's report). Known third-party notices (megatron's
-Transformer Engine / apex fallbacks, torch.distributed renames; the list in mcore_rl/entry.py,
-shared with the converters) are filtered here, in the entry point, not in library modules.
+job (``mcore_rl.entry.report_refusal``; launch/run.sh prints it once, without torchrun's report).
+Known third-party notices (megatron's Transformer Engine / apex fallbacks, torch.distributed
+renames; the list in mcore_rl/entry.py, shared with the converters) are filtered here, in the
+entry point, not in library modules.
 """
 from __future__ import annotations
 

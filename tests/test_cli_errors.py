@@ -151,7 +151,8 @@ def test_bad_headers_and_config_values_are_named(models, tmp_path):
     os.link(shard, mixed / "model.safetensors")
     save_file({"x": torch.ones(2)}, str(mixed / "other.safetensors"))
     names = list(json.loads(open(shard, "rb").read()[8:8 + struct.unpack("<Q", open(shard, "rb").read(8))[0]]))
-    weight_map = {n: "model.safetensors" for n in names if n != "__metadata__"} | {"model.norm.weight": "other.safetensors"}
+    weight_map = {n: "model.safetensors" for n in names if n != "__metadata__"}
+    weight_map["model.norm.weight"] = "other.safetensors"
     (mixed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ConvertError, match=r"names tensors their files do not hold: \['model.norm.weight "
                                            r"\(other.safetensors\)'\]"):

@@ -144,8 +144,9 @@ _CHECKED_FIELDS = (
     ("mlp_bias", "flag"), ("use_sliding_window", "flag"), ("token_classification_bias", "flag"),
     ("rope_parameters", "table"), ("rope_scaling", "table"),
 )
-_KIND_TEXT = {"count": "an integer >= 1", "size": "an integer >= 0", "positive": "a finite number > 0", "fraction": "a number in [0, 1)",
-              "scale": "a finite number >= 0", "flag": "true or false", "table": "a JSON object or null"}
+_KIND_TEXT = {"count": "an integer >= 1", "size": "an integer >= 0", "positive": "a finite number > 0",
+              "fraction": "a number in [0, 1)", "scale": "a finite number >= 0", "flag": "true or false",
+              "table": "a JSON object or null"}
 
 
 def _fits(value: Any, kind: str) -> bool:
