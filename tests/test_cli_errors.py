@@ -191,10 +191,10 @@ def test_full_disk_during_merge_is_one_line_and_leaves_nothing(models, tmp_path)
     lets the test mount one): one error line naming the output, exit 2, no staging left."""
     target, small = tmp_path / "faulted" / "merged", str(tmp_path / "small")
     os.makedirs(target.parent)
-    mounted = _tmpfs(small, "64k")
+    mounted, runs = _tmpfs(small, "64k"), []
     try:
-        runs = [_start("mcore_to_hf.py", "merge", "--local_dir", models["hf_out"], "--target_dir", str(target),
-                       env={"MCORE_RL_CKPT_IO_FAULT": "write:ENOSPC"})]
+        runs.append(_start("mcore_to_hf.py", "merge", "--local_dir", models["hf_out"], "--target_dir", str(target),
+                           env={"MCORE_RL_CKPT_IO_FAULT": "write:ENOSPC"}))
         if mounted:
             runs.append(_start("mcore_to_hf.py", "merge", "--local_dir", models["hf_out"], "--target_dir",
                                f"{small}/m"))
@@ -204,6 +204,10 @@ def test_full_disk_during_merge_is_one_line_and_leaves_nothing(models, tmp_path)
             _one_error_line(runs[1], f"into '{small}/m' failed: [Errno 28] No space left on device")
             assert os.listdir(small) == []
     finally:
+        for proc in runs:  # none may hold the mount when it goes
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
         if mounted:
             subprocess.run(["umount", small], check=True)
 
