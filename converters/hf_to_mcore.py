@@ -4,7 +4,8 @@
   torchrun --nproc_per_node 2 converters/hf_to_mcore.py ... --tp 2     # the work split over 2 ranks
 
 The output does not depend on --tp/--pp/--ep (they only split the work; load it at any layout).
---dtype: default the input's (config.json dtype / torch_dtype; fp32 when unset).
+--dtype: default the weights' own (mixed fp32/bf16/fp16: fp32; no tensor is rounded); a config.json
+stating another dtype is a warning naming both; the output's config states the dtype written.
 --test: afterwards, in a fresh process, load the output at TP=1 and compare logits with
 transformers' model (fails with exit code 1 when max |diff| > 1e-4 in fp32).
 Bad input: one line "error: ..." on stderr, exit code 2, nothing written.
@@ -16,21 +17,34 @@ import os
 import shutil
 import subprocess
 import sys
+
+from mcore_rl.entry import OneLineParser  # argparse, one ``error:`` line on a usage error
 import tempfile
 
 
+def _size(text: str) -> int:
+    """A parallel size: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (argparse exits 2 on an unknown or malformed flag)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The command line (an unknown or malformed flag: one ``error:`` line, exit 2)."""
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf_model_path", required=True, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--output_path", required=True, help="model directory to write (must be empty or absent)")
     for name in ("tp", "pp", "ep", "etp"):
-        p.add_argument(f"--{name}", type=int, default=1,
+        p.add_argument(f"--{name}", type=_size, default=1,
                        help=f"{name.upper()} size to split the work over (torchrun world = tp*pp*ep; default 1)")
     p.add_argument("--use_cpu_initialization", action="store_true",
                    help="accepted for compatibility: the conversion never touches a GPU")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype of the written weights (default: the input's, from config.json)")
+                   help="dtype of the written weights (default: the weights' own, whatever config.json says)")
     p.add_argument("--role", choices=["actor", "critic"], default=None,
                    help="default: from config.json architectures")
     p.add_argument("--test", action="store_true", help="verify logits against transformers afterwards")
@@ -76,9 +90,10 @@ def run_conversion(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 done, 1 the --test check failed, 2 bad input (one ``error:`` line)."""
     a = parse_args(argv)
-    from mcore_rl.entry import error_line, quiet_third_party
+    from mcore_rl.entry import error_line, one_line_warnings, os_error_line, quiet_third_party
 
     quiet_third_party(int(os.environ.get("RANK", "0")))
+    one_line_warnings()
     from mcore_rl.conversion.convert_input import preflight
     from mcore_rl.errors import McoreRLError
 
@@ -87,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         code = run_conversion(a)
     except McoreRLError as e:  # bad input: the message names the value and the fix
         print(error_line(e), file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a permission, a failing device: the staging is already discarded
+        print(os_error_line(e, f"converting {a.hf_model_path!r} into {a.output_path!r}"), file=sys.stderr)
         return 2
     if code == 0 and a.test and os.environ.get("RANK", "0") == "0":
         verify = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_logits.py")

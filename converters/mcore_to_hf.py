@@ -1,7 +1,8 @@
 """mcore model dir -> HF model dir, on CPU, tensor by tensor (no megatron, no torch.distributed).
 
   python converters/mcore_to_hf.py merge --local_dir CKPT --target_dir OUT [--max_shard_size 5GB]
-      [--model_class auto|causal_lm|token_classification] [--dtype fp32|bf16|fp16] [--overwrite]
+      [--model_class auto|causal_lm|token_classification|sequence_classification] [--dtype fp32|bf16|fp16]
+      [--overwrite]
   python converters/mcore_to_hf.py test --local_dir CKPT --test_hf_dir HF [--atol 0]
 
 CKPT: ``global_step_<N>/actor`` or ``.../critic`` written by CheckpointManager, or a converter
@@ -18,6 +19,8 @@ import argparse
 import math
 import sys
 
+from mcore_rl.entry import OneLineParser  # argparse, one ``error:`` line on a usage error
+
 
 def _atol(text: str) -> float:
     value = float(text)
@@ -27,15 +30,17 @@ def _atol(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("merge", help="write the HF model (safetensors shards + config + tokenizer)")
     m.add_argument("--local_dir", required=True, help="model dir: global_step_<N>/actor or .../critic, or a hf_to_mcore.py output")
     m.add_argument("--target_dir", required=True, help="HF output directory (must be empty or absent)")
     m.add_argument("--max_shard_size", default="5GB", help="bytes or e.g. 5GB, 500MB, 2GiB (default 5GB)")
-    m.add_argument("--model_class", default="auto", choices=["auto", "causal_lm", "token_classification"],
-                   help="auto (default): from the role in mcore_rl.json (actor: causal LM, critic: token "
-                   "classification with one label); causal_lm on a critic is an error")
+    m.add_argument("--model_class", default="auto",
+                   choices=["auto", "causal_lm", "token_classification", "sequence_classification"],
+                   help="auto (default): the class huggingface/config.json records when it fits the role in "
+                   "mcore_rl.json (a reward model stays *ForSequenceClassification), else actor: causal LM, "
+                   "critic: token classification with one label; causal_lm on a critic is an error")
     m.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="dtype of the merged weights (default: the checkpoint's model parameters')")
     m.add_argument("--overwrite", action="store_true",
@@ -74,7 +79,7 @@ def _test(local_dir: str, test_hf_dir: str, atol: float, verify: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 done, 1 ``test`` found a mismatch, 2 bad input (one ``error:`` line)."""
     args = _parser().parse_args(argv)
-    from mcore_rl.entry import error_line, quiet_third_party
+    from mcore_rl.entry import error_line, os_error_line, quiet_third_party
     from mcore_rl.errors import McoreRLError
 
     quiet_third_party(0)
@@ -92,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except McoreRLError as e:  # bad input: the message names the value and the fix
         print(error_line(e), file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a permission, a failing device: the staging is already discarded
+        doing = (f"comparing {args.local_dir!r} with {args.test_hf_dir!r}" if args.command == "test"
+                 else f"merging {args.local_dir!r} into {args.target_dir!r}")
+        print(os_error_line(e, doing), file=sys.stderr)
         return 2
 
 

@@ -33,6 +33,7 @@ def compare(model_dir: str, hf_dir: str) -> tuple[float, float, float]:
 
     from mcore_rl.checkpoint.model_dir import load_model_dir
     from mcore_rl.checkpoint.storage import read_json
+    from mcore_rl.errors import CheckpointError
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.forward import chunk_forward
     from mcore_rl.models.hf_config import model_args_from_hf
@@ -41,8 +42,11 @@ def compare(model_dir: str, hf_dir: str) -> tuple[float, float, float]:
     from mcore_rl.rl.engine import ModelEngine
 
     meta = read_json(os.path.join(model_dir, "mcore_rl.json"))
-    role = meta["role"]
-    dtype = getattr(torch, str(meta["params_dtype"]).removeprefix("torch."))
+    role, dtype = meta.get("role"), getattr(torch, str(meta.get("params_dtype")).removeprefix("torch."), None)
+    if role not in ("actor", "critic") or not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"{model_dir}/mcore_rl.json: role {role!r}, params_dtype {meta.get('params_dtype')!r}; "
+                              "expected role actor|critic and a torch dtype: not a model directory this "
+                              "project wrote (pass global_step_<N>/actor or a hf_to_mcore.py output).")
     initialize_parallel_state(ParallelLayout())
     args = model_args_from_hf(os.path.join(model_dir, "huggingface"))
     # computed in fp32 either way: bf16 weights are checked against HF weights rounded to bf16
@@ -83,19 +87,31 @@ def _hf_model(transformers, role: str, hf_dir: str):
 
 
 def main(argv: list[str]) -> int:
-    from mcore_rl.entry import quiet_third_party
+    """Exit code: 0 within tolerance, 1 above it, 2 bad input (one ``error:`` line)."""
+    from mcore_rl.entry import error_line, os_error_line, quiet_third_party
 
+    if len(argv) != 2 or any(a.startswith("-") for a in argv):
+        print(f"error: verify_logits.py takes MODEL_DIR HF_DIR, got {argv!r} (see the usage in {__file__})",
+              file=sys.stderr)
+        return 2
     quiet_third_party(0)
     import torch
 
+    from mcore_rl.errors import McoreRLError
     from mcore_rl.platform import init_distributed, setup_platform
 
     model_dir, hf_dir = argv
     platform = setup_platform("cpu")
-    with tempfile.NamedTemporaryFile(prefix="verify_store_") as store:
-        init_distributed(platform, 0, 1, init_method=f"file://{store.name}")
+    with tempfile.TemporaryDirectory(prefix="verify_store_", ignore_cleanup_errors=True) as store:
+        init_distributed(platform, 0, 1, init_method=f"file://{store}/store")  # gloo may remove the file
         try:
             diff, cos, tol = compare(model_dir, hf_dir)
+        except McoreRLError as e:  # a refused model directory: the message names the file and the fix
+            print(error_line(e), file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(os_error_line(e, f"comparing {model_dir!r} with {hf_dir!r}"), file=sys.stderr)
+            return 2
         finally:
             torch.distributed.destroy_process_group()
     ok = diff <= tol

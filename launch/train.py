@@ -3,9 +3,12 @@
     torchrun --nproc_per_node=2 launch/train.py --config configs/grpo_demo.yaml [key.path=value ...]
 
 Rank 0 prints the layout, a progress bar and a closing summary. Other ranks print nothing
-unless they fail (their tracebacks still reach stderr). Known third-party notices (megatron's
-Transformer Engine / apex fallbacks, torch.distributed renames; the list in mcore_rl/entry.py,
-shared with the converters) are filtered here, in the entry point, not in library modules.
+unless they fail (their tracebacks still reach stderr). An error mcore_rl raises on purpose (a
+config typo, a refused checkpoint) ends the rank with exit code 2 and one ``error:`` line for the
+job (``mcore_rl.entry.report_refusal``; launch/run.sh prints it once, without torchrun's report).
+Known third-party notices (megatron's Transformer Engine / apex fallbacks, torch.distributed
+renames; the list in mcore_rl/entry.py, shared with the converters) are filtered here, in the
+entry point, not in library modules.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ def _use_this_checkout() -> None:
 
 
 _use_this_checkout()
-from mcore_rl.entry import quiet_third_party  # noqa: E402 - the list both entry points filter
+from mcore_rl.entry import quiet_third_party, report_refusal  # noqa: E402 - shared with the converters
 
 
 def main() -> None:
@@ -32,19 +35,19 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="only load and validate the config (launch/run.sh "
                         "does this before starting ranks)")
     args = parser.parse_args()
-    quiet_third_party(int(os.environ.get("RANK", "0")))
-    from mcore_rl.config_loader import ConfigError
+    rank = int(os.environ.get("RANK", "0"))
+    quiet_third_party(rank)
+    from mcore_rl.errors import McoreRLError
     from mcore_rl.job.loop import run  # after the filters: megatron warns at import
     from mcore_rl.job.schema import load_job_config
 
-    try:
+    try:  # a config typo, a refused checkpoint: one line for the job, not a traceback per rank
         cfg = load_job_config(args.config, args.overrides)
-    except ConfigError as error:  # a typo is one line, not a traceback per rank
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {error}", file=sys.stderr)
+        if not args.check:
+            run(cfg)
+    except McoreRLError as error:
+        report_refusal(error, rank)
         sys.exit(2)
-    if not args.check:
-        run(cfg)
 
 
 if __name__ == "__main__":  # megatron's checkpoint writers re-import the main module

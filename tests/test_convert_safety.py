@@ -175,7 +175,8 @@ def _reward_model(hf: str, out: str, bad: str, bad_out: str) -> dict:
 
 def test_reward_model_converts_to_the_in_memory_critic(tmp_path):
     """A *ForSequenceClassification (score without bias) converts as a critic whose bias is 0, as
-    load_hf does; merged back, every tensor equals the in-memory critic's export; --test passes;
+    load_hf does; merged back as a token classifier, every tensor equals the in-memory critic's
+    export (merged as given: the same class, the zero bias left out); --test passes;
     num_labels=2 is refused by the same check as load_hf's."""
     from transformers import AutoModelForSequenceClassification
 
@@ -196,12 +197,16 @@ def test_reward_model_converts_to_the_in_memory_critic(tmp_path):
     assert not os.path.exists(bad_out)
     diff, cos, tol = got["verify"]
     assert diff <= tol and cos > 0.9999, got["verify"]
-    merge(out, str(tmp_path / "merged"))
+    merge(out, str(tmp_path / "merged"), model_class="token_classification")
     merged = _tensors(tmp_path / "merged")
     assert set(merged) == set(got["export"]) and torch.equal(merged["score.bias"], torch.zeros(1))
     assert all(torch.equal(merged[k], got["export"][k]) for k in merged)
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForTokenClassification"] and config["num_labels"] == 1
+    merge(out, str(tmp_path / "as_given"))  # auto: the class it came as, without the zero bias (issue #29)
+    assert set(_tensors(tmp_path / "as_given")) == set(got["export"]) - {"score.bias"}
+    assert json.loads((tmp_path / "as_given" / "config.json").read_text())["architectures"] == \
+        ["Qwen2ForSequenceClassification"]
 
 
 # ---- non-finite values -------------------------------------------------------------------------------

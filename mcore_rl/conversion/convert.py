@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Mapping
@@ -27,8 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.model_record import write_record
-from mcore_rl.conversion.convert_input import (ConvertError, DtypeName, check_input, check_output, input_dtype,
-                                               role_from_config)
+from mcore_rl.conversion.convert_input import (HF_DTYPE_NAMES, ConvertError, DtypeName, DtypeWarning, check_input,
+                                               check_output, resolve_dtype, role_from_config)
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META, copy_hf_files, peak_rss_mb, process_age_s
 from mcore_rl.fileio.staging import Staging, StagingError
@@ -58,7 +59,7 @@ class ConvertOptions:
     pp: int = 1
     ep: int = 1
     etp: int = 1
-    dtype: DtypeName | None = None  # None: the input's (config.json dtype / torch_dtype; fp32 if unset)
+    dtype: DtypeName | None = None  # None: the weights' own (convert_input.resolve_dtype)
     role: Role | None = None
     overwrite: bool = False
 
@@ -260,6 +261,16 @@ def _summary(role: str, dtype: str, resolver: HFShardResolver, seconds: float) -
                    max(e[2] for e in every), max(e[3] for e in every), dtype, max(e[4] for e in every))
 
 
+def _state_dtype(config_path: str, dtype: str) -> None:
+    """The copied config.json states the dtype written (``dtype`` and ``torch_dtype``, as
+    transformers names it), whatever the input's config said."""
+    with open(config_path) as f:
+        config = json.load(f)
+    config["dtype"] = config["torch_dtype"] = HF_DTYPE_NAMES[dtype]
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
 def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     """Converts ``opts.hf_model_path`` into the model directory ``opts.output_path`` (collective
     over a torch.distributed world of tp * pp * ep ranks; the platform must be set up). Sets up
@@ -272,7 +283,9 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     rank0 = torch.distributed.get_rank() == 0
     check_input(opts.hf_model_path)
     role = opts.role or role_from_config(opts.hf_model_path)
-    dtype = opts.dtype or input_dtype(opts.hf_model_path)
+    dtype, dtype_note = (opts.dtype, None) if opts.dtype else resolve_dtype(opts.hf_model_path)
+    if dtype_note and rank0:
+        warnings.warn(dtype_note, DtypeWarning, stacklevel=2)
     if dtype not in DTYPES:
         raise ConvertError(f"--dtype {dtype!r}; use one of {sorted(DTYPES)}.")
     check_output(opts.output_path, opts.hf_model_path, opts.overwrite)
@@ -298,6 +311,7 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         check_coverage(resolver, chunks, source)
         if rank0:
             copy_hf_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"))
+            _state_dtype(os.path.join(stage.path, "huggingface", "config.json"), dtype)
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
             storage.write_json_atomic(os.path.join(stage.path, META), build_metadata(facts, role, ("model",), None))
             write_record(stage.path, role)  # last: every file with size and CRC-32, which readers verify

@@ -11,11 +11,11 @@ import json
 import os
 from typing import Literal
 
-from mcore_rl.errors import CheckpointError
+from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.files import hf_side_files
-from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.output_dir import check_replaceable, input_overlap, refuse_file, settle_output
-from mcore_rl.mapping.hf_io import MAX_HEADER
+from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.safetensors_header import check_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -49,6 +49,9 @@ def role_from_config(hf_dir: str) -> Literal["actor", "critic"]:
     """``*ForCausalLM`` -> actor, ``*ForTokenClassification`` / ``*ForSequenceClassification``
     -> critic, from config.json ``architectures``."""
     archs = read_config(hf_dir).get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConvertError(f"{hf_dir}/config.json: architectures={archs!r} is not a list of class names (e.g. "
+                           "[\"LlamaForCausalLM\"]); fix it, or pass --role actor|critic.")
     for name in archs:
         if name.endswith("ForCausalLM"):
             return "actor"
@@ -59,16 +62,61 @@ def role_from_config(hf_dir: str) -> Literal["actor", "critic"]:
                        "actor|critic.")
 
 
-def input_dtype(hf_dir: str) -> DtypeName:
-    """The dtype config.json states (``dtype``, else ``torch_dtype``), as a --dtype name; fp32
-    when neither is set."""
+class DtypeWarning(McoreRLError, UserWarning):
+    """config.json states a dtype the weights are not stored in (the weights' dtype is kept).
+    An McoreRLError too: where warnings are turned into errors it is a refusal like the others."""
+
+
+def stated_dtype(hf_dir: str) -> DtypeName | None:
+    """The dtype config.json states (``dtype``, else ``torch_dtype``) as a --dtype name; None
+    when neither is set; an error for a dtype the converter cannot write."""
     config = read_config(hf_dir)
-    stated = config.get("dtype") or config.get("torch_dtype") or "float32"
+    stated = config.get("dtype") or config.get("torch_dtype")
+    if stated is None:
+        return None
     by_hf = {v: k for k, v in HF_DTYPE_NAMES.items()}
     if not isinstance(stated, str) or stated.removeprefix("torch.") not in by_hf:
         raise ConvertError(f"{hf_dir}/config.json states dtype {stated!r}, which the converter cannot keep; "
                            f"pass --dtype {'|'.join(HF_DTYPE_NAMES)}.")
     return by_hf[stated.removeprefix("torch.")]  # type: ignore[return-value]
+
+
+def stored_dtypes(hf_dir: str) -> set[str]:
+    """The floating-point dtypes the shards store their tensors in, as --dtype names (other
+    safetensors float types are refused: the converter writes fp32, bf16 or fp16)."""
+    names = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+    found = {e["dtype"] for path in shard_files(hf_dir) for e in check_shard(path).values()}
+    floats = {d for d in found if d.startswith(("F", "BF", "C"))}
+    other = sorted(floats - set(names))
+    if other:
+        raise ConvertError(f"{hf_dir}: tensors stored as {other}, which the converter does not read; it "
+                           "converts fp32, bf16 and fp16 weights: convert the model to one of them first.")
+    return {names[d] for d in floats}
+
+
+def resolve_dtype(hf_dir: str) -> tuple[DtypeName, str | None]:
+    """The dtype the converter writes by default and a warning, if any: the weights' own dtype
+    (never rounded); mixed float dtypes give the widest (fp32 when bf16 and fp16 are mixed, as
+    neither holds the other); a config.json stating another dtype is named in the warning."""
+    stored = stored_dtypes(hf_dir)
+    stated = stated_dtype(hf_dir)
+    if not stored:  # no floating-point tensor at all: what the config says, else fp32
+        chosen: DtypeName = stated or "fp32"
+    else:
+        chosen = next(iter(stored)) if len(stored) == 1 else "fp32"  # type: ignore[assignment]
+    notes = []
+    if len(stored) > 1:
+        notes.append(f"the weights in {hf_dir} are stored in {sorted(stored)}; writing {chosen} (no tensor rounded)")
+    if stated is not None and stated != chosen:
+        notes.append(f"{hf_dir}/config.json states dtype {HF_DTYPE_NAMES[stated]} but the weights are stored in "
+                     f"{'/'.join(sorted(stored))}; writing {chosen}, the weights' own, and the output's config "
+                     f"says {HF_DTYPE_NAMES[chosen]}; pass --dtype {stated} to round them to the config's dtype")
+    return chosen, "; ".join(notes) + "." if notes else None
+
+
+def input_dtype(hf_dir: str) -> DtypeName:
+    """The dtype the converter writes by default: the weights' own (``resolve_dtype``)."""
+    return resolve_dtype(hf_dir)[0]
 
 
 def shard_files(hf_dir: str) -> list[str]:
@@ -98,39 +146,33 @@ def shard_files(hf_dir: str) -> list[str]:
     return [contained(hf_dir, n, f"the listing of {hf_dir}", hub_cache=True) for n in names]
 
 
-def check_shard(path: str) -> None:
-    """A safetensors file whose header is not a JSON object of tensor entries, or promises more
-    bytes than the file holds (a truncated copy), is refused."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        header = f.read(n) if 0 < n <= min(size - 8, MAX_HEADER) else b""  # safetensors' cap
+def check_shard(path: str) -> dict:
+    """A safetensors file whose header is not a JSON object of tensor entries, whose offsets do
+    not match their dtype and shape or do not tile the data, or that promises more bytes than
+    the file holds (a truncated copy), is refused; returns its tensor entries."""
     try:
-        meta = json.loads(header)
-    except (ValueError, UnicodeDecodeError):
-        meta = None
-    entries = [v for k, v in meta.items() if k != "__metadata__"] if isinstance(meta, dict) else None
-    ends = [e.get("data_offsets") for e in entries] if entries is not None and all(
-        isinstance(e, dict) for e in entries) else None
-    if ends is None or not all(isinstance(o, list) and len(o) == 2 and all(isinstance(x, int) for x in o)
-                               for o in ends):
-        raise ConvertError(f"{path}: unreadable safetensors header ({size} bytes on disk); the file is "
-                           "truncated or not safetensors; copy it again.")
-    end = max((o[1] for o in ends), default=0)
-    if 8 + n + end > size:
-        raise ConvertError(f"{path} is truncated: {size} bytes on disk, its header needs {8 + n + end}; "
-                           "copy the file again.")
+        return check_safetensors(path)
+    except CheckpointError as e:
+        raise ConvertError(str(e)) from None
 
 
 def check_input(hf_dir: str) -> list[str]:
-    """Validates the HF directory (config.json, side files inside it, every shard named and complete);
-    returns the shards."""
+    """Validates the HF directory (config.json, side files inside it, every shard named and complete,
+    every tensor an index names present in the file it names); returns the shards."""
     read_config(hf_dir)
     hf_side_files(hf_dir)  # a tokenizer / config file linked out of the directory: refused before any write
     shards = shard_files(hf_dir)
-    for path in shards:
-        check_shard(path)
+    held = {path: check_shard(path) for path in shards}
+    index = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]  # shard_files checked it
+        absent = sorted(f"{name} ({file})" for name, file in weight_map.items()
+                        if name not in held[contained(hf_dir, file, index, hub_cache=True)])
+        if absent:
+            raise ConvertError(f"{index} names tensors their files do not hold: {absent[:6]}"
+                               f"{f' and {len(absent) - 6} more' if len(absent) > 6 else ''}; the index does not "
+                               "match the shards: copy the complete checkpoint again or re-export it.")
     return shards
 
 
@@ -156,7 +198,7 @@ def preflight(hf_dir: str, output_path: str, overwrite: bool, dtype: str | None,
     if role is None:
         role_from_config(hf_dir)
     if dtype is None:
-        input_dtype(hf_dir)
+        resolve_dtype(hf_dir)  # a dtype it cannot write fails here; the warning is convert()'s
     check_output(output_path, hf_dir, overwrite)
     model_type = read_config(hf_dir).get("model_type")
     if not isinstance(model_type, str):

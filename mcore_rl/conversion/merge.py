@@ -36,7 +36,10 @@ from mcore_rl.fileio.torch_dist_read import TorchDistReader
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 
-ModelClass = Literal["auto", "causal_lm", "token_classification"]
+ModelClass = Literal["auto", "causal_lm", "token_classification", "sequence_classification"]
+# --model_class -> the suffix of the transformers class name, and the role it fits
+_CLASS_SUFFIX = {"causal_lm": ("ForCausalLM", "actor"), "token_classification": ("ForTokenClassification", "critic"),
+                 "sequence_classification": ("ForSequenceClassification", "critic")}
 _EXPERT_DIST = ("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # canonical -> on-disk
 _NOT_WEIGHTS = re.compile(r"^(optimizer\.|chained_\d+\.|rng_state)|\._extra_state(/|$)")
 _WEIGHT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin)$")
@@ -293,23 +296,56 @@ def written_dtype(model: ModelDir, units: list[Unit], dtype: str | None = None) 
     return getattr(torch, named)
 
 
-def _hf_config(model: ModelDir, model_class: ModelClass) -> dict:
-    """config.json of the merged model: architectures (and num_labels for the critic) set."""
-    want = {"actor": "causal_lm", "critic": "token_classification"}[model.role]
-    if model_class not in ("auto", want):
+def hf_class(model: ModelDir, model_class: ModelClass = "auto") -> str:
+    """The transformers class the merged model is: ``auto`` keeps the class its
+    ``huggingface/config.json`` records (the converter's or the run's input: a reward model's
+    ``*ForSequenceClassification`` comes back as one) when it fits the role, else the role's
+    default (actor: causal LM, critic: token classification with one label)."""
+    arch = model.args.arch
+    with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
+        recorded = json.load(f).get("architectures")
+    recorded = [a for a in recorded if isinstance(a, str)] if isinstance(recorded, list) else []
+    if model_class == "auto":
+        fits = [a for a in recorded for suffix, role in _CLASS_SUFFIX.values()
+                if a.endswith(suffix) and role == model.role]
+        return fits[0] if fits else (arch.hf_causal_lm if model.role == "actor" else arch.hf_token_classification)
+    suffix, role = _CLASS_SUFFIX[model_class]
+    if role != model.role:
         why = ("a critic has a value head (score: hidden -> 1) and no LM head, so it is not a causal LM"
                if model.role == "critic" else "an actor has an LM head, not a value head")
+        want = "token_classification or sequence_classification" if model.role == "critic" else "causal_lm"
         raise MergeError(f"{model.path}: model_class={model_class!r} for a {model.role}: {why}; "
                          f"use --model_class {want} (or auto).")
+    named = [a for a in recorded if a.endswith(suffix)]
+    return named[0] if named else arch.hf_token_classification.removesuffix("ForTokenClassification") + suffix
+
+
+def _hf_config(model: ModelDir, cls: str) -> dict:
+    """config.json of the merged model: architectures [cls] (and one label for a critic)."""
     with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
         config = json.load(f)
-    arch = model.args.arch
+    config["architectures"] = [cls]
     if model.role == "critic":
-        config.update(architectures=[arch.hf_token_classification], num_labels=1,
-                      id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    else:
-        config["architectures"] = [arch.hf_causal_lm]
+        config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return config
+
+
+def head_units(model: ModelDir, units: list[Unit], cls: str) -> list[Unit]:
+    """The units of ``cls``: a ``*ForSequenceClassification`` head has no bias, so the critic's
+    value-head bias is left out when it is zero (a converted reward model's is) and refused
+    otherwise (the class cannot hold it)."""
+    if not cls.endswith("ForSequenceClassification"):
+        return units
+    kept = []
+    for unit in units:
+        if [spec.name for spec in unit.specs] != ["score.bias"]:
+            kept.append(unit)
+            continue
+        bias = model.reader.read(unit.key, unit.index)
+        if bool((bias != 0).any()):
+            raise MergeError(f"{model.path}: the value head's bias is {bias.flatten().tolist()}, not 0: {cls} "
+                             "has no score bias to hold it; merge with --model_class token_classification.")
+    return kept
 
 
 def check_target(target_dir: str, local_dir: str, overwrite: bool) -> None:
@@ -351,7 +387,7 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
           model_class: ModelClass | None = None, overwrite: bool = False,
           progress: bool = False, dtype: str | None = None, verify: bool = True) -> MergeSummary:
     """Writes the HF model of ``local_dir`` into ``target_dir``: safetensors shards of at most
-    ``max_shard_size`` (+ index), config.json (critic: ``*ForTokenClassification``, num_labels=1;
+    ``max_shard_size`` (+ index), config.json (the class ``hf_class`` picks; a critic: one label;
     ``dtype``/``torch_dtype``: the dtype written, see ``written_dtype``) and the tokenizer /
     generation files of ``local_dir/huggingface``. Written into a staging directory beside
     ``target_dir`` and renamed into place when complete: a failure leaves nothing new and an
@@ -368,8 +404,10 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
 def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: int | str,
                 model_class: ModelClass | None, overwrite: bool, progress: bool, dtype: str | None) -> MergeSummary:
     check_target(target_dir, model.path, overwrite)
-    config = _hf_config(model, model_class or "auto")
+    cls = hf_class(model, model_class or "auto")
+    config = _hf_config(model, cls)
     units, dims = plan_units(model)
+    units = head_units(model, units, cls)
     out_dtype = written_dtype(model, units, dtype)
     config["dtype"] = config["torch_dtype"] = str(out_dtype).removeprefix("torch.")  # as transformers names it
     stage = Staging.create(target_dir)
@@ -407,6 +445,7 @@ def compare(local_dir: str, test_hf_dir: str, verify: bool = True) -> tuple[dict
 
 def _compare_open(model: ModelDir, ref, test_hf_dir: str) -> tuple[dict[str, float], list[str]]:
     units, dims = plan_units(model)
+    units = head_units(model, units, hf_class(model))  # a reward model: compared without its zero bias
     diffs: dict[str, float] = {}
     problems, seen = [], set()
     for name, tensor in iter_hf_tensors(model, units, dims):

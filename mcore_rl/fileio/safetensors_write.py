@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.faults import io_fault
 from mcore_rl.fileio.files import Writeback
 
 SINGLE_FILE = "model.safetensors"
@@ -128,6 +129,8 @@ class ShardedSafetensorsWriter:
         if shard != self._file_index:
             self._open(shard)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        if self._next:
+            io_fault("write", self._file.name)  # test-only: a disk that fills up mid-model
         self._file.write(memoryview(data))
         self._writeback.poke()
         self.bytes_written += spec.nbytes

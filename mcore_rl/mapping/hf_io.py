@@ -1,27 +1,22 @@
 """Lazy reads of HF safetensors checkpoints (the Hub's on-disk format).
 
-Every file's header is checked before the safetensors library opens it: its length at most
-``MAX_HEADER`` (100 MB, the library's own cap) and inside the file, a JSON object of tensor entries
-(dtype, shape, data_offsets) whose bytes match dtype and shape and lie inside the file. A damaged
-file, index or header is a ``SafetensorsFormatError`` naming the file.
+Every file's header is checked before the safetensors library opens it
+(``fileio.safetensors_header.check_safetensors``: length within the library's 100 MB cap and the
+file, a JSON object of tensor entries whose bytes match dtype and shape and tile the data). A
+damaged file, index or header is a ``SafetensorsFormatError`` naming the file.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.paths import contained
-from mcore_rl.errors import McoreRLError
-
-MAX_HEADER = 100_000_000  # bytes; safetensors refuses longer headers too
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-
+from mcore_rl.fileio.safetensors_header import check_safetensors
 
 class HFWeightsError(McoreRLError, FileNotFoundError):
     """A HF directory without readable safetensors weights."""
@@ -33,52 +28,14 @@ class SafetensorsFormatError(McoreRLError, ValueError):
 
 def read_header(path: str) -> dict[str, dict]:
     """The tensor entries (name -> {dtype, shape, data_offsets}) of the safetensors file ``path``,
-    checked against the file's size; a SafetensorsFormatError naming the file otherwise."""
+    checked as the library checks them (``fileio.safetensors_header``); a SafetensorsFormatError
+    naming the file otherwise."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            raw = f.read(8)
-            n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-            if not 0 < n <= min(MAX_HEADER, size - 8):
-                raise SafetensorsFormatError(
-                    f"{path}: its header length {n} is not within 1..{min(MAX_HEADER, max(size - 8, 0))} "
-                    f"({size} bytes on disk, headers are at most {MAX_HEADER}); the file is truncated or not "
-                    "safetensors: copy it again.")
-            text = f.read(n)
+        return check_safetensors(path)
+    except CheckpointError as e:
+        raise SafetensorsFormatError(str(e)) from None
     except OSError as e:
         raise SafetensorsFormatError(f"{path} is unreadable ({e.strerror or e}).") from None
-    try:
-        header = json.loads(text)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        header = None
-    if not isinstance(header, dict):
-        raise SafetensorsFormatError(f"{path}: its header is not a JSON object; the file is damaged or not "
-                                     "safetensors: copy it again.")
-    entries = {k: v for k, v in header.items() if k != "__metadata__"}
-    for name, entry in entries.items():
-        problem = _entry_problem(entry, size - 8 - n)
-        if problem:
-            raise SafetensorsFormatError(f"{path}: tensor {name!r} {problem}; the file is damaged or truncated: "
-                                         "copy it again.")
-    return entries
-
-
-def _entry_problem(entry, data_bytes: int) -> str | None:
-    """Why a header entry is not a tensor inside ``data_bytes`` of data, or None."""
-    if not isinstance(entry, dict):
-        return f"is described by a JSON {type(entry).__name__}, not an object"
-    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in _ITEMSIZE:
-        return f"has dtype {dtype!r}"
-    ints = [x for x in (shape or []) + (offsets or []) if isinstance(x, int) and not isinstance(x, bool) and x >= 0] \
-        if isinstance(shape, list) and isinstance(offsets, list) else None
-    if ints is None or len(ints) != len(shape) + len(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
-        return f"has shape {shape!r} and data_offsets {offsets!r}"
-    if offsets[1] - offsets[0] != math.prod(shape) * _ITEMSIZE[dtype]:
-        return f"of shape {shape} {dtype} has {offsets[1] - offsets[0]} bytes (data_offsets {offsets})"
-    if offsets[1] > data_bytes:
-        return f"needs bytes up to {offsets[1]} of the data, the file holds {data_bytes}"
-    return None
 
 
 class SafetensorsReader(Mapping[str, torch.Tensor]):

@@ -5,6 +5,7 @@ here so that unsupported settings fail with a message that names the value and t
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -131,6 +132,60 @@ def _require(cfg: Any, name: str) -> Any:
     return value
 
 
+# every size, scale and switch ModelArgs takes from the config: (name, kind); kind "count" is an
+# integer >= 1, "size" an integer >= 0, "positive" a finite number > 0, "fraction" a number in [0, 1), "scale" >= 0,
+# "flag" true/false (a string "no" would read as True), "table" an object (null: absent)
+_CHECKED_FIELDS = (
+    ("vocab_size", "count"), ("hidden_size", "count"), ("intermediate_size", "count"),
+    ("num_hidden_layers", "count"), ("num_attention_heads", "count"), ("num_key_value_heads", "count"),
+    ("head_dim", "count"), ("max_position_embeddings", "count"), ("rms_norm_eps", "positive"),
+    ("attention_dropout", "fraction"), ("initializer_range", "scale"), ("rope_theta", "positive"),
+    ("sliding_window", "size"), ("tie_word_embeddings", "flag"), ("attention_bias", "flag"),
+    ("mlp_bias", "flag"), ("use_sliding_window", "flag"), ("token_classification_bias", "flag"),
+    ("rope_parameters", "table"), ("rope_scaling", "table"),
+)
+_KIND_TEXT = {"count": "an integer >= 1", "size": "an integer >= 0", "positive": "a finite number > 0",
+              "fraction": "a number in [0, 1)", "scale": "a finite number >= 0", "flag": "true or false",
+              "table": "a JSON object or null"}
+
+
+def _fits(value: Any, kind: str) -> bool:
+    """Whether a config value is of ``kind`` (JSON types: a bool or a string is never a number)."""
+    if kind in ("flag", "table"):
+        return isinstance(value, bool if kind == "flag" else dict)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind in ("count", "size"):
+        return isinstance(value, int) and value >= (1 if kind == "count" else 0)
+    if not math.isfinite(value):
+        return False
+    return {"positive": value > 0, "fraction": 0 <= value < 1, "scale": value >= 0}[kind]
+
+
+def check_config_values(cfg: Any, mla: bool = False) -> None:
+    """Refuses a config whose sizes and scales are of the wrong type or range (``hidden_size:
+    "64"``, ``num_hidden_layers: 0``, a negative eps), naming the key, the value and what it must
+    be, before anything is built from them; and query heads that key/value heads do not divide.
+    The message is the same for a directory and for its transformers config object."""
+    where = f"config.json (model_type {cfg.model_type!r})"
+    for name, kind in _CHECKED_FIELDS:
+        value = getattr(cfg, name, None)
+        if value is None:  # optional, or missing: _require names it
+            continue
+        if not _fits(value, kind):
+            raise ConfigError(f"{where}: {name}={value!r} ({type(value).__name__}) must be {_KIND_TEXT[kind]}; "
+                              "fix the value in config.json.")
+        theta = value.get("rope_theta") if kind == "table" else None
+        if theta is not None and not _fits(theta, "positive"):
+            raise ConfigError(f"{where}: {name}.rope_theta={theta!r} ({type(theta).__name__}) must be "
+                              f"{_KIND_TEXT['positive']}; fix the value in config.json.")
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads is not None and not mla and heads % kv:  # MLA's key/value heads are its query heads
+        raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}; "
+                          "fix the values in config.json.")
+
+
 def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
@@ -161,6 +216,7 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     """Builds ModelArgs from a HF directory or config; ``max_seq_len`` defaults to the config's."""
     cfg = _args_source(source)
     arch = lookup_arch(cfg.model_type)
+    check_config_values(cfg, mla=arch.attention == "mla")
     hidden = _require(cfg, "hidden_size")
     heads = _require(cfg, "num_attention_heads")
     max_pos = _require(cfg, "max_position_embeddings")
