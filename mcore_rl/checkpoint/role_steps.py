@@ -91,7 +91,10 @@ class RoleStepManager(CheckpointManager):
 
     def _choices(self) -> str:
         """This node's complete steps and how a trainer resumes one (for load errors)."""
-        scan = inventory.scan_root(self.root)
+        try:
+            scan = inventory.scan_root(self.root)
+        except CheckpointError as e:
+            return f"the complete steps under {self.root} cannot be listed ({e})."
         return _resume_hint(self.root, sorted(int(s) for s, v in scan["steps"].items() if v["marker"] == "ok"))
 
     # ---- seal ----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import os
 import signal
 import time
 
-PHASES = ("shards", "metadata", "marker", "swap", "tracker", "retention")
+PHASES = ("shards", "metadata", "marker", "swap", "tracker", "retention", "recover")
 ENV = "MCORE_RL_CKPT_FAULT"
 RANK_ENV = "MCORE_RL_CKPT_FAULT_RANK"  # optional: only this global rank dies
 AT_ENV = "MCORE_RL_CKPT_FAULT_AT"  # optional: the n-th arrival at the phase in this process dies
