@@ -152,8 +152,11 @@ def _shared(hf_dir: str, base: str) -> dict:
     def after(root: str, before: dict) -> dict:
         torch.distributed.barrier()
         step1 = os.path.join(root, STEP1)
-        return {"kept": os.path.isdir(step1) and _digests(step1) == before,
-                "resumed": manager(root).resume({"actor": engine})}
+        try:
+            resumed = manager(root).resume({"actor": engine})
+        except CheckpointError as e:
+            resumed = str(e)
+        return {"kept": os.path.isdir(step1) and _digests(step1) == before, "resumed": resumed}
 
     marker = f"{STEP1}/COMPLETE"
     # defect 2: a marker whose stat fails while saving step 2 (retention, max_ckpt_to_keep unset)
@@ -262,7 +265,10 @@ def _two_nodes(hf_dir: str, base: str) -> dict:
     out["fault"] = _attempt(lambda: manager(root).resume({"actor": engine}))
     os.environ.pop(IO_ENV), os.environ.pop(RANK_ENV)
     out["unchanged"] = before == {name: _digests(os.path.join(root, name)) for name in sorted(os.listdir(root))}
-    out["rerun"] = manager(root).resume({"actor": engine})
+    try:
+        out["rerun"] = manager(root).resume({"actor": engine})
+    except CheckpointError as e:
+        out["rerun"] = str(e)
     return out
 
 
