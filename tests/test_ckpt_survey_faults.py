@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from mcore_rl.errors import CheckpointError
-from mcore_rl.fileio.faults import IO_ENV, RANK_ENV
+from mcore_rl.fileio.faults import ENV, IO_ENV, RANK_ENV
 from tests.ckpt_bodies import build_engine, hf_dir_for, manager, train
 from tests.ckpt_util import reseal
 from tests.dist import run_ranks
@@ -189,7 +189,7 @@ def _shared(hf_dir: str, base: str) -> dict:
 
 def test_survey_errors_never_delete_and_are_agreed(tmp_path):
     hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
-    r0, r1 = run_ranks(2, _shared, hf_dir, str(tmp_path), timeout_s=240, daemon=False)
+    r0, r1 = run_ranks(2, _shared, hf_dir, str(tmp_path), timeout_s=150, daemon=False)
     for name, text in {"retention": "cannot stat", "resave": "cannot stat", "rank0": "cannot read",
                        "link": ".global_step_1.incoming is a symlink mcore_rl did not create"}.items():
         assert r0[name]["error"] == r1[name]["error"], (name, r0[name], r1[name])  # one refusal, both ranks
@@ -289,3 +289,54 @@ def test_two_nodes_agree_on_interrupted_replacements(tmp_path):
     assert r0["fault"] == r1["fault"] and "surveying" in r0["fault"] and "failed on node 1" in r0["fault"], r0
     assert "ESTALE" in r0["fault"] and r0["unchanged"] and r1["unchanged"], (r0["fault"], r1["fault"])
     assert r0["rerun"] == r1["rerun"] == {"step": 2, "v": 2}
+
+
+# ---- two simulated nodes: real kills at the renames of a replacement, then reruns ----------------
+def _node_run(hf_dir: str, base: str, act: str) -> dict:
+    """One run of both nodes (each rank its own disk at the root): ``save`` saves step 2 (v1),
+    then saves it again (v2) with the kill the environment names; ``resume`` resumes; ``recover``
+    lays out node 0 swapped, node 1 not started, then resumes (the kill lands in the recovery)."""
+    rank = torch.distributed.get_rank()
+    root = os.path.join(base, "ckpt")
+    os.environ.update({"MCORE_RL_NODE_RANK": str(rank), "MCORE_RL_LOCAL_RANK": "0"})
+    _own_disk(os.path.join(base, f"node{rank}"), root)
+    engine, model = build_engine(hf_dir, {}, "actor", False, seed=1)
+    kill = {k: os.environ.pop(k) for k in (ENV, RANK_ENV) if k in os.environ}  # only for the act itself
+    if act == "save":
+        manager(root).save(2, {"actor": engine}, {"step": 2, "v": 1})
+        os.environ.update(kill)
+        manager(root).save(2, {"actor": engine}, {"step": 2, "v": 2})
+    if act == "recover":
+        stash = os.path.join(base, f"stash{rank}")
+        shutil.copytree(os.path.join(root, PLACES["final"]), os.path.join(stash, "v2"))
+        shutil.copytree(os.path.join(root, PLACES["final"]), os.path.join(stash, "v1"))
+        with open(os.path.join(stash, "v1", "trainer_state.json"), "w") as f:
+            json.dump({"step": 2, "v": 1}, f)
+        reseal(os.path.join(stash, "v1"))
+        _layout(root, stash, ("swapped", "not_started")[rank])
+        torch.distributed.barrier()
+        os.environ.update(kill)
+    resumed = manager(root).resume({"actor": engine})
+    return {"resumed": resumed, "left": sorted(os.listdir(root)),
+            "final": _digests(os.path.join(root, PLACES["final"]))}
+
+
+def test_two_nodes_killed_at_each_rename_then_rerun(tmp_path, monkeypatch):
+    hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
+    for name in ("ckpt", "node0", "node1"):
+        os.makedirs(tmp_path / name)
+    for act, phase, node in (("save", "swap", 0), ("recover", "recover", 1)):
+        monkeypatch.setenv(ENV, phase)
+        monkeypatch.setenv(RANK_ENV, str(node))
+        with pytest.raises(AssertionError, match=r"failed ranks: \[0, 1\]"):  # the killed node, its peer
+            run_ranks(2, _node_run, hf_dir, str(tmp_path), act, timeout_s=120, daemon=False)
+        monkeypatch.delenv(ENV)
+        monkeypatch.delenv(RANK_ENV)
+        sides = [sorted(n for n in os.listdir(tmp_path / f"node{r}") if "global_step_2" in n) for r in (0, 1)]
+        # the killed node stopped between two renames: its step's name is free
+        assert sides[node] == [".global_step_2.incoming", ".global_step_2.outgoing"], (act, sides)
+        r0, r1 = run_ranks(2, _node_run, hf_dir, str(tmp_path), "resume", timeout_s=120, daemon=False)
+        for r in (r0, r1):  # the new copy (its marker agreed on both nodes before the kill)
+            assert r["resumed"] == {"step": 2, "v": 2}, (act, sides, r)
+            assert r["left"] == ["global_step_2", "latest_checkpointed_iteration.txt"], (act, sides, r)
+        assert r0["final"] == r1["final"], (act, sides)
