@@ -179,7 +179,9 @@ class RoleStepManager(CheckpointManager):
         writer = storage.is_writer(self._mode)
         if st is not None:
             since = _since()
-            keep = all_ranks_ok(not writer or role_parts.continues(final, role, since))
+            verdict = agreed(partial(role_parts.continues, final, role, since) if writer else None,
+                             f"checking what {final} holds")  # an error there is a refusal on every rank
+            keep = all_ranks_ok(not writer or bool(verdict))
             if torch.distributed.get_rank() == 0 and not keep:
                 log.warning("%s holds files of an earlier run (a save that did not finish): removing them", final)
             clear = partial(role_parts.remove_part, final, role) if keep else partial(step_dirs.remove_step_dir, final)
