@@ -340,3 +340,13 @@ def test_two_nodes_killed_at_each_rename_then_rerun(tmp_path, monkeypatch):
             assert r["resumed"] == {"step": 2, "v": 2}, (act, sides, r)
             assert r["left"] == ["global_step_2", "latest_checkpointed_iteration.txt"], (act, sides, r)
         assert r0["final"] == r1["final"], (act, sides)
+
+
+def test_a_linked_root_is_scanned_through_its_link(tmp_path):
+    """The root itself may be a link (a mount elsewhere): its steps are seen, not "no root"."""
+    from mcore_rl.checkpoint.inventory import scan_root
+
+    _plant_root(str(tmp_path / "real"))
+    os.symlink(tmp_path / "real", tmp_path / "root")
+    assert scan_root(str(tmp_path / "root")) == scan_root(str(tmp_path / "real"))
+    assert scan_root(str(tmp_path / "root"))["steps"]["1"]["marker"] == "ok"

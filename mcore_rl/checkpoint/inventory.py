@@ -143,11 +143,12 @@ def _refusal(path: str, e: OSError, what: str) -> CheckpointError:
                            "root; nothing was decided or deleted from it: retry once the storage is healthy.")
 
 
-def lstat(path: str) -> os.stat_result | None:
-    """``os.lstat(path)``, None when absent (ENOENT/ENOTDIR); any other error is a CheckpointError."""
+def lstat(path: str, follow: bool = False) -> os.stat_result | None:
+    """``os.lstat(path)`` (``follow``: ``os.stat``), None when absent (ENOENT/ENOTDIR); any other
+    error is a CheckpointError."""
     try:
         io_fault("stat", path)
-        return os.lstat(path)
+        return os.stat(path) if follow else os.lstat(path)
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return None
@@ -186,7 +187,7 @@ def scan_root(root: str) -> dict[str, Any]:
     at side dir names, the tracker's bytes (hex). Raises CheckpointError when anything cannot be
     observed (``survey`` agrees it on every rank)."""
     out: dict[str, Any] = {"steps": {}, "links": [], "side": {}, "side_links": [], "tracker": None}
-    top = lstat(root)
+    top = lstat(root, follow=True)  # the root itself may be a link (a mount elsewhere)
     if top is None or not stat.S_ISDIR(top.st_mode):
         return out
     for name in _listdir(root):
