@@ -265,6 +265,10 @@ def _two_nodes(hf_dir: str, base: str) -> dict:
     out["fault"] = _attempt(lambda: manager(root).resume({"actor": engine}))
     os.environ.pop(IO_ENV), os.environ.pop(RANK_ENV)
     out["unchanged"] = before == {name: _digests(os.path.join(root, name)) for name in sorted(os.listdir(root))}
+    # a rename of node 1's recovery fails: one refusal on both; node 0 may have finished its part
+    os.environ.update({IO_ENV: "rename:EIO@global_step_2", RANK_ENV: "1"})
+    out["rename"] = _attempt(lambda: manager(root).resume({"actor": engine}))
+    os.environ.pop(IO_ENV), os.environ.pop(RANK_ENV)
     try:
         out["rerun"] = manager(root).resume({"actor": engine})
     except CheckpointError as e:
@@ -288,6 +292,8 @@ def test_two_nodes_agree_on_interrupted_replacements(tmp_path):
         assert r0[combo]["final"] == r1[combo]["final"], combo  # both nodes hold the same copy
     assert r0["fault"] == r1["fault"] and "surveying" in r0["fault"] and "failed on node 1" in r0["fault"], r0
     assert "ESTALE" in r0["fault"] and r0["unchanged"] and r1["unchanged"], (r0["fault"], r1["fault"])
+    assert r0["rename"] == r1["rename"] and "finishing interrupted replacements" in r0["rename"], r0["rename"]
+    assert "failed on rank 1" in r0["rename"] and f"injected by {IO_ENV}" in r0["rename"], r0["rename"]
     assert r0["rerun"] == r1["rerun"] == {"step": 2, "v": 2}
 
 
