@@ -179,6 +179,10 @@ def _shared(hf_dir: str, base: str) -> dict:
     out["link"] = {"error": _attempt(lambda: manager(root).save(1, {"actor": engine}, {"step": 9})),
                    "outside": os.listdir(outside)}
     out["link"].update(after(root, before))
+    # a fault-free replacement of step 1: swapped in, its old copy removed at retention
+    root, _ = fresh("replace")
+    out["replace"] = {"error": _attempt(lambda: manager(root).save(1, {"actor": engine}, {"step": 9})),
+                      "left": sorted(os.listdir(root)), "resumed": manager(root).resume({"actor": engine})}
     # defect 9: a marker rank 0 alone cannot open (last: the unfixed code hangs rank 1 here)
     root, before = fresh("rank0")
     with failing(marker, errno.EIO, ("os.open", "builtins.open")) if rank == 0 else contextlib.nullcontext():
@@ -197,6 +201,8 @@ def test_survey_errors_never_delete_and_are_agreed(tmp_path):
         for r in (r0, r1):  # step 1 untouched, still resumed
             assert r[name]["kept"] and r[name]["resumed"] == {"step": 1}, (name, r[name])
     assert r0["link"]["outside"] == [], r0["link"]  # nothing written through the link
+    assert r0["replace"] == {"error": "NO ERROR", "resumed": {"step": 9},
+                             "left": [STEP1, "latest_checkpointed_iteration.txt"]}, r0["replace"]
     assert "EIO" in r0["retention"]["error"] and "ESTALE" in r0["resave"]["error"]
 
 
