@@ -14,16 +14,20 @@ Megatron-LM and verl.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import all_gather_bytes, distributed
 from mcore_rl.errors import CheckpointError
-from mcore_rl.fileio.files import file_crc32
+from mcore_rl.fileio.faults import io_fault
+from mcore_rl.fileio.files import crc32_hex
 
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -85,7 +89,20 @@ class Marker:
 
 def read_marker(path: str) -> Marker:
     """The marker at ``path``; a CheckpointError naming the file when it is damaged."""
-    data = storage.read_json(path)
+    return _marker_from(storage.read_json(path), path)
+
+
+def parse_marker(raw: bytes, path: str) -> Marker:
+    """The marker in ``raw`` (the bytes of ``path``); a CheckpointError naming the file when damaged."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the step is damaged: resume another "
+                              "complete step.") from None
+    return _marker_from(data, path)
+
+
+def _marker_from(data: Any, path: str) -> Marker:
     try:
         files = {}
         for rel, entry in data["files"].items():
@@ -117,47 +134,114 @@ def parse_tracker(raw: bytes, where: str) -> int:
 
 
 # ---- one node's scan ---------------------------------------------------------------------------
+# Every stat, open and listing of a scan goes through these three: "absent" is only ENOENT (or
+# ENOTDIR); any other error (EIO, ESTALE, EACCES, ...) is a refusal, never "no marker", so no
+# decision that deletes is ever taken from a failed observation.
+def _refusal(path: str, e: OSError, what: str) -> CheckpointError:
+    code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
+    return CheckpointError(f"cannot {what} {path} ({code}: {e.strerror or e}) while surveying the checkpoint "
+                           "root; nothing was decided or deleted from it: retry once the storage is healthy.")
+
+
+def lstat(path: str, follow: bool = False) -> os.stat_result | None:
+    """``os.lstat(path)`` (``follow``: ``os.stat``), None when absent (ENOENT/ENOTDIR); any other
+    error is a CheckpointError."""
+    try:
+        io_fault("stat", path)
+        return os.stat(path) if follow else os.lstat(path)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise _refusal(path, e, "stat") from None
+
+
+def _read(path: str, limit: int | None = None, follow: bool = False) -> bytes:
+    """The bytes of a file the scan saw (up to ``limit``); every error is a refusal."""
+    try:
+        io_fault("open", path)
+        fd = os.open(path, os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0)))
+        with os.fdopen(fd, "rb") as f:
+            return f.read() if limit is None else f.read(limit)
+    except OSError as e:
+        raise _refusal(path, e, "read") from None
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        io_fault("open", path)
+        return sorted(os.listdir(path))
+    except OSError as e:
+        raise _refusal(path, e, "list") from None
+
+
+def marker_crc(path: str) -> str | None:
+    """The CRC-32 of the valid marker at ``path`` (a step dir's ``COMPLETE``), None when there is
+    none or it is damaged; an error observing it is a CheckpointError (recovery re-checks with it)."""
+    state = _marker_state(path, None)
+    return state["crc"] if state["marker"] == "ok" else None
+
+
 def scan_root(root: str) -> dict[str, Any]:
     """This node's view of ``root`` as JSON-able data: step dirs with their marker state and
-    order, symlinked step entries, side dirs of replacements, the tracker's bytes (hex)."""
-    out: dict[str, Any] = {"steps": {}, "links": [], "side": {}, "tracker": None}
-    if not os.path.isdir(root):
+    order, symlinked step entries, side dirs of replacements (with their marker state) and links
+    at side dir names, the tracker's bytes (hex). Raises CheckpointError when anything cannot be
+    observed (``survey`` agrees it on every rank)."""
+    out: dict[str, Any] = {"steps": {}, "links": [], "side": {}, "side_links": [], "tracker": None}
+    top = lstat(root, follow=True)  # the root itself may be a link (a mount elsewhere)
+    if top is None or not stat.S_ISDIR(top.st_mode):
         return out
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
+    for name in _listdir(root):
         m, side = _STEP_DIR.match(name), _SIDE_DIR.match(name)
-        if m and os.path.islink(path):
-            out["links"].append(int(m.group(1)))
-        elif m and os.path.isdir(path):
-            out["steps"][m.group(1)] = {**_marker_state(os.path.join(path, MARKER)), **_contents(path)}
-        elif side and os.path.isdir(path) and not os.path.islink(path):
-            out["side"][name] = _marker_state(os.path.join(path, MARKER))
-    tracker = os.path.join(root, TRACKER)
-    if os.path.isfile(tracker):
-        with open(tracker, "rb") as f:
-            out["tracker"] = f.read(4096).hex()
+        if not (m or side or name == TRACKER):
+            continue
+        path = os.path.join(root, name)
+        st = lstat(path)
+        if st is None:
+            continue  # removed since the listing: nothing to decide about it
+        if name == TRACKER:  # read through a link as before; the writer replaces it atomically
+            out["tracker"] = _read(path, 4096, follow=True).hex() if not stat.S_ISDIR(st.st_mode) else None
+        elif stat.S_ISLNK(st.st_mode):
+            (out["links"] if m else out["side_links"]).append(int(m.group(1)) if m else name)
+        elif m and stat.S_ISDIR(st.st_mode):
+            step = int(m.group(1))
+            out["steps"][m.group(1)] = {**_marker_state(os.path.join(path, MARKER), step), **_contents(path)}
+        elif side and stat.S_ISDIR(st.st_mode):
+            out["side"][name] = _marker_state(os.path.join(path, MARKER), int(side.group(1)))
     return out
 
 
-def _marker_state(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
+def _marker_state(path: str, step: int | None) -> dict[str, Any]:
+    """``none`` (positively absent), ``bad`` (damaged, a link, or naming another step than its
+    directory's ``step``; ``why`` says which) or ``ok`` with its order, CRC-32, roles, kind."""
+    st = lstat(path)
+    if st is None:
         return {"marker": "none", "order": None, "crc": None}
+    if not stat.S_ISREG(st.st_mode):
+        return {"marker": "bad", "order": None, "crc": None, "why": f"{MARKER} is not a regular file"}
+    raw = _read(path)
     try:
-        marker = read_marker(path)
-    except CheckpointError:
-        return {"marker": "bad", "order": None, "crc": None}
-    return {"marker": "ok", "order": marker.order, "crc": file_crc32(path)[1],  # nodes may hold other versions
+        marker = parse_marker(raw, path)
+    except CheckpointError as e:
+        return {"marker": "bad", "order": None, "crc": None, "why": str(e)}
+    if step is not None and marker.step != step:
+        return {"marker": "bad", "order": None, "crc": None,
+                "why": f"its {MARKER} marker records step {marker.step}, not {step} (a copied or renamed step)"}
+    return {"marker": "ok", "order": marker.order, "crc": crc32_hex(zlib.crc32(raw)),  # nodes may hold other versions
             "roles": list(marker.roles), "kind": marker.kind}
 
 
 def _contents(step_dir: str) -> dict[str, Any]:
     """A step dir's entries (names) and its role parts' records: role -> CRC-32 of ``<role>/PART``."""
-    entries = sorted(os.listdir(step_dir))
+    entries = _listdir(step_dir)
     parts = {}
     for name in entries:
+        sub = lstat(os.path.join(step_dir, name))
+        if sub is None or not stat.S_ISDIR(sub.st_mode):
+            continue
         record = os.path.join(step_dir, name, PART)
-        if not os.path.islink(os.path.join(step_dir, name)) and os.path.isfile(record) and not os.path.islink(record):
-            parts[name] = file_crc32(record)[1]
+        rec = lstat(record)
+        if rec is not None and stat.S_ISREG(rec.st_mode):
+            parts[name] = crc32_hex(zlib.crc32(_read(record)))
     return {"entries": entries, "parts": parts}
 
 
@@ -177,6 +261,8 @@ class StepState:
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # role -> nodes holding its PART record
     part_versions: dict[str, int] = field(default_factory=dict)  # role -> distinct PART records among nodes
     entries: dict[int, tuple[str, ...]] = field(default_factory=dict)  # node -> names in the step dir
+    crcs: dict[int, str | None] = field(default_factory=dict)  # node -> CRC-32 of its valid marker (None: none)
+    why: str | None = None  # why a damaged marker is damaged (the first node's reason)
 
     def state(self, nodes: tuple[int, ...]) -> str:
         """``complete`` (the same valid marker on every node), ``torn`` (no marker anywhere) or
@@ -195,7 +281,8 @@ class Survey:
     steps: dict[int, StepState]
     trackers: dict[int, bytes | None]
     links: tuple[int, ...] = ()
-    side: dict[str, dict[int, str]] = field(default_factory=dict)  # side dir -> node -> marker state
+    side: dict[str, dict[int, str | None]] = field(default_factory=dict)  # side dir -> node -> its valid marker's CRC
+    side_links: tuple[str, ...] = ()  # side dir names that are links (on some node): never used or removed
 
     def in_state(self, state: str) -> list[int]:
         return sorted(s for s, st in self.steps.items() if st.state(self.nodes) == state)
@@ -283,7 +370,7 @@ class Survey:
     def _why_incomplete(self, step: int) -> str:
         st = self.steps[step]
         if st.damaged:
-            return f"damaged {MARKER} marker on node(s) {list(st.damaged)}"
+            return f"damaged {MARKER} marker on node(s) {list(st.damaged)}" + (f": {st.why}" if st.why else "")
         if st.versions > 1:
             return f"the nodes hold {st.versions} different versions of it"
         if st.marked:
@@ -292,14 +379,27 @@ class Survey:
 
 
 def survey(root: str) -> Survey:
-    """Collective: every node leader scans ``root``; every rank merges the scans alike."""
-    if distributed():
-        leaders = storage.node_leaders()
-        mine = json.dumps(scan_root(root)).encode() if storage.node_leader() else b""
-        payloads = all_gather_bytes(mine)
-        scans = {node: json.loads(payloads[rank]) for node, rank in leaders.items()}
-    else:
-        scans = {0: scan_root(root)}
+    """Collective: every node leader scans ``root``; every rank merges the scans alike. A scan
+    that fails on any node (an error observing a file: never taken as "absent") is one
+    CheckpointError on every rank, raised at once (nobody is left waiting in a collective)."""
+    if not distributed():
+        return merge_scans(root, {0: scan_root(root)})
+    leaders = storage.node_leaders()
+    mine = b""
+    if storage.node_leader():
+        try:
+            mine = json.dumps(scan_root(root)).encode()
+        except Exception as e:  # noqa: BLE001 - carried to every rank, raised there alike
+            mine = json.dumps({"error": str(e) if isinstance(e, CheckpointError)
+                               else f"{type(e).__name__}: {e}"}).encode()
+    payloads = all_gather_bytes(mine)
+    scans = {node: json.loads(payloads[rank]) for node, rank in leaders.items()}
+    failed = {node: scan["error"] for node, scan in scans.items() if "error" in scan}
+    if failed:
+        first = min(failed)
+        others = f" (also on nodes {sorted(failed)[1:]})" if len(failed) > 1 else ""
+        raise CheckpointError(f"surveying {root} failed on node {first} (rank {leaders[first]}){others}: "
+                              f"{failed[first]}")
     return merge_scans(root, scans)
 
 
@@ -322,11 +422,14 @@ def merge_scans(root: str, scans: dict[int, dict[str, Any]]) -> Survey:
             max(len({v["crc"] for v in ok}), 1), roles=tuple(ok[0].get("roles", ())) if ok else (),
             kind=ok[0].get("kind") if ok else None, parts={r: tuple(n for n, _ in p) for r, p in parts.items()},
             part_versions={r: len({c for _, c in p}) for r, p in parts.items()},
-            entries={n: tuple(v.get("entries", ())) for n, v in held.items()})
+            entries={n: tuple(v.get("entries", ())) for n, v in held.items()},
+            crcs={n: v["crc"] if v["marker"] == "ok" else None for n, v in held.items()},
+            why=next((v["why"] for v in held.values() if v["marker"] == "bad" and v.get("why")), None))
     trackers = {n: bytes.fromhex(scan["tracker"]) if scan["tracker"] is not None else None for n, scan in scans.items()}
     links = tuple(sorted({s for scan in scans.values() for s in scan["links"]}))
-    side: dict[str, dict[int, str]] = {}
+    side: dict[str, dict[int, str | None]] = {}
     for n, scan in scans.items():
         for name, state in scan["side"].items():
-            side.setdefault(name, {})[n] = state["marker"]
-    return Survey(root, nodes, steps, trackers, links, side)
+            side.setdefault(name, {})[n] = state["crc"] if state["marker"] == "ok" else None
+    side_links = tuple(sorted({name for scan in scans.values() for name in scan.get("side_links", ())}))
+    return Survey(root, nodes, steps, trackers, links, side, side_links)

@@ -12,7 +12,6 @@ the first engine is touched. Layout: see the package docs.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from mcore_rl.checkpoint import integrity, inventory, peer_sync, step_dirs, storage
+from mcore_rl.checkpoint import integrity, inventory, peer_sync, recovery, step_dirs, storage
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.errors import CheckpointError
@@ -173,20 +172,25 @@ class CheckpointManager:
         if self._mode not in (None, mode) and torch.distributed.get_rank() == 0:
             log.warning("checkpoint root %s is now %s storage (was %s)", self.root, mode, self._mode)
         self._mode = mode
-        self._recover(mode)
-        found = inventory.survey(self.root)
+        found = self._recover(mode)
         final = self.step_dir(step)
         if step in found.links:
             raise CheckpointError(f"{final} is a symlink; mcore_rl never writes or deletes through links: "
                                   "remove the link, or save to another checkpoint.root.")
+        incoming = os.path.join(self.root, inventory.incoming_name(step))
+        if inventory.incoming_name(step) in found.side_links:
+            raise CheckpointError(f"{incoming} is a symlink mcore_rl did not create; a save never writes "
+                                  "through a link: remove it, or save to another checkpoint.root.")
         state = found.steps[step].state(found.nodes) if step in found.steps else None
-        write_dir = os.path.join(self.root, inventory.incoming_name(step)) if state == "complete" else final
+        write_dir = incoming if state == "complete" else final
         if torch.distributed.get_rank() == 0 and state is not None:
             log.warning("%s exists (%s): %s", final, state,
                         "the new save is written beside it and replaces it once complete" if state == "complete"
                         else "removing it before saving it again")
-        stale = storage.is_writer(mode) and state in ("torn", "partial")
+        writer = storage.is_writer(mode)
+        stale = writer and state in ("torn", "partial")
         agreed(partial(step_dirs.remove_step_dir, final) if stale else None, f"removing the incomplete {final}")
+        agreed(partial(step_dirs.make_step_dir, write_dir) if writer else None, f"creating {write_dir}")
         return _Pending(step, final, write_dir, found.next_order(), mode)
 
     def _check_root(self) -> None:
@@ -199,10 +203,19 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint root {self.root!r} is not writable ({problem}); choose a "
                                   "writable checkpoint.root (check permissions and mounts).")
 
-    def _recover(self, mode: storage.Mode) -> None:
-        """Finishes or undoes replacements a crash cut short (writers of ``mode``)."""
-        agreed(partial(step_dirs.recover_side_dirs, self.root) if storage.is_writer(mode) else None,
+    def _recover(self, mode: storage.Mode) -> inventory.Survey:
+        """Finishes or undoes replacements a crash cut short, decided once from every node's
+        inventory (``recovery``; writers of ``mode`` act); returns the survey after it."""
+        found = inventory.survey(self.root)
+        fixes = recovery.plan(found)
+        if not fixes:
+            return found
+        if torch.distributed.get_rank() == 0:
+            for line in recovery.describe(found, fixes):
+                log.warning("%s under %s", line, self.root)
+        agreed(partial(recovery.apply, self.root, fixes) if storage.is_writer(mode) else None,
                f"finishing interrupted replacements under {self.root}")
+        return inventory.survey(self.root)
 
     def _snapshot(self, engines: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], dict]]:
         """Per role: (contents, sharded state dict). No tensor is copied here: a sync save writes
@@ -317,7 +330,8 @@ class CheckpointManager:
             for step in old:
                 log.info("retention: removing %s (max_ckpt_to_keep=%s)", self.step_dir(step), self.cfg.max_ckpt_to_keep)
         dirs = [self.step_dir(s) for s in debris + old]
-        agreed(partial(step_dirs.clean, self.root, dirs) if writer else None,
+        finish = partial(recovery.apply, self.root, recovery.plan(found))
+        agreed(partial(step_dirs.clean, self.root, dirs, finish) if writer else None,
                f"removing old checkpoints under {self.root} (step {p.step} is complete and tracked)")
 
     # ---- resume / load ---------------------------------------------------------------------
@@ -332,8 +346,10 @@ class CheckpointManager:
         found_mode = storage.detect_storage(self.root, announce=self._mode is None, required=False)
         if found_mode is not None:  # None: a read-only root, nothing to finish there
             self._mode = found_mode
-            self._recover(found_mode)
-        step, notes = inventory.survey(self.root).resume_step()
+            found = self._recover(found_mode)
+        else:
+            found = inventory.survey(self.root)
+        step, notes = found.resume_step()
         if torch.distributed.get_rank() == 0:
             for note in notes:
                 log.warning(note)
@@ -382,7 +398,10 @@ class CheckpointManager:
 
     def _choices(self) -> str:
         """This node's complete steps and how to pick one (for error messages)."""
-        scan = inventory.scan_root(self.root)
+        try:
+            scan = inventory.scan_root(self.root)
+        except CheckpointError as e:
+            return f"the complete steps under {self.root} cannot be listed ({e})."
         steps = sorted(int(s) for s, v in scan["steps"].items() if v["marker"] == "ok")
         if not steps:
             return f"there is no complete checkpoint under {self.root}."
@@ -398,8 +417,11 @@ def _phase(writer: bool, do: Callable[[], None], undo: Callable[[], None], what:
         agreed((lambda: (do(), done.append(True))) if writer else None, what)
     except CheckpointError:
         if done:
-            with contextlib.suppress(OSError):
+            try:
                 undo()
+            except (OSError, CheckpointError) as e:  # reported, never silent: what it left is named
+                log.error("could not undo %s on this writer (%s: %s); the directories it left are finished "
+                          "or undone by the next save or resume", what, type(e).__name__, e)
         raise
 
 

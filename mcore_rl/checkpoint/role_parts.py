@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 
-from mcore_rl.checkpoint import integrity, storage, step_dirs
+from mcore_rl.checkpoint import integrity, inventory, storage, step_dirs
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import fault_point, io_fault
 from mcore_rl.fileio.files import META, file_crc32
@@ -135,7 +136,7 @@ def continues(step_dir: str, role: str, since: float) -> bool:
     """Whether this node's ``step_dir`` holds only what a save of ``role`` may continue: parts of
     the roles saved before it (``ROLE_ORDER``), whole, written since ``since`` (this run), and
     perhaps a leftover of ``role`` itself. Anything else is an earlier run's."""
-    if not is_real_dir(step_dir):
+    if not step_dirs.real_dir(step_dir):  # an error observing it is raised, never "not a dir"
         return False
     earlier = ROLE_ORDER[:ROLE_ORDER.index(role)] if role in ROLE_ORDER else ()
     names = set(os.listdir(step_dir)) - {role}
@@ -157,10 +158,11 @@ def remove_part(step_dir: str, role: str) -> None:
     """A role part: its record first (a crash part-way leaves a part without record, never a
     record naming missing files), then its files; a link is never followed."""
     path = os.path.join(step_dir, role)
-    if not is_real_dir(path):
+    if not step_dirs.real_dir(path):
         return
     record = os.path.join(path, PART)
-    if os.path.isfile(record):
+    found = inventory.lstat(record)  # an error observing the record is raised, never "absent"
+    if found is not None and not stat.S_ISDIR(found.st_mode):
         step_dirs.remove_file(record)
     shutil.rmtree(path)
     storage.fsync_path(step_dir)

@@ -91,7 +91,10 @@ class RoleStepManager(CheckpointManager):
 
     def _choices(self) -> str:
         """This node's complete steps and how a trainer resumes one (for load errors)."""
-        scan = inventory.scan_root(self.root)
+        try:
+            scan = inventory.scan_root(self.root)
+        except CheckpointError as e:
+            return f"the complete steps under {self.root} cannot be listed ({e})."
         return _resume_hint(self.root, sorted(int(s) for s, v in scan["steps"].items() if v["marker"] == "ok"))
 
     # ---- seal ----------------------------------------------------------------------------------
@@ -176,7 +179,9 @@ class RoleStepManager(CheckpointManager):
         writer = storage.is_writer(self._mode)
         if st is not None:
             since = _since()
-            keep = all_ranks_ok(not writer or role_parts.continues(final, role, since))
+            verdict = agreed(partial(role_parts.continues, final, role, since) if writer else None,
+                             f"checking what {final} holds")  # an error there is a refusal on every rank
+            keep = all_ranks_ok(not writer or bool(verdict))
             if torch.distributed.get_rank() == 0 and not keep:
                 log.warning("%s holds files of an earlier run (a save that did not finish): removing them", final)
             clear = partial(role_parts.remove_part, final, role) if keep else partial(step_dirs.remove_step_dir, final)

@@ -1,17 +1,20 @@
 """What a writer rank does to the step directories on its disk (rank 0 on a shared root, each
 node's leader on node-local disks): markers and tracker, removal marker-first, the swap that
-replaces a complete step, the recovery of a swap a crash cut short, retention's removals. Links
+replaces a complete step, retention's removals (recovery.py decides, agreed, what a crash
+cut short). Links
 are never followed; the fault hooks sit where a crash or a failing disk matters."""
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import stat
+from typing import Callable
 
 from mcore_rl.checkpoint import inventory, storage
 from mcore_rl.fileio.faults import fault_point, io_fault
 from mcore_rl.checkpoint.inventory import MARKER, TRACKER, Marker
-from mcore_rl.fileio.paths import is_real_dir
+from mcore_rl.errors import CheckpointError
 
 log = logging.getLogger("mcore_rl.checkpoint")
 
@@ -34,26 +37,51 @@ def remove_file(path: str) -> None:
     storage.fsync_path(os.path.dirname(path))
 
 
+def real_dir(path: str) -> bool:
+    """A directory that is not a link, observed without error (an error is a CheckpointError)."""
+    st = inventory.lstat(path)
+    return st is not None and stat.S_ISDIR(st.st_mode)
+
+
+def rename(src: str, dst: str) -> None:
+    io_fault("rename", src)
+    os.rename(src, dst)
+    storage.fsync_path(os.path.dirname(dst))
+
+
 def remove_step_dir(path: str) -> None:
     """Marker first (a crash part-way leaves debris, never a "complete" step missing files),
-    then the tree; a link is never followed, a missing dir is fine."""
-    if not is_real_dir(path):
+    then the tree; a link is never followed, a missing dir is fine, an error observing either
+    is raised (never taken as "absent"), as is any error removing them."""
+    if not real_dir(path):
         return
-    if os.path.isfile(os.path.join(path, MARKER)):
+    marker = inventory.lstat(os.path.join(path, MARKER))
+    if marker is not None and not stat.S_ISDIR(marker.st_mode):
         remove_file(os.path.join(path, MARKER))
     shutil.rmtree(path)
 
 
+def make_step_dir(path: str) -> None:
+    """Creates the directory a save writes into: nothing may exist at ``path`` (a link or a dir
+    this save did not create is refused; mcore_rl never writes through a link it did not make)."""
+    st = inventory.lstat(path)
+    if st is not None:
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
+        raise CheckpointError(f"{path} exists and is {kind} this save did not create; mcore_rl never writes "
+                              "through links or into others' directories: remove it (or save to another "
+                              "checkpoint.root).")
+    os.mkdir(path)
+    storage.fsync_path(os.path.dirname(path))
+
+
 def swap_in(incoming: str, final: str) -> None:
     """The old complete step steps aside, the new one takes its name (a crash in between is
-    finished by ``recover_side_dirs``); the old copy is removed at retention."""
+    finished by ``recovery``, agreed across nodes); the old copy is removed at retention."""
     root = os.path.dirname(final)
     step, _ = inventory.side_dir(os.path.basename(incoming))
-    os.rename(final, os.path.join(root, inventory.outgoing_name(step)))
-    storage.fsync_path(root)
+    rename(final, os.path.join(root, inventory.outgoing_name(step)))
     fault_point("swap")  # the step's name is free: the next start finishes the swap
-    os.rename(incoming, final)
-    storage.fsync_path(root)
+    rename(incoming, final)
 
 
 def swap_out(incoming: str, final: str) -> None:
@@ -61,41 +89,18 @@ def swap_out(incoming: str, final: str) -> None:
     root = os.path.dirname(final)
     step, _ = inventory.side_dir(os.path.basename(incoming))
     outgoing = os.path.join(root, inventory.outgoing_name(step))
-    if os.path.isdir(outgoing):
-        if os.path.isdir(final):
-            os.rename(final, incoming)
-        os.rename(outgoing, final)
-        storage.fsync_path(root)
+    if real_dir(outgoing):
+        if real_dir(final):
+            rename(final, incoming)
+        rename(outgoing, final)
 
 
-def recover_side_dirs(root: str) -> None:
-    """Per side dir on this disk: the step's dir exists -> the side dir is left over (removed);
-    else an incoming copy with a marker takes the name (the swap was cut after its first
-    rename), or the outgoing copy goes back; an incoming copy without marker is removed."""
-    if not os.path.isdir(root):
-        return
-    for name in sorted(os.listdir(root)):  # .incoming sorts before .outgoing
-        found, path = inventory.side_dir(name), os.path.join(root, name)
-        if found is None or not is_real_dir(path):
-            continue
-        final = os.path.join(root, inventory.step_name(found[0]))
-        if os.path.lexists(final):  # the old copy after a finished swap is routine; anything else is not
-            (log.info if found[1] == "outgoing" else log.warning)(
-                "removing %s, left over from a replacement of %s", path, final)
-            remove_step_dir(path)
-        elif found[1] == "outgoing" or os.path.isfile(os.path.join(path, MARKER)):
-            log.warning("finishing an interrupted replacement: %s -> %s", path, final)
-            os.rename(path, final)
-            storage.fsync_path(root)
-        else:
-            log.warning("removing %s, an unfinished replacement of %s", path, final)
-            remove_step_dir(path)
-
-
-def clean(root: str, dirs: list[str]) -> None:
-    """Retention and debris on this disk: each dir marker-first; replacements' leftovers."""
+def clean(root: str, dirs: list[str], finish: Callable[[], None] | None = None) -> None:
+    """Retention and debris on this disk: each dir marker-first, then ``finish`` (the agreed
+    recovery's removal of finished replacements' old copies)."""
     fault_point("retention")
     io_fault("cleanup", root)
     for path in dirs:
         remove_step_dir(path)
-    recover_side_dirs(root)
+    if finish is not None:
+        finish()

@@ -21,9 +21,10 @@ import os
 import signal
 import time
 
-# stage_commit / stage_aside / stage_swapped: Staging.commit before its first rename, after the old
-# output was moved aside, after the new one was renamed into place (the old not yet removed)
-PHASES = ("shards", "metadata", "marker", "swap", "tracker", "retention", "stage_commit", "stage_aside",
+# recover: a checkpoint recovery between its renames; stage_commit / stage_aside / stage_swapped:
+# Staging.commit before its first rename, after the old output was moved aside, after the new one
+# was renamed into place (the old not yet removed)
+PHASES = ("shards", "metadata", "marker", "swap", "tracker", "retention", "recover", "stage_commit", "stage_aside",
           "stage_swapped")
 ENV = "MCORE_RL_CKPT_FAULT"
 RANK_ENV = "MCORE_RL_CKPT_FAULT_RANK"  # optional: only this global rank dies
