@@ -1,13 +1,17 @@
 """Corruption sweep of the read path: damage a converted checkpoint, a CheckpointManager step and
 a HF model directory file by file, systematically and at random (fixed seed), and run
-``mcore_to_hf.py merge`` / ``test`` on each damaged copy in this process.
+``mcore_to_hf.py merge`` / ``test`` and ``hf_to_mcore.py`` (on the damaged HF directory) on each
+damaged copy in this process.
 
     python benchmarks/corruption_sweep.py [--cases 3000] [--seed 0] [--workdir DIR]
 
 Every case must end in one of: exit 2 with exactly one ``error:`` line on stderr and nothing
 written; or exit 0 with the merged tensors bit-identical to the undamaged merge (``test``: exit 0
 only when the damaged reference still holds the same tensors, exit 1 only when it really holds
-others). Never an exception out of ``main()``, never exit 0 with other tensors, and the damaged
+others; ``hf_to_mcore``: exit 0 only when the conversion, merged back, holds exactly the tensors
+the safetensors library reads from the damaged directory — HF weights carry no checksums, so a
+flipped bit in their data is converted faithfully, never refused or altered). ``warning:`` lines
+may precede the outcome. Never an exception out of ``main()``, never exit 0 with other tensors, and the damaged
 input tree is left exactly as it was (every path, link target and content hash). File kinds:
 config.json, the HF index, safetensors header and data, ``.metadata``, shards, ``mcore_rl.json``,
 ``RECORD``, the step's ``COMPLETE`` marker and the tracker; damages: truncation, bit flips, byte
@@ -41,7 +45,7 @@ WRONG = [[], {}, "x", 7, None, True, [1, 2], {"a": 1}, -1, 2 ** 70]  # JSON valu
 class Case:
     """Damage ``how`` (with ``arg``) of ``rel`` in a copy of the tree, then run ``command``."""
 
-    command: str  # "merge_step" | "merge_conv" | "test_conv" | "test_hf"
+    command: str  # "merge_step" | "merge_conv" | "test_conv" | "test_hf" | "convert_hf"
     rel: str
     how: str
     arg: object = None
@@ -67,8 +71,12 @@ def make_tree(fixtures: dict, base: str) -> str:
 
 
 def run_cli(argv: list[str]) -> tuple[int | str, str, str]:
-    """mcore_to_hf.main(argv) in this process: (exit code or the escaped exception, stdout, stderr)."""
-    from converters.mcore_to_hf import main
+    """mcore_to_hf.main(argv) in this process (hf_to_mcore.main for an argv starting with
+    ``--hf_model_path``): (exit code or the escaped exception, stdout, stderr)."""
+    if argv[0] == "--hf_model_path":
+        from converters.hf_to_mcore import main
+    else:
+        from converters.mcore_to_hf import main
 
     out, err = io.StringIO(), io.StringIO()
     try:
@@ -87,6 +95,8 @@ def argv_of(command: str, tree: str, pristine: str, out: str) -> list[str]:
         return ["merge", "--local_dir", os.path.join(tree, "conv"), "--target_dir", out]
     if command == "test_conv":
         return ["test", "--local_dir", os.path.join(tree, "conv"), "--test_hf_dir", os.path.join(pristine, "hf")]
+    if command == "convert_hf":
+        return ["--hf_model_path", os.path.join(tree, "hf"), "--output_path", out]
     return ["test", "--local_dir", os.path.join(pristine, "conv"), "--test_hf_dir", os.path.join(tree, "hf")]
 
 
@@ -113,6 +123,10 @@ def expected(pristine: str, scratch: str) -> dict[str, dict]:
     for command in ("test_conv", "test_hf"):
         code, out, err = run_cli(argv_of(command, pristine, pristine, ""))
         assert code == 0, (command, code, out, err)
+    out = os.path.join(scratch, "expected_convert")
+    assert _judge(Case("convert_hf", "hf", "none"), *run_cli(argv_of("convert_hf", pristine, pristine, out)),
+                  pristine, out, refs) is None
+    shutil.rmtree(out)
     return refs
 
 
@@ -132,7 +146,7 @@ def command_for(rel: str) -> list[str]:
         return ["merge_step"]
     if rel.startswith("conv/"):
         return ["merge_conv", "test_conv"]
-    return ["test_hf"]
+    return ["test_hf", "convert_hf"]
 
 
 def systematic(tree: str) -> list[Case]:
@@ -302,20 +316,23 @@ def run_case(case: Case, pristine: str, work: str, refs: dict) -> str | None:
     problem = _judge(case, code, stdout, stderr, tree, out, refs)
     if problem is None and tree_state(tree) != before:
         problem = "the input tree changed"
-    if problem is None and sorted(set(os.listdir(work)) - {"out"}) != listing:
-        problem = f"left behind: {sorted(set(os.listdir(work)) - set(listing) - {'out'})}"
+    if problem is None and sorted(set(os.listdir(work)) - {"out", "out_merged"}) != listing:
+        problem = f"left behind: {sorted(set(os.listdir(work)) - set(listing) - {'out', 'out_merged'})}"
     return problem
 
 
 def _judge(case: Case, code, stdout: str, stderr: str, tree: str, out: str, refs: dict) -> str | None:
     if isinstance(code, str):
         return code
+    lines = [line for line in stderr.splitlines() if not line.startswith("warning: ")]
     if code == 2:
-        if stderr.count("\n") != 1 or not stderr.startswith("error: "):
+        if len(lines) != 1 or not lines[0].startswith("error: ") or not stderr.endswith("\n"):
             return f"exit 2 without exactly one error line: {stderr[:300]!r}"
         return "exit 2 but an output was written" if os.path.exists(out) else None
-    if stderr.strip():
+    if lines:
         return f"exit {code} with stderr {stderr[:300]!r}"
+    if case.command == "convert_hf":
+        return _judge_conversion(code, tree, out)
     if case.command.startswith("merge"):
         if code != 0:
             return f"merge exit {code}"
@@ -330,6 +347,23 @@ def _judge(case: Case, code, stdout: str, stderr: str, tree: str, out: str, refs
     return None if (code == 0) == same and code in (0, 1) else f"test exit {code}, reference identical: {same}"
 
 
+def _judge_conversion(code, tree: str, out: str) -> str | None:
+    """An exit-0 conversion must hold what the safetensors library reads from the (damaged) input."""
+    if code != 0:
+        return f"hf_to_mcore exit {code}"
+    try:
+        held = load_dir(os.path.join(tree, "hf"))
+    except Exception as e:  # noqa: BLE001
+        return f"converted (exit 0) what safetensors itself cannot read ({type(e).__name__})"
+    merged = os.path.join(os.path.dirname(out), "out_merged")
+    code, _, err = run_cli(["merge", "--local_dir", out, "--target_dir", merged])
+    if code != 0:
+        return f"the conversion (exit 0) does not merge back: {code} {err[:200]!r}"
+    problem = _same(load_dir(merged), held, "converted")
+    shutil.rmtree(merged)
+    return problem
+
+
 def _same(got: dict, want: dict, what: str) -> str | None:
     import torch
 
@@ -341,16 +375,19 @@ def _same(got: dict, want: dict, what: str) -> str | None:
     return None
 
 
-def sweep(fixtures: dict, base: str, cases_random: int, seed: int, limit: int | None = None) -> dict:
+def sweep(fixtures: dict, base: str, cases_random: int, seed: int, limit: int | None = None,
+          commands: frozenset[str] | None = None) -> dict:
     """Builds the tree under ``base``, runs the systematic cases (at most ``limit``, a fixed random
-    pick) and ``cases_random`` random ones: {"cases", "failures": [(case, problem)], "seconds"}."""
+    pick) and ``cases_random`` random ones, of ``commands`` only when given: {"cases",
+    "failures": [(case, problem)], "seconds"}."""
     start = time.monotonic()
     pristine = make_tree(fixtures, base)
     refs = expected(pristine, base)
-    cases = systematic(pristine)
+    keep = (lambda cases: [c for c in cases if c.command in commands]) if commands else (lambda cases: cases)
+    cases = keep(systematic(pristine))
     if limit is not None and len(cases) > limit:
         cases = random.Random(seed).sample(cases, limit)
-    cases += randomised(pristine, cases_random, seed)
+    cases += keep(randomised(pristine, cases_random * (8 if commands else 1), seed))[:cases_random]
     failures = []
     for case in cases:
         problem = run_case(case, pristine, os.path.join(base, "case"), refs)

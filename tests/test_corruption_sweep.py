@@ -3,7 +3,8 @@ directory damaged file by file — config.json, the index, safetensors header an
 ``.metadata``, shards, ``mcore_rl.json``, ``RECORD``, the marker, the tracker; truncation, bit flips,
 byte runs, JSON values of the wrong type, deleted files, directories and symlinks in their place —
 a fixed random pick of the systematic cases plus random ones (fixed seed), each run through
-``mcore_to_hf.py`` ``merge``/``test`` in this process. Each ends in one ``error:`` line and exit 2,
+``mcore_to_hf.py`` ``merge``/``test`` in this process, and a smaller sweep of the damaged HF directory
+through ``hf_to_mcore.py``. Each ends in one ``error:`` line and exit 2,
 or in the bit-exact result; never an exception, never exit 0 with other tensors, never a change to
 the input. ``benchmarks/corruption_sweep.py`` runs thousands more."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from benchmarks.corruption_sweep import Case, randomised, scratch_dir, sweep, sy
 from tests.read_fixtures import build
 
 SYSTEMATIC, RANDOM = 300, 200
+READS = frozenset({"merge_step", "merge_conv", "test_conv", "test_hf"})
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_sweep_covers_every_file_kind(fixtures):
     kinds = {"config.json", "model.safetensors.index.json", "model.safetensors", ".metadata", "__0_0.distcp",
              "mcore_rl.json", "RECORD", "COMPLETE", "latest_checkpointed_iteration.txt"}
     assert kinds <= names, kinds - names
-    assert {c.command for c in cases} == {"merge_step", "merge_conv", "test_conv", "test_hf"}
+    assert {c.command for c in cases} == READS | {"convert_hf"}
     assert {c.how for c in cases} >= {"truncate", "flip", "json_top", "json_key", "st_len", "st_entry", "delete",
                                       "dir", "link_outside", "link_dangling", "run"}
 
@@ -46,8 +48,21 @@ def test_sweep_covers_every_file_kind(fixtures):
 def test_every_damaged_input_is_one_error_line_or_the_exact_result(fixtures):
     base = scratch_dir()
     try:
-        result = sweep(fixtures, base, RANDOM, seed=0, limit=SYSTEMATIC)
+        result = sweep(fixtures, base, RANDOM, seed=0, limit=SYSTEMATIC, commands=READS)
     finally:
         shutil.rmtree(base)
     assert result["cases"] >= 300
     assert result["failures"] == [], result["failures"][:10]
+
+
+def test_every_damaged_hf_input_is_one_error_line_or_converted_faithfully(fixtures):
+    """hf_to_mcore on a damaged HF directory (config, index, safetensors header and data, links):
+    one error line and nothing written, or an output that merges back to exactly the tensors the
+    safetensors library reads from the damaged directory (its data has no checksum to refuse)."""
+    base = scratch_dir()
+    try:
+        result = sweep(fixtures, base, 40, seed=0, commands=frozenset({"convert_hf"}))  # every systematic case
+    finally:
+        shutil.rmtree(base)
+    assert result["failures"] == [], result["failures"][:10]
+    assert result["cases"] >= 75, result["cases"]

@@ -16,6 +16,7 @@ from mcore_rl.fileio.files import hf_side_files
 from mcore_rl.fileio.output_dir import check_replaceable, input_overlap, refuse_file, settle_output
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_header import check_safetensors
+from mcore_rl.mapping.hf_io import SafetensorsFormatError, read_weight_map
 
 INDEX_FILE = "model.safetensors.index.json"
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -125,14 +126,10 @@ def shard_files(hf_dir: str) -> list[str]:
     index = os.path.join(hf_dir, INDEX_FILE)
     if os.path.isfile(index):
         try:
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            weight_map = None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConvertError(f"{index} has no 'weight_map' object naming the shard files; re-export the "
-                               "model with save_pretrained, or remove the index if one *.safetensors file "
-                               "holds every tensor.")
+            weight_map = read_weight_map(index)
+        except SafetensorsFormatError as e:
+            raise ConvertError(f"{e} (Or re-export the model with save_pretrained, or remove the index if one "
+                               "*.safetensors file holds every tensor.)") from None
         paths = {name: contained(hf_dir, name, index, hub_cache=True) for name in set(weight_map.values())}
         missing = sorted(n for n, p in paths.items() if not os.path.isfile(p))
         if missing:
@@ -165,8 +162,7 @@ def check_input(hf_dir: str) -> list[str]:
     held = {path: check_shard(path) for path in shards}
     index = os.path.join(hf_dir, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]  # shard_files checked it
+        weight_map = read_weight_map(index)  # shard_files checked it
         absent = sorted(f"{name} ({file})" for name, file in weight_map.items()
                         if name not in held[contained(hf_dir, file, index, hub_cache=True)])
         if absent:

@@ -51,7 +51,7 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         self.directory = os.fspath(directory)
         index = os.path.join(self.directory, "model.safetensors.index.json")
         if os.path.isfile(index):
-            weight_map = _weight_map(index)
+            weight_map = read_weight_map(index)
             paths = {v: contained(self.directory, v, index, hub_cache=True) for v in set(weight_map.values())}
             held = {v: read_header(p) for v, p in paths.items()}
             absent = sorted(k for k, v in weight_map.items() if k not in held[v])
@@ -88,7 +88,7 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         return len(self._files)
 
 
-def _weight_map(index: str) -> dict[str, str]:
+def read_weight_map(index: str) -> dict[str, str]:
     """The ``weight_map`` of a HF index file (tensor name -> file name), checked."""
     try:
         with open(index, encoding="utf-8") as f:
@@ -97,8 +97,11 @@ def _weight_map(index: str) -> dict[str, str]:
         raise SafetensorsFormatError(f"{index} is not readable JSON ({type(e).__name__}: {e}); copy the model "
                                      "again.") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if not isinstance(weight_map, dict) or not weight_map:
         raise SafetensorsFormatError(f"{index} holds no weight_map of tensor names to file names (got "
                                      f"{type(weight_map).__name__}); the index is damaged: copy the model again.")
+    bad = next(((k, v) for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise SafetensorsFormatError(f"{index}: weight_map maps {bad[0]!r} to {bad[1]!r}, not a file name; the "
+                                     "index is damaged: copy the model again.")
     return weight_map
