@@ -58,8 +58,9 @@ def check_safetensors(path: str) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError, RecursionError):
         meta = None
     if not isinstance(meta, dict):
+        cap = f", headers are at most {MAX_HEADER_BYTES} bytes" if n > MAX_HEADER_BYTES else ""
         raise CheckpointError(f"{path}: unreadable safetensors header ({size} bytes on disk, header length "
-                              f"{n}); the file is truncated or not safetensors; copy it again.")
+                              f"{n}{cap}); the file is truncated or not safetensors; copy it again.")
     entries = {k: v for k, v in meta.items() if k != "__metadata__"}
     spans = sorted((_entry_bytes(k, v, path), k) for k, v in entries.items())
     end = 0
