@@ -69,7 +69,8 @@ def _tricky(rows: int, cols: int, block: tuple[int, int], seed: int) -> torch.Te
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
     w[:b0, :b1] = 0.0
     w[(0, 1) if b1 > 1 else (1, 0)] = -0.0
-    ties = torch.tensor([448.0, 10.5, 11.5, -10.5, 3 * 2.0**-10, 2.0**-10, 440.0, -9.5, 0.0, 200.0, 232.0, -2.0**-7])
+    ties = torch.tensor([448.0, 10.5, 11.5, -10.5, 3 * 2.0**-10, 2.0**-10, 440.0, -9.5, 0.0, 200.0, 232.0, -2.0**-7,
+                         2.0**-10 + 2.0**-15])  # the last: above a subnormal tie, a double rounding's victim
     region = w[b0:2 * b0, :b1]
     region.zero_()
     flat = region.reshape(-1).clone()
@@ -97,6 +98,20 @@ def test_quantizer_matches_an_independent_one(shape, block, ue8m0):
         assert torch.equal(torch.frexp(scale)[0], torch.full_like(scale, 0.5))  # powers of two
     err = (dequant(q, scale, block) - w).abs()
     assert bool((err <= dequant(torch.full_like(q, 16.0), scale, block)).all())  # within half a step at 448
+
+
+def test_the_scale_divides():
+    """Blocks [448 s, 10.5 s, 11.5 s, ...] with s of 16 significant bits (every product exact):
+    x / s lands on the ties exactly (ties to even), x * (1 / s) beside them in some blocks."""
+    from mcore_rl.mapping.fp8_quant import BlockFp8, quantize_block_fp8
+
+    g = torch.Generator().manual_seed(3)
+    s = torch.ldexp(torch.randint(2**15, 2**16, (256, 1), generator=g).float(), torch.tensor(-24))
+    w = s * torch.tensor([448.0, 10.5, 11.5, -10.5, 104.0, 3.25, 0.8125])
+    q, scale = quantize_block_fp8(w, BlockFp8((1, 7)))
+    ref_q, ref_scale = ref_quantize(w, (1, 7))
+    assert torch.equal(scale, s) and torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q), int((q.view(torch.uint8) != ref_q).sum())
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
