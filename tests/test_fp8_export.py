@@ -315,3 +315,49 @@ def test_cli_options_and_quantization_config_dropped(dirs, tmp_path, capsys):
     path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}))
     _merge(str(fp8_sourced), tmp_path / "bf16", dtype="bf16", verify=False)
     assert "quantization_config" not in _read(tmp_path / "bf16")[1]
+
+
+def _fp8_buckets(hf_dir: str, bound: int) -> list:
+    from mcore_rl.mapping.fp8_quant import BlockFp8
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.hf_weights import export_hf_buckets
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.platform import active_platform
+    from mcore_rl.rl.engine import ModelEngine
+
+    layout = ParallelLayout(tp=2)
+    initialize_parallel_state(layout)
+    args = model_args_from_hf(hf_dir)
+    engine = ModelEngine(args, layout, "actor", active_platform(), hf_weights=hf_dir)
+    buckets = export_hf_buckets(engine.model, args, "actor", bucket_bytes=bound, fp8=BlockFp8(EDGE))
+    return [[(name, t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.clone()) for name, t in b]
+            for b in buckets]
+
+
+def test_online_export_sends_what_the_merge_writes(dirs, tmp_path):
+    """TP=2 engine, export_hf_buckets(fp8=...): the merge's bytes and scales, each weight with its
+    scale in one bucket, the bound (q_proj + k_proj + their scales fit 8200 B, + v_proj does not;
+    without its scales it would) counts the scales."""
+    from mcore_rl.mapping.fp8_quant import BlockFp8
+
+    bound = 8200
+    ranks = run_ranks(2, _fp8_buckets, os.path.join(dirs["base"], "hf"), bound)
+    _merge(dirs["hf"], tmp_path / "fp8", dtype="fp8", fp8=BlockFp8(EDGE))
+    merged, _ = _read(tmp_path / "fp8")
+    buckets = ranks[0]
+    names = [n for b in buckets for n, _ in b]
+    assert sorted(names) == sorted(merged) and len(names) == len(set(names))
+    for bucket in buckets:
+        for i, (name, t) in enumerate(bucket):
+            want = merged[name]
+            want = want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want
+            assert t.dtype == want.dtype and torch.equal(t, want), name
+            if name.endswith("_scale_inv"):
+                assert i > 0 and bucket[i - 1][0] == name.removesuffix("_scale_inv"), name
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        single = len(bucket) == 1 or (len(bucket) == 2 and bucket[1][0].endswith("_scale_inv"))
+        assert single or nbytes <= bound, ([n for n, _ in bucket], nbytes)
+    assert [n for n, _ in ranks[1][0]] == [n for n, _ in buckets[0]]
+    q_bucket = next(b for b in buckets if b[0][0] == "model.layers.0.self_attn.q_proj.weight")
+    assert [n.split(".")[-2:] for n, _ in q_bucket] == [["q_proj", "weight"], ["q_proj", "weight_scale_inv"],
+                                                        ["k_proj", "weight"], ["k_proj", "weight_scale_inv"]]
