@@ -93,6 +93,8 @@ def test_quantizer_matches_an_independent_one(shape, block, ue8m0):
     assert scale.shape == (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
     assert torch.equal(scale, ref_scale), (scale - ref_scale).abs().max()
     assert torch.equal(q.view(torch.uint8), ref_q), int((q.view(torch.uint8) != ref_q).sum())
+    q1, scale1 = quantize_block_fp8(w, BlockFp8(block, "ue8m0" if ue8m0 else "float"), chunk_elements=1)
+    assert torch.equal(q1.view(torch.uint8), ref_q) and torch.equal(scale1, ref_scale)  # one block row at a time
     assert scale[0, 0] == 1.0 and (ue8m0 or scale[1, 0] == 1.0)  # the all-zero block; the ties' block
     if ue8m0:
         assert torch.equal(torch.frexp(scale)[0], torch.full_like(scale, 0.5))  # powers of two
@@ -150,8 +152,9 @@ def test_nan_and_inf_are_refused_naming_the_block(bad):
 
     w = torch.randn(70, 90)
     w[40, 70] = bad
-    with pytest.raises(Fp8QuantError, match=r"layers\.0\.x\.weight: 1 NaN/inf .* at \[40, 70\] in block \[1, 1\]"):
-        quantize_block_fp8(w, BlockFp8((32, 64)), "layers.0.x.weight")
+    for chunk in (1 << 22, 1):  # the whole tensor at once; one block row at a time
+        with pytest.raises(Fp8QuantError, match=r"layers\.0\.x\.weight: 1 NaN/inf .* at \[40, 70\] in block \[1, 1\]"):
+            quantize_block_fp8(w, BlockFp8((32, 64)), "layers.0.x.weight", chunk_elements=chunk)
 
 
 def test_block_options_and_which_tensors():

@@ -82,14 +82,15 @@ def is_quantized(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and _QUANTIZED.match(name) is not None
 
 
-def _check_finite(w: torch.Tensor, fmt: BlockFp8, name: str) -> None:
+def _check_finite(w: torch.Tensor, fmt: BlockFp8, name: str, row0: int = 0) -> None:
+    """NaN/inf in ``w`` (rows ``row0``.. of the tensor ``name``): Fp8QuantError naming the first."""
     bad = ~torch.isfinite(w)
     if bool(bad.any()):
         r, c = (int(i) for i in bad.nonzero()[0])
         raise Fp8QuantError(
-            f"{name}: {int(bad.sum())} NaN/inf value(s), the first {w[r, c].item()} at [{r}, {c}] in block "
-            f"[{r // fmt.block[0]}, {c // fmt.block[1]}] of {fmt.block}; FP8 cannot hold them (a cast would saturate "
-            "inf to 448 silently): fix the checkpoint (a diverged run?) or merge without --dtype fp8.")
+            f"{name}: {int(bad.sum())} NaN/inf value(s), the first {w[r, c].item()} at [{row0 + r}, {c}] in block "
+            f"[{(row0 + r) // fmt.block[0]}, {c // fmt.block[1]}] of {fmt.block}; FP8 cannot hold them (a cast would "
+            "saturate inf to 448 silently): fix the checkpoint (a diverged run?) or merge without --dtype fp8.")
 
 
 def block_scales(amax: torch.Tensor, scale_fmt: ScaleFmt) -> torch.Tensor:
@@ -111,18 +112,35 @@ def round_to_e4m3(y: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.round(torch.ldexp(y, -step)), step)  # torch.round: half to even
 
 
-def quantize_block_fp8(w: torch.Tensor, fmt: BlockFp8, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block_fp8(w: torch.Tensor, fmt: BlockFp8, name: str = "tensor",
+                       chunk_elements: int = 1 << 22) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` [R, C] -> (q [R, C] float8_e4m3fn, scale_inv [ceil(R/b0), ceil(C/b1)] float32) with
-    ``w ~ q * scale_inv`` per block (module docstring). NaN/inf: Fp8QuantError naming ``name``."""
+    ``w ~ q * scale_inv`` per block (module docstring). NaN/inf: Fp8QuantError naming ``name``.
+    Rows of blocks are quantized ``chunk_elements`` at a time (at least one block row): the
+    fp32 temporaries stay ~7 x 4 bytes per chunk element, whatever the tensor's size."""
     if w.dim() != 2:
         raise Fp8QuantError(f"{name}: block FP8 quantizes 2-D weights, got shape {tuple(w.shape)}.")
-    w = w.detach().to(torch.float32)
-    _check_finite(w, fmt, name)
+    (rows, cols), b0 = w.shape, fmt.block[0]
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE)
+    scale = torch.empty(fmt.scale_shape((rows, cols)), dtype=torch.float32)
+    step = b0 * max(1, chunk_elements // max(1, b0 * cols))
+    for row0 in range(0, rows, step):
+        part = w[row0:row0 + step].detach().to(torch.float32)
+        _check_finite(part, fmt, name, row0)
+        q_part, s_part = _quantize_rows(part, fmt)
+        q[row0:row0 + step] = q_part
+        scale[row0 // b0:row0 // b0 + s_part.shape[0]] = s_part
+    return q, scale
+
+
+def _quantize_rows(w: torch.Tensor, fmt: BlockFp8) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of block rows (fp32, finite): (q float8_e4m3fn, its rows of scales)."""
     (rows, cols), (b0, b1) = w.shape, fmt.block
     nr, nc = fmt.scale_shape((rows, cols))
     padded = F.pad(w, (0, nc * b1 - cols, 0, nr * b0 - rows)).view(nr, b0, nc, b1)
     amax = padded.abs().amax(dim=(1, 3)) if w.numel() else torch.zeros(nr, nc)
     scale = block_scales(amax, fmt.scale_fmt)
     y = torch.clamp(padded / scale[:, None, :, None], -FP8_MAX, FP8_MAX)
+    del padded
     q = round_to_e4m3(y).view(nr * b0, nc * b1)[:rows, :cols]
     return q.to(FP8_DTYPE), scale
