@@ -2,12 +2,15 @@
 
   python converters/mcore_to_hf.py merge --local_dir CKPT --target_dir OUT [--max_shard_size 5GB]
       [--model_class auto|causal_lm|token_classification|sequence_classification] [--dtype fp32|bf16|fp16]
-      [--overwrite]
+      [--overwrite] [--dtype fp8 [--fp8_block_size 128x128] [--scale_fmt float|ue8m0]]
   python converters/mcore_to_hf.py test --local_dir CKPT --test_hf_dir HF [--atol 0]
 
 CKPT: ``global_step_<N>/actor`` or ``.../critic`` written by CheckpointManager, or a converter
 output (``dist_ckpt/`` + ``huggingface/`` + ``mcore_rl.json``). The merged model has the dtype of
-the checkpoint's model parameters unless --dtype says otherwise; config.json states it. ``test``
+the checkpoint's model parameters unless --dtype says otherwise; config.json states it. --dtype
+fp8 writes the linear weights of the decoder layers as block FP8 (DeepSeek-V3 style: float8_e4m3fn +
+float32 ``*_scale_inv`` per block, ``quantization_config`` in config.json), the rest in the
+checkpoint's dtype (mcore_rl/mapping/fp8_quant.py says which tensors and how). ``test``
 compares every merged tensor with HF's and exits 1 on any mismatch (a NaN or inf always is one).
 Both first check every file of CKPT against its record (the step's COMPLETE marker, a role part's
 PART, a converter output's RECORD: size and CRC-32); --skip_verify reads it unchecked and says so.
@@ -41,8 +44,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto (default): the class huggingface/config.json records when it fits the role in "
                    "mcore_rl.json (a reward model stays *ForSequenceClassification), else actor: causal LM, "
                    "critic: token classification with one label; causal_lm on a critic is an error")
-    m.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                   help="dtype of the merged weights (default: the checkpoint's model parameters')")
+    m.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default=None,
+                   help="dtype of the merged weights (default: the checkpoint's model parameters'); fp8: the "
+                   "decoder layers' linear weights as block FP8 (e4m3 + float32 scales), the rest as the checkpoint's")
+    m.add_argument("--fp8_block_size", nargs="+", default=None, metavar="ROWSxCOLS",
+                   help="with --dtype fp8: the block one scale covers, ROWSxCOLS or ROWS COLS (default 128x128)")
+    m.add_argument("--scale_fmt", choices=["float", "ue8m0"], default=None,
+                   help="with --dtype fp8: float (default, amax/448) or ue8m0 (rounded up to a power of two)")
     m.add_argument("--overwrite", action="store_true",
                    help="replace a non-empty target_dir (the old one stays until the new model is complete)")
     _skip_flag(m)
@@ -76,6 +84,20 @@ def _test(local_dir: str, test_hf_dir: str, atol: float, verify: bool) -> int:
     return 0
 
 
+def _fp8_format(args: argparse.Namespace):
+    """The BlockFp8 of --dtype fp8 (None otherwise); fp8 options without it are an error."""
+    from mcore_rl.conversion.merge import MergeError
+    from mcore_rl.mapping.fp8_quant import BlockFp8, parse_block
+
+    given = [f for f, v in (("--fp8_block_size", args.fp8_block_size), ("--scale_fmt", args.scale_fmt)) if v is not None]
+    if args.dtype != "fp8":
+        if given:
+            raise MergeError(f"{' and '.join(given)} given with --dtype {args.dtype}; they apply to --dtype fp8 only.")
+        return None
+    block = parse_block(" ".join(args.fp8_block_size)) if args.fp8_block_size else (128, 128)
+    return BlockFp8(block, args.scale_fmt or "float")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 done, 1 ``test`` found a mismatch, 2 bad input (one ``error:`` line)."""
     args = _parser().parse_args(argv)
@@ -92,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
         summary = merge(args.local_dir, args.target_dir, args.max_shard_size, args.model_class,
                         overwrite=args.overwrite, progress=sys.stderr.isatty(), dtype=args.dtype,
-                        verify=not args.skip_verify)
+                        verify=not args.skip_verify, fp8=_fp8_format(args))
         print(f"{summary.line()} -> {args.target_dir}")
         return 0
     except McoreRLError as e:  # bad input: the message names the value and the fix

@@ -33,6 +33,7 @@ from mcore_rl.fileio.output_dir import (check_replaceable, input_overlap, refuse
                                          write_export_record)
 from mcore_rl.fileio.staging import Staging
 from mcore_rl.fileio.torch_dist_read import TorchDistReader
+from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, FP8_DTYPE, is_quantized, quantize_block_fp8
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 
@@ -362,19 +363,38 @@ def check_target(target_dir: str, local_dir: str, overwrite: bool) -> None:
     check_replaceable(target_dir, overwrite, "hf_export", f"target_dir {target_dir}", MergeError)
 
 
+def out_specs(units: list[Unit], dtype: torch.dtype, fp8: BlockFp8 | None) -> list[TensorSpec]:
+    """The tensors written, in order: each HF tensor in ``dtype``; with ``fp8``, a quantized one
+    (``fp8_quant.is_quantized``) as float8_e4m3fn followed by its float32 ``_scale_inv``."""
+    specs = []
+    for spec in (s for u in units for s in u.specs):
+        if fp8 is not None and is_quantized(spec.name, spec.shape):
+            specs += [TensorSpec(spec.name, spec.shape, FP8_DTYPE),
+                      TensorSpec(spec.name + SCALE_SUFFIX, fp8.scale_shape(spec.shape), torch.float32)]
+        else:
+            specs.append(TensorSpec(spec.name, spec.shape, dtype))
+    return specs
+
+
 def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dtype, directory: str,
-                 max_shard_size: int | str, progress: bool) -> ShardedSafetensorsWriter:
-    """Streams the HF tensors into ``directory`` and copies the non-weight HF files (tokenizer,
-    generation config) of the model directory (no file that leaves it: symlinks are checked)."""
-    specs = [TensorSpec(s.name, s.shape, dtype) for u in units for s in u.specs]
+                 max_shard_size: int | str, progress: bool, fp8: BlockFp8 | None = None) -> ShardedSafetensorsWriter:
+    """Streams the HF tensors into ``directory`` (``fp8``: the quantized ones as block FP8 +
+    scales, see ``out_specs``) and copies the non-weight HF files (tokenizer, generation config)
+    of the model directory (no file that leaves it: symlinks are checked)."""
+    specs = out_specs(units, dtype, fp8)
     writer = ShardedSafetensorsWriter(directory, specs, max_shard_size)
-    tensors = iter_hf_tensors(model, units, dims, dtype)
+    tensors = iter_hf_tensors(model, units, dims, None if fp8 is not None else dtype)
     if progress:
         from tqdm import tqdm
 
-        tensors = tqdm(tensors, total=len(specs), unit="tensor", desc="merge")
+        tensors = tqdm(tensors, total=sum(len(u.specs) for u in units), unit="tensor", desc="merge")
     for name, tensor in tensors:
-        writer.write(name, tensor)
+        if fp8 is not None and is_quantized(name, tuple(tensor.shape)):
+            q, scale = quantize_block_fp8(tensor, fp8, name)
+            writer.write(name, q)
+            writer.write(name + SCALE_SUFFIX, scale)
+        else:
+            writer.write(name, tensor if tensor.dtype == dtype else tensor.to(dtype))
     writer.close()
     for name in sorted(os.listdir(model.hf_dir)):
         src = contained(model.hf_dir, name, f"the listing of {model.hf_dir}")
@@ -385,24 +405,33 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
 
 def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
           model_class: ModelClass | None = None, overwrite: bool = False,
-          progress: bool = False, dtype: str | None = None, verify: bool = True) -> MergeSummary:
+          progress: bool = False, dtype: str | None = None, verify: bool = True,
+          fp8: BlockFp8 | None = None) -> MergeSummary:
     """Writes the HF model of ``local_dir`` into ``target_dir``: safetensors shards of at most
     ``max_shard_size`` (+ index), config.json (the class ``hf_class`` picks; a critic: one label;
     ``dtype``/``torch_dtype``: the dtype written, see ``written_dtype``) and the tokenizer /
     generation files of ``local_dir/huggingface``. Written into a staging directory beside
     ``target_dir`` and renamed into place when complete: a failure leaves nothing new and an
     old ``target_dir`` (``overwrite``) as it was. ``verify``: see ``open_model_dir``; a directory
-    replaced while it is merged is an error (nothing is written)."""
+    replaced while it is merged is an error (nothing is written). ``dtype="fp8"``: the linear
+    weights as block FP8 in format ``fp8`` (default ``BlockFp8()``: 128x128, float32 scales),
+    every other tensor in the checkpoint's dtype, config.json with ``quantization_config``; any
+    other dtype drops a ``quantization_config`` the source config.json carries."""
     start = time.monotonic()
+    if fp8 is not None and dtype != "fp8":
+        raise MergeError(f"an fp8 format ({fp8}) was given with dtype={dtype!r}; pass dtype='fp8' (--dtype fp8).")
+    if dtype == "fp8":
+        fp8, dtype = fp8 or BlockFp8(), None
     model = open_model_dir(local_dir, verify)
     try:
-        return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype)
+        return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype, fp8)
     finally:
         model.reader.close()
 
 
 def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: int | str,
-                model_class: ModelClass | None, overwrite: bool, progress: bool, dtype: str | None) -> MergeSummary:
+                model_class: ModelClass | None, overwrite: bool, progress: bool, dtype: str | None,
+                fp8: BlockFp8 | None = None) -> MergeSummary:
     check_target(target_dir, model.path, overwrite)
     cls = hf_class(model, model_class or "auto")
     config = _hf_config(model, cls)
@@ -410,9 +439,12 @@ def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: 
     units = head_units(model, units, cls)
     out_dtype = written_dtype(model, units, dtype)
     config["dtype"] = config["torch_dtype"] = str(out_dtype).removeprefix("torch.")  # as transformers names it
+    config.pop("quantization_config", None)  # an FP8 source's: the weights written are not quantized
+    if fp8 is not None:
+        config["quantization_config"] = fp8.quantization_config()
     stage = Staging.create(target_dir)
     try:
-        writer = _write_model(model, units, dims, out_dtype, stage.path, max_shard_size, progress)
+        writer = _write_model(model, units, dims, out_dtype, stage.path, max_shard_size, progress, fp8)
         with open(os.path.join(stage.path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         write_export_record(stage.path, "mcore_to_hf merge")
@@ -421,8 +453,9 @@ def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: 
     except BaseException:
         stage.discard()
         raise
+    written = config["dtype"] if fp8 is None else f"float8_e4m3fn {fp8.block[0]}x{fp8.block[1]} + {config['dtype']}"
     return MergeSummary(sum(map(len, writer.shards)), writer.bytes_written, len(writer.files), time.monotonic() - start,
-                        peak_rss_mb(), config["dtype"])
+                        peak_rss_mb(), written)
 
 
 def tensor_class(name: str) -> str:

@@ -16,6 +16,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple
 import torch
 from megatron.core import parallel_state
 
+from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, is_quantized, quantize_block_fp8
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.platform import active_platform
@@ -337,6 +338,7 @@ def iter_hf_buckets(
     wmap: WeightMap,
     bucket_bytes: int,
     tensor_of: Callable[[torch.nn.Parameter], Tensor] = lambda p: p.data,
+    fp8: BlockFp8 | None = None,
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Full HF-named tensors of a live sharded model, on every rank, in buckets.
 
@@ -353,27 +355,40 @@ def iter_hf_buckets(
     would otherwise hold the previous one while the next fills).
     Tensors are views of the parameters where no gather was needed: copy before changing them.
     ``tensor_of`` picks what to export per parameter (``lambda p: p.main_grad`` for gradients).
+    ``fp8``: the tensors ``fp8_quant.is_quantized`` names go out as block FP8 (float8_e4m3fn)
+    each followed by its float32 ``<name>_scale_inv`` in the same bucket, as ``merge --dtype
+    fp8`` writes them; the bucket bound counts the scales' bytes.
     """
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ExportError(
             f"bucket_bytes={bucket_bytes!r} must be a positive int (bytes per bucket, e.g. 512 << 20)."
         )
-    return _buckets(chunks, wmap, bucket_bytes, tensor_of)
+    return _buckets(chunks, wmap, bucket_bytes, tensor_of, fp8)
+
+
+def _as_written(name: str, tensor: Tensor, fp8: BlockFp8 | None) -> list[tuple[str, Tensor]]:
+    """[(name, tensor)], or with ``fp8`` for a quantized weight [(name, q), (name_scale_inv, s)]."""
+    if fp8 is None or not is_quantized(name, tuple(tensor.shape)):
+        return [(name, tensor)]
+    q, scale = quantize_block_fp8(tensor, fp8, name)
+    return [(name, q), (name + SCALE_SUFFIX, scale)]
 
 
 # no torch.no_grad() here: on a generator its wrapper holds the last yielded bucket while the next
 # one fills (two buckets alive); _fetch carries it instead
-def _buckets(chunks, wmap: WeightMap, bucket_bytes: int, tensor_of: Callable) -> Iterator[list]:
+def _buckets(chunks, wmap: WeightMap, bucket_bytes: int, tensor_of: Callable,
+             fp8: BlockFp8 | None = None) -> Iterator[list]:
     local, params = _local_items(chunks, wmap, tensor_of)
     bucket: list[tuple[str, Tensor]] = []
     filled = 0
     for item in _export_plan(local):
         for (name, _, _), tensor in zip(item.hf, _fetch(item, params.get(item.canonical), wmap, tensor_of)):
-            nbytes = tensor.numel() * tensor.element_size()
+            written = _as_written(name, tensor, fp8)  # a weight and its scale stay in one bucket
+            nbytes = sum(t.numel() * t.element_size() for _, t in written)
             if bucket and filled + nbytes > bucket_bytes:
                 yield bucket
                 bucket, filled = [], 0
-            bucket.append((name, tensor))
+            bucket.extend(written)
             filled += nbytes
     if bucket:
         yield bucket

@@ -6,6 +6,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from mcore_rl.mapping.fp8_quant import BlockFp8
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
 from mcore_rl.models.builder import Role, padded_vocab_size
@@ -107,14 +108,16 @@ def export_hf_buckets(
     role: Role,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.data,
+    fp8: BlockFp8 | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full HF tensors of a live sharded model in buckets of at most ``bucket_bytes`` (a larger
-    tensor alone), the same on every rank, e.g. to feed co-located rollout engines.
+    tensor alone), the same on every rank, e.g. to feed co-located rollout engines; ``fp8``:
+    the linear weights as block FP8 + ``_scale_inv`` (as ``merge --dtype fp8``).
     Collective: every rank iterates to the end. See ``mapping.weights.iter_hf_buckets``."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of)
+    return iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8)
 
 
 def export_hf(
