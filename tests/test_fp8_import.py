@@ -178,3 +178,91 @@ def test_load_hf_of_fp8_gives_transformers_logits_of_the_dequantized_model(fp8_d
             ref = hf.eval()(**batch).logits
         diff = (outputs[name][..., :200] - ref)[real].abs().max().item()
         assert diff <= 1e-4, f"{name} at {layout}: logits differ from transformers by {diff:.3g}"
+
+
+# ---- refusals: from the headers, before any tensor is read --------------------------------------
+def _small(tmp_path, tensors: dict, quant: dict | None, model_type: str = "llama") -> str:
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    with open(d / "config.json", "w") as f:
+        json.dump({"model_type": model_type, **({"quantization_config": quant} if quant else {})}, f)
+    return str(d)
+
+
+BLOCK = dict(BLOCK_FP8, weight_block_size=[8, 16])
+_Q, _S, _DEQ = quantize(torch.randn(20, 50), "block", torch.float32, (8, 16))  # scale [3, 4]
+REFUSED = {  # name -> (tensors, quantization_config, what the error names)
+    "scale_dropped": ({"a.weight": _Q}, BLOCK, "FP8 tensor 'a.weight' has no scale 'a.weight_scale_inv'"),
+    "scale_transposed": ({"a.weight": _Q, "a.weight_scale_inv": _S.T.contiguous()}, BLOCK,
+                         r"scale 'a.weight_scale_inv' has shape \[4, 3\], its FP8 weight 'a.weight' \[20, 50\]"),
+    "scale_per_channel_for_blocks": ({"a.weight": _Q, "a.weight_scale_inv": torch.ones(20, 1)}, BLOCK,
+                                     r"needs one of \[\[3, 4\]\]"),
+    "scale_int": ({"a.weight": _Q, "a.weight_scale_inv": torch.ones(3, 4, dtype=torch.int32)}, BLOCK,
+                  "scale 'a.weight_scale_inv' is stored as I32"),
+    "no_config": ({"a.weight": _Q, "a.weight_scale_inv": _S}, None, "no quantization_config"),
+    "orphan_scale": ({"a.weight": _DEQ.bfloat16(), "a.weight_scale_inv": _S}, BLOCK,
+                     "scale 'a.weight_scale_inv' belongs to no FP8 weight .'a.weight' is BF16"),
+    "e5m2": ({"a.weight": _DEQ.to(torch.float8_e5m2)}, BLOCK, r"stored as \['F8_E5M2'\]"),
+    "gptq": ({"a.qweight": torch.zeros(4, 4, dtype=torch.int32)}, dict(quant_method="gptq", bits=4),
+             "quant_method='gptq'"),
+    "awq": ({"a.qweight": torch.zeros(4, 4, dtype=torch.int32)}, dict(quant_method="awq", bits=4), "'awq'"),
+    "bitsandbytes": ({"a.weight": torch.zeros(4, 4, dtype=torch.uint8)},
+                     dict(quant_method="bitsandbytes", load_in_4bit=True), "'bitsandbytes'"),
+    "mxfp4": ({"a.weight": torch.zeros(4, 4, dtype=torch.uint8)}, dict(quant_method="mxfp4"), "'mxfp4'"),
+    "int8_compressed_tensors": ({"a.weight": torch.zeros(4, 4, dtype=torch.int8)}, dict(
+        GLM_CT, config_groups={"group_0": {"weights": dict(num_bits=8, type="int", strategy="channel")}}),
+        "type='int', num_bits=8"),
+    "fp8_e5m2_fmt": ({"a.weight": _Q}, dict(BLOCK, fmt="e5m2"), "fmt='e5m2'"),
+    "ct_group_strategy": ({"a.weight": _Q}, dict(GLM_CT, config_groups={"g": {"weights": dict(
+        num_bits=8, type="float", strategy="group", group_size=16)}}), "weight strategy 'group'"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refused_by_the_reader_and_the_converter_preflight(case, tmp_path):
+    from mcore_rl.conversion.convert_input import check_input, resolve_dtype
+
+    tensors, quant, match = REFUSED[case]
+    d = _small(tmp_path, tensors, quant)
+    for check in (SafetensorsReader, check_input, resolve_dtype):
+        with pytest.raises(QuantizationError, match=match):
+            check(d)
+
+
+def test_reader_dequantizes_exactly_when_fp8_has_a_scale(tmp_path):
+    """Per block, per channel ([R, 1] and [R]), per tensor; rounded once to the dtype asked for;
+    scales and activation scales hidden; other tensors in their own dtype; never the raw values."""
+    w = torch.randn(20, 50)
+    qc, sc, deq_c = quantize(w, "channel", torch.float16)
+    qt, st, deq_t = quantize(w, "tensor", torch.bfloat16)
+    cases = [({"a.weight": _Q, "a.weight_scale_inv": _S}, BLOCK, _DEQ),
+             ({"a.weight": qc, "a.weight_scale": sc}, GLM_CT, deq_c),
+             ({"a.weight": qc, "a.weight_scale": sc.reshape(20)}, GLM_CT, deq_c),
+             ({"a.weight": qt, "a.weight_scale": st, "a.input_scale": torch.tensor(1.0)},
+              dict(quant_method="fp8", activation_scheme="static"), deq_t)]
+    for i, (tensors, quant, want) in enumerate(cases):
+        tensors = {**tensors, "b.bias": torch.randn(3, dtype=torch.float64)}
+        (tmp_path / str(i)).mkdir()
+        d = _small(tmp_path / str(i), tensors, quant)
+        for dtype in (torch.float32, torch.bfloat16):
+            reader = SafetensorsReader(d, dequant_dtype=dtype)
+            assert sorted(reader) == ["a.weight", "b.bias"] and "a.weight_scale" not in reader, (i, list(reader))
+            got = reader["a.weight"]
+            assert got.dtype == dtype and torch.equal(got, want.to(dtype)), (i, dtype)
+            assert not torch.equal(got.float(), tensors["a.weight"].float())  # not the raw FP8 values
+            assert reader["b.bias"].dtype == torch.float64
+
+
+def test_tokenizer_code_linked_out_of_the_directory_is_refused(tmp_path):
+    from mcore_rl.fileio.files import hf_side_files
+    from mcore_rl.fileio.paths import UnsafePathError
+
+    outside = tmp_path / "evil.py"
+    outside.write_text("import os\n")
+    d = _small(tmp_path, {"a.weight": torch.ones(2, 2)}, None)
+    (tmp_path / "hf" / "tiktoken.model").write_text("x")
+    assert [n for n, _ in hf_side_files(d)] == ["config.json", "tiktoken.model"]
+    os.symlink(outside, tmp_path / "hf" / "tokenization_kimi.py")
+    with pytest.raises(UnsafePathError, match="tokenization_kimi.py"):
+        hf_side_files(d)
