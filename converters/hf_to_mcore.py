@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.errors import McoreRLError
 
     try:
-        preflight(a.hf_model_path, a.output_path, a.overwrite, a.dtype, a.role)  # before the heavy imports
+        preflight(a.hf_model_path, a.output_path, a.overwrite, a.dtype, a.role, a.test)  # before heavy imports
         code = run_conversion(a)
     except McoreRLError as e:  # bad input: the message names the value and the fix
         print(error_line(e), file=sys.stderr)

@@ -266,3 +266,21 @@ def test_tokenizer_code_linked_out_of_the_directory_is_refused(tmp_path):
     os.symlink(outside, tmp_path / "hf" / "tokenization_kimi.py")
     with pytest.raises(UnsafePathError, match="tokenization_kimi.py"):
         hf_side_files(d)
+
+
+def test_cli_refuses_in_one_line(fp8_dirs, tmp_path):
+    """hf_to_mcore.py: another method is one ``error:`` line naming it; ``--test`` of an FP8 input
+    (transformers cannot be its reference on CPU) is refused before anything is written."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "converters", "hf_to_mcore.py")
+    gptq = _small(tmp_path, {"a.qweight": torch.zeros(4, 4, dtype=torch.int32)}, dict(quant_method="gptq"))
+    env = {**os.environ, "PYTHONPATH": root}
+    for argv, said in (([gptq], "quant_method='gptq'"), ([fp8_dirs[1]["qwen3_moe"][0], "--test"], "--test compares")):
+        out = str(tmp_path / "out")
+        r = subprocess.run([sys.executable, script, "--hf_model_path", *argv[:1], "--output_path", out, *argv[1:]],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and said in r.stderr and not os.path.exists(out), r.stderr[-2000:]
+        assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1, r.stderr
