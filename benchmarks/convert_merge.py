@@ -16,6 +16,8 @@ equal the synthetic one tensor for tensor (names, dtype, bits), or the run fails
 own start-up (process start to its first tensor, from its summary line) is printed too. Goals:
 peak above the baseline <= 0.3x the size; throughput >= 0.5x the copy at 1 GiB, >= 0.8x from 3 GiB.
 The mbridge figures printed last are quoted from an earlier measurement, not measured by this run.
+``--fp8`` (``fp8_main``): the same model as block FP8 (linear weights e4m3 with 128 x 128 F32
+scales, --size_gb its bf16 size), converted to bf16 only; peak relative to output and input.
 """
 from __future__ import annotations
 
