@@ -284,3 +284,26 @@ def test_cli_refuses_in_one_line(fp8_dirs, tmp_path):
                            env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and said in r.stderr and not os.path.exists(out), r.stderr[-2000:]
         assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1, r.stderr
+
+
+def test_kimi_k2_shaped_config_reads_as_deepseek_v3(tmp_path):
+    """The fields of Kimi-K2-Instruct's config.json (model_type kimi_k2, YaRN under the old key
+    ``type``, 384 experts, one group; written here from the published file's fields, not
+    downloaded) give DeepSeek-V3's ModelArgs."""
+    from mcore_rl.models.hf_config import model_args_from_hf
+
+    config = dict(architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", hidden_size=7168,
+                  intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+                  num_key_value_heads=64, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
+                  first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+                  scoring_func="sigmoid", topk_method="noaux_tc", q_lora_rank=1536, kv_lora_rank=512,
+                  qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
+                  max_position_embeddings=131072, rope_theta=50000.0, num_nextn_predict_layers=0,
+                  rope_scaling=dict(type="yarn", factor=32.0, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
+                                    mscale_all_dim=1.0, original_max_position_embeddings=4096),
+                  quantization_config=dict(BLOCK_FP8, weight_block_size=[128, 128]), torch_dtype="bfloat16")
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    args = model_args_from_hf(str(tmp_path))
+    assert args.arch.model_type == "deepseek_v3" and args.moe.num_experts == 384
+    assert args.mla.q_lora_rank == 1536 and args.rope.rope_type == "yarn" and args.rope.factor == 32.0
