@@ -1,7 +1,7 @@
 """Converter and merge on a synthetic bf16 HF model of >= 1 GB: peak memory above the
 interpreter-and-libraries baseline and throughput against a plain read+write+fsync copy.
 
-    python benchmarks/convert_merge.py [--size_gb 1.08] [--workdir DIR] [--keep]
+    python benchmarks/convert_merge.py [--size_gb 1.08] [--workdir DIR] [--keep] [--fp8]
 
 A Qwen2-shaped model (hidden 2048, intermediate 5632, 16 heads, 4 KV heads, vocab 32000, untied
 head; layers added until the size is reached) is written tensor by tensor as HF safetensors
@@ -16,6 +16,8 @@ equal the synthetic one tensor for tensor (names, dtype, bits), or the run fails
 own start-up (process start to its first tensor, from its summary line) is printed too. Goals:
 peak above the baseline <= 0.3x the size; throughput >= 0.5x the copy at 1 GiB, >= 0.8x from 3 GiB.
 The mbridge figures printed last are quoted from an earlier measurement, not measured by this run.
+``--fp8`` (``fp8_main``): the same model as block FP8 (linear weights e4m3 with 128 x 128 F32
+scales, --size_gb its bf16 size), converted to bf16 only; peak relative to output and input.
 """
 from __future__ import annotations
 
@@ -197,13 +199,91 @@ def report(what: str, seconds: float, peak: float, base: tuple[float, float], si
             f"start + imports [{ok(net, goal, False)}] (goal >= {goal})")
 
 
+FP8_BLOCK = 128
+FP8_LINEAR = ("_proj.weight",)  # the decoder layers' linear weights; embeddings, head, norms stay bf16
+
+
+def write_fp8_model(path: str, size_bytes: int) -> tuple[int, int, int]:
+    """The synthetic Qwen2 as block FP8 (DeepSeek's layout: e4m3 linear weights, an F32
+    ``weight_scale_inv`` per 128 x 128 block, the rest bf16) whose bf16 equivalent is
+    ``size_bytes``; returns (FP8 input bytes, bf16 output bytes, layers)."""
+    specs, layers = model_specs(size_bytes)
+    out_specs = []
+    for s in specs:
+        if s.name.endswith(FP8_LINEAR):
+            blocks = tuple(-(-d // FP8_BLOCK) for d in s.shape)
+            out_specs += [TensorSpec(s.name, s.shape, torch.float8_e4m3fn),
+                          TensorSpec(s.name.removesuffix("weight") + "weight_scale_inv", blocks, torch.float32)]
+        else:
+            out_specs.append(s)
+    os.makedirs(path)
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": layers,
+              "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu", **SHAPE,
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    writer = ShardedSafetensorsWriter(path, out_specs, "400MB")
+    g = torch.Generator().manual_seed(0)
+    for s in out_specs:
+        if s.dtype == torch.float8_e4m3fn:
+            t = (torch.randn(s.shape, generator=g) * 64).clamp(-448, 448).to(s.dtype)
+        elif s.name.endswith("weight_scale_inv"):
+            t = torch.rand(s.shape, generator=g) * 1e-3 + 1e-4
+        else:
+            t = (torch.randn(s.shape, generator=g) * 0.02).to(s.dtype)
+        writer.write(s.name, t)
+    writer.close()
+    return sum(s.nbytes for s in out_specs), sum(s.nbytes for s in specs), layers
+
+
+def fp8_main(a: argparse.Namespace) -> None:
+    """``--fp8``: the converter on a block-FP8 synthetic model (default dtype: bf16): peak memory
+    above the baseline relative to the bf16 output and to the FP8 input, throughput vs a plain
+    copy of the FP8 input."""
+    work = a.workdir or tempfile.mkdtemp(prefix="convert_fp8_")
+    syn, out, copy = (os.path.join(work, n) for n in ("hf_fp8", "mcore", "copy"))
+    try:
+        size_in, size_out, layers = write_fp8_model(syn, int(a.size_gb * 2**30))
+        print(f"synthetic block-FP8 Qwen2: {layers} layers, {size_in / 2**30:.3f} GiB FP8 + scales in, "
+              f"{size_out / 2**30:.3f} GiB bf16 out", flush=True)
+        base = baseline(CONVERT_IMPORTS)
+        copies, convs = [], []
+        for _ in range(max(1, a.repeat)):
+            warm(syn)
+            copies.append(plain_copy(syn, copy))
+            shutil.rmtree(copy)
+            shutil.rmtree(out, ignore_errors=True)
+            *conv, said = run_sampled([sys.executable, os.path.join(ROOT, "converters", "hf_to_mcore.py"),
+                                       "--hf_model_path", syn, "--output_path", out])
+            convs.append(conv)
+        copy_s = statistics.median(copies)
+        seconds, peak = (statistics.median(c[i] for c in convs) for i in range(2))
+        above = peak - base[0]
+        print(f"plain copy of the FP8 input {copy_s:6.2f} s; convert {seconds:6.2f} s (start + imports "
+              f"{base[1]:.1f} s): throughput / copy {copy_s / seconds:.2f} end to end, "
+              f"{copy_s / (seconds - base[1]):.2f} net of start + imports")
+        print(f"peak RssAnon {peak / 2**20:.0f} MiB, baseline {base[0] / 2**20:.0f} MiB: above baseline "
+              f"{above / 2**20:.0f} MiB = {above / size_out:.3f} x the bf16 output, {above / size_in:.3f} x the "
+              f"FP8 input [{'PASS' if above / size_out <= MEMORY_GOAL else 'MISS'} <= {MEMORY_GOAL} x output]")
+        print(said.strip().splitlines()[-1])
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size_gb", type=float, default=1.08, help="model size in GiB (default 1.08)")
     ap.add_argument("--workdir", default=None, help="where to write (default: a temp dir, deleted)")
     ap.add_argument("--keep", action="store_true", help="keep the workdir")
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs of each contender; medians (default 1)")
+    ap.add_argument("--fp8", action="store_true", help="convert a block-FP8 model instead (fp8_main); "
+                    "--size_gb is its bf16 size")
     a = ap.parse_args()
+    if a.fp8:
+        return fp8_main(a)
     work = a.workdir or tempfile.mkdtemp(prefix="convert_merge_")
     syn, out, merged, copy = (os.path.join(work, n) for n in ("hf", "mcore", "merged", "copy"))
     try:

@@ -6,6 +6,8 @@
 The output does not depend on --tp/--pp/--ep (they only split the work; load it at any layout).
 --dtype: default the weights' own (mixed fp32/bf16/fp16: fp32; no tensor is rounded); a config.json
 stating another dtype is a warning naming both; the output's config states the dtype written.
+FP8 checkpoints (block FP8, compressed-tensors FP8, per-tensor FP8) are dequantized while read;
+their default dtype is that of most of their other weights (bf16 for DeepSeek/Qwen3/GLM).
 --test: afterwards, in a fresh process, load the output at TP=1 and compare logits with
 transformers' model (fails with exit code 1 when max |diff| > 1e-4 in fp32).
 Bad input: one line "error: ..." on stderr, exit code 2, nothing written.
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.errors import McoreRLError
 
     try:
-        preflight(a.hf_model_path, a.output_path, a.overwrite, a.dtype, a.role)  # before the heavy imports
+        preflight(a.hf_model_path, a.output_path, a.overwrite, a.dtype, a.role, a.test)  # before heavy imports
         code = run_conversion(a)
     except McoreRLError as e:  # bad input: the message names the value and the fix
         print(error_line(e), file=sys.stderr)

@@ -290,7 +290,7 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         raise ConvertError(f"--dtype {dtype!r}; use one of {sorted(DTYPES)}.")
     check_output(opts.output_path, opts.hf_model_path, opts.overwrite)
     args = model_args_from_hf(opts.hf_model_path)
-    source: Mapping[str, Tensor] = SafetensorsReader(opts.hf_model_path)
+    source: Mapping[str, Tensor] = SafetensorsReader(opts.hf_model_path, dequant_dtype=DTYPES[dtype])
     if role == "critic":  # a reward model's bias-free score head: bias 0, as load_hf does
         source = critic_head_source(source, args)
     destroy_parallel_state()  # the conversion owns this process's megatron groups

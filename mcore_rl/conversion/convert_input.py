@@ -8,6 +8,7 @@ Every file name read from the HF directory (an index's ``weight_map``, the listi
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Literal
 
@@ -16,6 +17,7 @@ from mcore_rl.fileio.files import hf_side_files
 from mcore_rl.fileio.output_dir import check_replaceable, input_overlap, refuse_file, settle_output
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_header import check_safetensors
+from mcore_rl.mapping.fp8_dequant import FP8Plan, plan_fp8, scheme_of_directory
 from mcore_rl.mapping.hf_io import SafetensorsFormatError, read_weight_map
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -82,31 +84,71 @@ def stated_dtype(hf_dir: str) -> DtypeName | None:
     return by_hf[stated.removeprefix("torch.")]  # type: ignore[return-value]
 
 
-def stored_dtypes(hf_dir: str) -> set[str]:
-    """The floating-point dtypes the shards store their tensors in, as --dtype names (other
-    safetensors float types are refused: the converter writes fp32, bf16 or fp16)."""
-    names = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
-    found = {e["dtype"] for path in shard_files(hf_dir) for e in check_shard(path).values()}
-    floats = {d for d in found if d.startswith(("F", "BF", "C"))}
-    other = sorted(floats - set(names))
+_FLOAT_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+# tensors the model holds in fp32 whatever --dtype says (megatron's router keeps its expert bias fp32)
+_KEPT_FP32 = ("e_score_correction_bias",)
+
+
+def stored_tensors(hf_dir: str) -> tuple[dict[str, list[tuple[str, int]]], FP8Plan]:
+    """The tensors read as stored, by --dtype name: [(name, elements)]; and the checkpoint's FP8
+    plan (FP8 weights, dequantized, and their scales are not among the tensors). Other
+    safetensors float types are refused: the converter writes fp32, bf16 or fp16."""
+    entries: dict[str, dict] = {}
+    for path in shard_files(hf_dir):
+        entries.update(check_shard(path))
+    plan = plan_fp8(entries, scheme_of_directory(hf_dir), hf_dir)
+    plain = {n: e for n, e in entries.items() if n not in plan.scales and n not in plan.hidden}
+    floats = {e["dtype"] for e in plain.values() if e["dtype"].startswith(("F", "BF", "C"))}
+    other = sorted(floats - set(_FLOAT_NAMES))
     if other:
         raise ConvertError(f"{hf_dir}: tensors stored as {other}, which the converter does not read; it "
-                           "converts fp32, bf16 and fp16 weights: convert the model to one of them first.")
-    return {names[d] for d in floats}
+                           "converts fp32, bf16 and fp16 weights (and FP8 weights with their scales): convert "
+                           "the model to one of them first.")
+    out: dict[str, list[tuple[str, int]]] = {}
+    for name, e in plain.items():
+        if e["dtype"] in _FLOAT_NAMES:
+            out.setdefault(_FLOAT_NAMES[e["dtype"]], []).append((name, math.prod(e["shape"])))
+    return out, plan
+
+
+def stored_dtypes(hf_dir: str) -> set[str]:
+    """The floating-point dtypes the shards store their tensors in, as --dtype names (FP8
+    weights and their scales left out: ``stored_tensors``)."""
+    return set(stored_tensors(hf_dir)[0])
+
+
+def _fp8_dtype(hf_dir: str, tensors: dict[str, list[tuple[str, int]]]) -> tuple[DtypeName, list[str]]:
+    """An FP8 checkpoint's default: the dtype of most other weights' elements (DeepSeek, Qwen3,
+    GLM: bf16), to which the fp32 products are rounded once; and notes on other tensors rounded."""
+    if not tensors:
+        return "fp32", []
+    width = {"fp16": 0, "bf16": 1, "fp32": 2}
+    chosen: DtypeName = max(tensors, key=lambda d: (sum(n for _, n in tensors[d]), width[d]))  # type: ignore
+    rounded = sorted(name for d, named in tensors.items() if d != chosen  # widening to fp32 is exact
+                     for name, _ in named if chosen != "fp32" and not (d == "fp32" and name.endswith(_KEPT_FP32)))
+    if not rounded:
+        return chosen, []
+    return chosen, [f"{hf_dir} holds FP8 weights: they are dequantized in fp32 and rounded once to {chosen}, the "
+                    f"dtype of most other weights; {len(rounded)} tensors stored in another dtype "
+                    f"({rounded[:3]}) are rounded to {chosen} too; pass --dtype fp32 to keep every value exact"]
 
 
 def resolve_dtype(hf_dir: str) -> tuple[DtypeName, str | None]:
     """The dtype the converter writes by default and a warning, if any: the weights' own dtype
     (never rounded); mixed float dtypes give the widest (fp32 when bf16 and fp16 are mixed, as
-    neither holds the other); a config.json stating another dtype is named in the warning."""
-    stored = stored_dtypes(hf_dir)
+    neither holds the other); a config.json stating another dtype is named in the warning.
+    FP8 checkpoints (``_fp8_dtype``): the dtype of most of their other weights."""
+    tensors, plan = stored_tensors(hf_dir)
+    stored = set(tensors)
     stated = stated_dtype(hf_dir)
-    if not stored:  # no floating-point tensor at all: what the config says, else fp32
+    notes = []
+    if plan.scales:
+        chosen, notes = _fp8_dtype(hf_dir, tensors)
+    elif not stored:  # no floating-point tensor at all: what the config says, else fp32
         chosen: DtypeName = stated or "fp32"
     else:
         chosen = next(iter(stored)) if len(stored) == 1 else "fp32"  # type: ignore[assignment]
-    notes = []
-    if len(stored) > 1:
+    if len(stored) > 1 and not plan.scales:
         notes.append(f"the weights in {hf_dir} are stored in {sorted(stored)}; writing {chosen} (no tensor rounded)")
     if stated is not None and stated != chosen:
         notes.append(f"{hf_dir}/config.json states dtype {HF_DTYPE_NAMES[stated]} but the weights are stored in "
@@ -169,6 +211,8 @@ def check_input(hf_dir: str) -> list[str]:
             raise ConvertError(f"{index} names tensors their files do not hold: {absent[:6]}"
                                f"{f' and {len(absent) - 6} more' if len(absent) > 6 else ''}; the index does not "
                                "match the shards: copy the complete checkpoint again or re-export it.")
+    # FP8 weights and their scales (or another quantization method, refused), from the headers
+    plan_fp8({k: v for entries in held.values() for k, v in entries.items()}, scheme_of_directory(hf_dir), hf_dir)
     return shards
 
 
@@ -188,9 +232,16 @@ def check_output(path: str, hf_dir: str, overwrite: bool) -> None:
     check_replaceable(path, overwrite, "model_dir", f"--output_path {path!r}", ConvertError)
 
 
-def preflight(hf_dir: str, output_path: str, overwrite: bool, dtype: str | None, role: str | None) -> None:
-    """Every check the CLI can make before importing torch/megatron, in the order a user fixes them."""
+def preflight(hf_dir: str, output_path: str, overwrite: bool, dtype: str | None, role: str | None,
+              test: bool = False) -> None:
+    """Every check the CLI can make before importing torch/megatron, in the order a user fixes them.
+    ``test``: ``--test`` was asked for, which an FP8 input cannot have (transformers is its reference)."""
     check_input(hf_dir)
+    if test and stored_tensors(hf_dir)[1].scales:
+        raise ConvertError(f"--test compares the output with transformers' model of {hf_dir}, which holds FP8 "
+                           "weights: transformers dequantizes them on CPU only for shapes that are block "
+                           "multiples (other shapes raise or come out wrong); convert without --test, then run "
+                           "converters/verify_logits.py OUTPUT HF_DIR with HF_DIR a dequantized copy.")
     if role is None:
         role_from_config(hf_dir)
     if dtype is None:

@@ -3,6 +3,7 @@ merge share (no megatron import: the merge must run without it)."""
 from __future__ import annotations
 
 import concurrent.futures
+import fnmatch
 import os
 import resource
 import shutil
@@ -17,7 +18,9 @@ META = "mcore_rl.json"  # schema version, role, architecture facts, layout, cont
 # transformers 5 writes the template to its own file)
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-            "chat_template.jinja", "chat_template.json")
+            "chat_template.jinja", "chat_template.json", "tiktoken.model")
+# tokenizer code some checkpoints carry (Kimi-K2: tokenization_kimi.py beside tiktoken.model)
+HF_FILE_PATTERNS = ("tokenization_*.py",)
 
 
 def fsync_path(path: str) -> None:
@@ -30,11 +33,13 @@ def fsync_path(path: str) -> None:
 
 
 def hf_side_files(src: str) -> list[tuple[str, str]]:
-    """(name, real path) of the ``HF_FILES`` present in ``src``, each inside ``src`` on resolved
-    paths (``paths.contained``; a hub-cache snapshot's links into its repo's ``blobs/`` too): a
+    """(name, real path) of the ``HF_FILES`` and ``HF_FILE_PATTERNS`` present in ``src``, each inside
+    ``src`` on resolved paths (``paths.contained``; a hub-cache snapshot's links into its repo's ``blobs/``): a
     side file that is a link leaving the model directory raises ``UnsafePathError``."""
     found = []
-    for name in HF_FILES:
+    listing = sorted(os.listdir(src)) if os.path.isdir(src) else []
+    patterned = [n for n in listing if any(fnmatch.fnmatchcase(n, p) for p in HF_FILE_PATTERNS)]
+    for name in (*HF_FILES, *patterned):
         path = contained(src, name, f"the HF model directory {src}", hub_cache=True)
         if os.path.isfile(path):
             found.append((name, os.path.realpath(path)))

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_header import check_safetensors
+from mcore_rl.mapping.fp8_dequant import dequantize, plan_fp8, scheme_of_directory
 
 class HFWeightsError(McoreRLError, FileNotFoundError):
     """A HF directory without readable safetensors weights."""
@@ -45,15 +46,22 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
     file name (the index's ``weight_map`` values, the listing) must stay inside the directory
     (``paths.contained``: no ``..``, no absolute path, no symlink leaving it); every file's
     header is checked (``read_header``) and the index may name only tensors its file holds.
+
+    FP8 checkpoints (``mapping.fp8_dequant``): an FP8 weight is read dequantized with its scale,
+    in fp32, rounded once to ``dequant_dtype`` [same shape]; scales and activation scales are not
+    among the keys; the config's quantization method and every scale's shape are checked here.
     """
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    def __init__(self, directory: str | os.PathLike, dequant_dtype: torch.dtype = torch.float32) -> None:
         self.directory = os.fspath(directory)
+        self.dequant_dtype = dequant_dtype
+        entries: dict[str, dict] = {}
         index = os.path.join(self.directory, "model.safetensors.index.json")
         if os.path.isfile(index):
             weight_map = read_weight_map(index)
             paths = {v: contained(self.directory, v, index, hub_cache=True) for v in set(weight_map.values())}
             held = {v: read_header(p) for v, p in paths.items()}
+            entries = {k: held[v][k] for k, v in weight_map.items() if k in held[v]}
             absent = sorted(k for k, v in weight_map.items() if k not in held[v])
             if absent:
                 raise SafetensorsFormatError(f"{index} maps {absent[:4]} to files that do not hold them; the index "
@@ -65,14 +73,27 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
             for name in names:
                 if name.endswith(".safetensors"):
                     path = contained(self.directory, name, f"the listing of {self.directory}", hub_cache=True)
-                    self._files.update({k: path for k in read_header(path)})
+                    header = read_header(path)
+                    entries.update(header)
+                    self._files.update({k: path for k in header})
         if not self._files:
             raise HFWeightsError(
                 f"no *.safetensors weights in {self.directory!r}; save the HF model with "
                 "save_pretrained(..., safe_serialization=True)."
             )
+        self.fp8 = plan_fp8(entries, scheme_of_directory(self.directory), self.directory)
+        self._keys = [k for k in self._files if k not in self.fp8.hidden]
 
     def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.fp8.hidden:
+            raise KeyError(key)
+        scale = self.fp8.scales.get(key)
+        if scale is None:
+            return self._read(key)
+        return dequantize(self._read(key), self._read(scale), self.fp8.scheme, self.dequant_dtype, repr(key))
+
+    def _read(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` as stored."""
         path = self._files[key]
         try:
             with safe_open(path, framework="pt") as f:
@@ -82,10 +103,10 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
                                          f"{' '.join(str(e).split())[:200]}); copy the file again.") from None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
+        return iter(self._keys)
 
     def __len__(self) -> int:
-        return len(self._files)
+        return len(self._keys)
 
 
 def read_weight_map(index: str) -> dict[str, str]:

@@ -119,7 +119,7 @@ def _args_source(source: Any) -> Any:
     converters' start-up), or the config object given."""
     if isinstance(source, (str, os.PathLike)):
         raw = _config_json(source)
-        return JsonHFConfig(raw, CLASS_DEFAULTS[raw["model_type"]])
+        return JsonHFConfig(raw, CLASS_DEFAULTS[lookup_arch(raw["model_type"]).model_type])  # kimi_k2: deepseek_v3
     return load_hf_config(source)
 
 

@@ -118,13 +118,20 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 
+# model_types that are another's checkpoints under a new name: Kimi-K2 is DeepSeek-V3's
+# architecture (its release notes tell users to edit model_type to deepseek_v3 for other tools)
+MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
+
+
 def lookup_arch(model_type: str) -> ArchSpec:
-    """The registry entry for ``model_type``; unknown types list the supported ones."""
+    """The registry entry for ``model_type`` (an alias: its architecture's); unknown types list
+    the supported ones."""
     try:
-        return ARCHITECTURES[model_type]
+        return ARCHITECTURES[MODEL_TYPE_ALIASES.get(model_type, model_type)]
     except KeyError:
         raise UnknownArchitectureError(
             f"unknown architecture model_type={model_type!r}; supported: "
-            f"{', '.join(sorted(ARCHITECTURES))}. Add an ArchSpec to mcore_rl/models/registry.py "
+            f"{', '.join(sorted([*ARCHITECTURES, *MODEL_TYPE_ALIASES]))}. Add an ArchSpec to "
+            "mcore_rl/models/registry.py "
             "to support another."
         ) from None

@@ -1,0 +1,309 @@
+"""FP8 checkpoints imported (issue 30): the test quantizes tiny models itself, with dimensions that
+are not multiples of the block size, block sizes other than 128, scales in F32 (power-of-two,
+ue8m0), BF16 and F16:
+- DeepSeek-V3 (MLA, experts, F32 correction bias) and Qwen3-MoE as block FP8 (quant_method fp8);
+- GLM-4.5 as compressed-tensors per-channel FP8, written by hand (no compressed-tensors package);
+- a Qwen3 as per-tensor FP8 with static activation scales (AutoFP8 style);
+- the same DeepSeek as model_type kimi_k2 with tiktoken.model and tokenization_kimi.py.
+Each is dequantized independently here (block reshapes, not the reader's band loop) into an fp32
+directory: the converter's output equals the conversion of that directory bit for bit (fp32) and
+as one rounding of the fp32 products (the default bf16); load_hf's logits equal transformers' on
+it at world 1 and EP=2. Every refusal (other methods, missing or misshapen scales) is tested."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mcore_rl.mapping.fp8_dequant import QuantizationError
+from mcore_rl.mapping.hf_io import SafetensorsReader
+from tests.dist import run_ranks
+from tests.steps import outputs_of_models
+from tests.test_convert import _convert_all, _raw_tensors
+from tests.tiny import padded_batch, tiny_config, tiny_hf_model
+
+E4M3_MAX = 448.0
+BLOCK_FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic")
+GLM_CT = dict(quant_method="compressed-tensors", format="float-quantized", quantization_status="compressed",
+              kv_cache_scheme=None, ignore=["lm_head", "model.layers.0.self_attn.o_proj"],
+              config_groups={"group_0": {"targets": ["Linear"], "weights": dict(
+                  num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False),
+                  "input_activations": dict(num_bits=8, type="float", strategy="token", dynamic=True)}})
+MODELS = {  # name -> (model_type, overrides, quantization_config, kind, scale dtype)
+    "deepseek_v3": ("deepseek_v3", {}, dict(BLOCK_FP8, weight_block_size=[24, 40], scale_fmt="ue8m0"),
+                    "block", torch.float32),
+    "qwen3_moe": ("qwen3_moe", {}, dict(BLOCK_FP8, weight_block_size=[40, 24]), "block", torch.bfloat16),
+    "glm4_moe": ("glm4_moe", {}, GLM_CT, "channel", torch.bfloat16),
+    "qwen3_tensor": ("qwen3", dict(head_dim=24), dict(quant_method="fp8", activation_scheme="static"),
+                     "tensor", torch.float16),
+}
+NOT_QUANTIZED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "model.layers.0.self_attn.o_proj")
+
+
+def _quantized(name: str, t: torch.Tensor) -> bool:
+    return name.endswith(".weight") and t.dim() == 2 and not any(s in name for s in NOT_QUANTIZED)
+
+
+def _scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """The standard rule: amax / 448 (an all-zero group: 1), optionally rounded up to a power of 2."""
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (torch.exp2(torch.ceil(torch.log2(s))) if pow2 else s).to(dtype)
+
+
+def _blocks(t: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """[R, C] zero-padded to block multiples, as [nR, b0, nC, b1]."""
+    (r, c), (b0, b1) = t.shape, block
+    padded = torch.zeros(math.ceil(r / b0) * b0, math.ceil(c / b1) * b1, dtype=t.dtype)
+    padded[:r, :c] = t
+    return padded.reshape(padded.shape[0] // b0, b0, padded.shape[1] // b1, b1)
+
+
+def quantize(w: torch.Tensor, kind: str, sdtype: torch.dtype, block=None, pow2=False):
+    """(FP8 weight, scale, the independent fp32 dequantization of the two)."""
+    w = w.float()
+    if kind == "block":
+        blocks = _blocks(w, block)
+        s = _scale(blocks.abs().amax(dim=(1, 3)), sdtype, pow2)
+        qb = (blocks / s.float()[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        rows, cols = qb.shape[0] * qb.shape[1], qb.shape[2] * qb.shape[3]
+        deq = (qb.float() * s.float()[:, None, :, None]).reshape(rows, cols)[: w.shape[0], : w.shape[1]]
+        return qb.reshape(rows, cols)[: w.shape[0], : w.shape[1]].contiguous(), s, deq.contiguous()
+    s = _scale(w.abs().amax(dim=1, keepdim=True) if kind == "channel" else w.abs().amax(), sdtype, pow2)
+    q = (w / s.float()).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s, q.float() * s.float()
+
+
+def write_fp8(src: str, dst: str, ref: str, model_type: str, quant: dict, kind: str, sdtype) -> None:
+    """``dst``: src quantized (other tensors bf16, correction bias F32); ``ref``: its fp32 values."""
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    out, plain = {}, {}
+    suffix = "weight_scale_inv" if kind == "block" else "weight_scale"
+    for name, t in tensors.items():
+        if _quantized(name, t):
+            q, s, deq = quantize(t, kind, sdtype, quant.get("weight_block_size"), quant.get("scale_fmt") == "ue8m0")
+            out[name], out[name.removesuffix("weight") + suffix], plain[name] = q, s, deq
+            if kind == "tensor":
+                out[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.25)
+        else:
+            out[name] = t if name.endswith("e_score_correction_bias") else t.to(torch.bfloat16)
+            plain[name] = out[name].float()
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    for d, tensors_, extra in ((dst, out, dict(quantization_config=quant, dtype="bfloat16", model_type=model_type)),
+                               (ref, plain, dict(dtype="float32"))):
+        os.makedirs(d)
+        save_file(tensors_, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({**config, **extra}, f)
+
+
+@pytest.fixture(scope="module")
+def fp8_dirs(tmp_path_factory):
+    """name -> (FP8 directory, dequantized fp32 directory); kimi_k2: the DeepSeek FP8 as Kimi-K2."""
+    base = tmp_path_factory.mktemp("fp8")
+    dirs = {}
+    for name, (model_type, overrides, quant, kind, sdtype) in MODELS.items():
+        src = str(base / f"src_{name}")
+        tiny_hf_model(tiny_config(model_type, num_hidden_layers=2, **overrides)).save_pretrained(src)
+        dirs[name] = (str(base / f"fp8_{name}"), str(base / f"ref_{name}"))
+        write_fp8(src, *dirs[name], model_type, quant, kind, sdtype)
+    src = str(base / "src_deepseek_v3")
+    write_fp8(src, str(base / "fp8_kimi"), str(base / "ref_kimi"), "kimi_k2", MODELS["deepseek_v3"][2], "block",
+              torch.float32)
+    for side in ("tiktoken.model", "tokenization_kimi.py"):
+        (base / "fp8_kimi" / side).write_text(f"# {side}\n")
+    dirs["kimi_k2"] = (str(base / "fp8_kimi"), dirs["deepseek_v3"][1])
+    return base, dirs
+
+
+def test_converted_fp8_equals_the_independent_dequantization(fp8_dirs, tmp_path):
+    from mcore_rl.conversion.convert_input import resolve_dtype
+
+    base, dirs = fp8_dirs
+    bf16 = ("deepseek_v3", "qwen3_moe")
+    for name in bf16:  # the default for an FP8 model: its other weights' dtype, no warning
+        assert resolve_dtype(dirs[name][0]) == ("bf16", None), name
+    jobs = [(fp8, str(tmp_path / f"{n}_fp32")) for n, (fp8, _) in dirs.items()]
+    jobs += [(dirs[n][1], str(tmp_path / f"{n}_ref_fp32")) for n in MODELS]
+    jobs += [(dirs[n][0], str(tmp_path / f"{n}_bf16")) for n in bf16]  # dtype None: the default
+    jobs += [(dirs[n][1], str(tmp_path / f"{n}_ref_bf16")) for n in bf16]  # --dtype bf16 of fp32 values
+    run_ranks(1, _convert_fp8, jobs)
+    ep2 = str(tmp_path / "deepseek_v3_ep2")
+    run_ranks(2, _convert_fp8, [(dirs["deepseek_v3"][0], ep2)], dict(ep=2))
+    pairs = [(f"{n}_fp32", f"{n}_ref_fp32") for n in MODELS] + [("kimi_k2_fp32", "deepseek_v3_ref_fp32")]
+    pairs += [(f"{n}_bf16", f"{n}_ref_bf16") for n in bf16] + [("deepseek_v3_ep2", "deepseek_v3_ref_fp32")]
+    raw = run_ranks(1, _raw_tensors, [str(tmp_path / d) for pair in pairs for d in pair])[0]
+    for i, (got_name, want_name) in enumerate(pairs):
+        got, want = raw[2 * i], raw[2 * i + 1]
+        assert set(got) == set(want), got_name
+        for key in want:
+            assert got[key].dtype == want[key].dtype, (got_name, key, got[key].dtype, want[key].dtype)
+            assert torch.equal(got[key], want[key]), f"{got_name}: {key} differs from the dequantization"
+    ds_bf16 = raw[2 * pairs.index(("deepseek_v3_bf16", "deepseek_v3_ref_bf16"))]
+    bias = [k for k in ds_bf16 if k.endswith("router.expert_bias")]  # F32 in the checkpoint: kept fp32
+    assert bias and all(ds_bf16[k].dtype == torch.float32 for k in bias), bias
+    assert ds_bf16["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+    kimi_hf = tmp_path / "kimi_k2_fp32" / "huggingface"
+    assert sorted(os.listdir(kimi_hf)) == ["config.json", "tiktoken.model", "tokenization_kimi.py"]
+
+
+def _convert_fp8(jobs: list[tuple[str, str]], split: dict | None = None) -> None:
+    """``tests.test_convert._convert_all`` with the default dtype for outputs named *_bf16 of FP8."""
+    from mcore_rl.conversion.convert import ConvertOptions, convert
+
+    for hf, dst in jobs:
+        dtype = "bf16" if dst.endswith("ref_bf16") else None if dst.endswith("bf16") else "fp32"
+        summary = convert(ConvertOptions(hf, dst, dtype=dtype, **(split or {})), progress=False)
+        assert summary.dtype == ("bf16" if dst.endswith("bf16") else "fp32"), (dst, summary.dtype)
+        assert summary.peak_live_params == 1  # streamed: one parameter (one expert) at a time
+
+
+@pytest.mark.parametrize("world, layout", [(1, {}), (2, dict(ep=2))])
+def test_load_hf_of_fp8_gives_transformers_logits_of_the_dequantized_model(fp8_dirs, world, layout):
+    from transformers import AutoModelForCausalLM
+
+    _, dirs = fp8_dirs
+    batch = padded_batch(200)
+    names = [n for n in MODELS if world == 1 or n != "qwen3_tensor"]  # EP: the MoE models
+    outputs = run_ranks(world, outputs_of_models, {n: dirs[n][0] for n in names}, layout, "actor", batch)[0]
+    real = batch["attention_mask"].bool()
+    for name in names:
+        hf = AutoModelForCausalLM.from_pretrained(dirs[name][1], dtype=torch.float32, attn_implementation="eager")
+        with torch.no_grad():
+            ref = hf.eval()(**batch).logits
+        diff = (outputs[name][..., :200] - ref)[real].abs().max().item()
+        assert diff <= 1e-4, f"{name} at {layout}: logits differ from transformers by {diff:.3g}"
+
+
+# ---- refusals: from the headers, before any tensor is read --------------------------------------
+def _small(tmp_path, tensors: dict, quant: dict | None, model_type: str = "llama") -> str:
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    with open(d / "config.json", "w") as f:
+        json.dump({"model_type": model_type, **({"quantization_config": quant} if quant else {})}, f)
+    return str(d)
+
+
+BLOCK = dict(BLOCK_FP8, weight_block_size=[8, 16])
+_Q, _S, _DEQ = quantize(torch.randn(20, 50), "block", torch.float32, (8, 16))  # scale [3, 4]
+REFUSED = {  # name -> (tensors, quantization_config, what the error names)
+    "scale_dropped": ({"a.weight": _Q}, BLOCK, "FP8 tensor 'a.weight' has no scale 'a.weight_scale_inv'"),
+    "scale_transposed": ({"a.weight": _Q, "a.weight_scale_inv": _S.T.contiguous()}, BLOCK,
+                         r"scale 'a.weight_scale_inv' has shape \[4, 3\], its FP8 weight 'a.weight' \[20, 50\]"),
+    "scale_per_channel_for_blocks": ({"a.weight": _Q, "a.weight_scale_inv": torch.ones(20, 1)}, BLOCK,
+                                     r"needs one of \[\[3, 4\]\]"),
+    "scale_int": ({"a.weight": _Q, "a.weight_scale_inv": torch.ones(3, 4, dtype=torch.int32)}, BLOCK,
+                  "scale 'a.weight_scale_inv' is stored as I32"),
+    "no_config": ({"a.weight": _Q, "a.weight_scale_inv": _S}, None, "no quantization_config"),
+    "orphan_scale": ({"a.weight": _DEQ.bfloat16(), "a.weight_scale_inv": _S}, BLOCK,
+                     "scale 'a.weight_scale_inv' belongs to no FP8 weight .'a.weight' is BF16"),
+    "e5m2": ({"a.weight": _DEQ.to(torch.float8_e5m2)}, BLOCK, r"stored as \['F8_E5M2'\]"),
+    "gptq": ({"a.qweight": torch.zeros(4, 4, dtype=torch.int32)}, dict(quant_method="gptq", bits=4),
+             "quant_method='gptq'"),
+    "awq": ({"a.qweight": torch.zeros(4, 4, dtype=torch.int32)}, dict(quant_method="awq", bits=4), "'awq'"),
+    "bitsandbytes": ({"a.weight": torch.zeros(4, 4, dtype=torch.uint8)},
+                     dict(quant_method="bitsandbytes", load_in_4bit=True), "'bitsandbytes'"),
+    "mxfp4": ({"a.weight": torch.zeros(4, 4, dtype=torch.uint8)}, dict(quant_method="mxfp4"), "'mxfp4'"),
+    "int8_compressed_tensors": ({"a.weight": torch.zeros(4, 4, dtype=torch.int8)}, dict(
+        GLM_CT, config_groups={"group_0": {"weights": dict(num_bits=8, type="int", strategy="channel")}}),
+        "type='int', num_bits=8"),
+    "fp8_e5m2_fmt": ({"a.weight": _Q}, dict(BLOCK, fmt="e5m2"), "fmt='e5m2'"),
+    "ct_group_strategy": ({"a.weight": _Q}, dict(GLM_CT, config_groups={"g": {"weights": dict(
+        num_bits=8, type="float", strategy="group", group_size=16)}}), "weight strategy 'group'"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_refused_by_the_reader_and_the_converter_preflight(case, tmp_path):
+    from mcore_rl.conversion.convert_input import check_input, resolve_dtype
+
+    tensors, quant, match = REFUSED[case]
+    d = _small(tmp_path, tensors, quant)
+    for check in (SafetensorsReader, check_input, resolve_dtype):
+        with pytest.raises(QuantizationError, match=match):
+            check(d)
+
+
+def test_reader_dequantizes_exactly_when_fp8_has_a_scale(tmp_path):
+    """Per block, per channel ([R, 1] and [R]), per tensor; rounded once to the dtype asked for;
+    scales and activation scales hidden; other tensors in their own dtype; never the raw values."""
+    w = torch.randn(20, 50)
+    qc, sc, deq_c = quantize(w, "channel", torch.float16)
+    qt, st, deq_t = quantize(w, "tensor", torch.bfloat16)
+    cases = [({"a.weight": _Q, "a.weight_scale_inv": _S}, BLOCK, _DEQ),
+             ({"a.weight": qc, "a.weight_scale": sc}, GLM_CT, deq_c),
+             ({"a.weight": qc, "a.weight_scale": sc.reshape(20)}, GLM_CT, deq_c),
+             ({"a.weight": qt, "a.weight_scale": st, "a.input_scale": torch.tensor(1.0)},
+              dict(quant_method="fp8", activation_scheme="static"), deq_t)]
+    for i, (tensors, quant, want) in enumerate(cases):
+        tensors = {**tensors, "b.bias": torch.randn(3, dtype=torch.float64)}
+        (tmp_path / str(i)).mkdir()
+        d = _small(tmp_path / str(i), tensors, quant)
+        for dtype in (torch.float32, torch.bfloat16):
+            reader = SafetensorsReader(d, dequant_dtype=dtype)
+            assert sorted(reader) == ["a.weight", "b.bias"] and "a.weight_scale" not in reader, (i, list(reader))
+            got = reader["a.weight"]
+            assert got.dtype == dtype and torch.equal(got, want.to(dtype)), (i, dtype)
+            assert not torch.equal(got.float(), tensors["a.weight"].float())  # not the raw FP8 values
+            assert reader["b.bias"].dtype == torch.float64
+
+
+def test_tokenizer_code_linked_out_of_the_directory_is_refused(tmp_path):
+    from mcore_rl.fileio.files import hf_side_files
+    from mcore_rl.fileio.paths import UnsafePathError
+
+    outside = tmp_path / "evil.py"
+    outside.write_text("import os\n")
+    d = _small(tmp_path, {"a.weight": torch.ones(2, 2)}, None)
+    (tmp_path / "hf" / "tiktoken.model").write_text("x")
+    assert [n for n, _ in hf_side_files(d)] == ["config.json", "tiktoken.model"]
+    os.symlink(outside, tmp_path / "hf" / "tokenization_kimi.py")
+    with pytest.raises(UnsafePathError, match="tokenization_kimi.py"):
+        hf_side_files(d)
+
+
+def test_cli_refuses_in_one_line(fp8_dirs, tmp_path):
+    """hf_to_mcore.py: another method is one ``error:`` line naming it; ``--test`` of an FP8 input
+    (transformers cannot be its reference on CPU) is refused before anything is written."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "converters", "hf_to_mcore.py")
+    gptq = _small(tmp_path, {"a.qweight": torch.zeros(4, 4, dtype=torch.int32)}, dict(quant_method="gptq"))
+    env = {**os.environ, "PYTHONPATH": root}
+    for argv, said in (([gptq], "quant_method='gptq'"), ([fp8_dirs[1]["qwen3_moe"][0], "--test"], "--test compares")):
+        out = str(tmp_path / "out")
+        r = subprocess.run([sys.executable, script, "--hf_model_path", *argv[:1], "--output_path", out, *argv[1:]],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and said in r.stderr and not os.path.exists(out), r.stderr[-2000:]
+        assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1, r.stderr
+
+
+def test_kimi_k2_shaped_config_reads_as_deepseek_v3(tmp_path):
+    """The fields of Kimi-K2-Instruct's config.json (model_type kimi_k2, YaRN under the old key
+    ``type``, 384 experts, one group; written here from the published file's fields, not
+    downloaded) give DeepSeek-V3's ModelArgs."""
+    from mcore_rl.models.hf_config import model_args_from_hf
+
+    config = dict(architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", hidden_size=7168,
+                  intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
+                  num_key_value_heads=64, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
+                  first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True,
+                  scoring_func="sigmoid", topk_method="noaux_tc", q_lora_rank=1536, kv_lora_rank=512,
+                  qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=163840,
+                  max_position_embeddings=131072, rope_theta=50000.0, num_nextn_predict_layers=0,
+                  rope_scaling=dict(type="yarn", factor=32.0, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
+                                    mscale_all_dim=1.0, original_max_position_embeddings=4096),
+                  quantization_config=dict(BLOCK_FP8, weight_block_size=[128, 128]), torch_dtype="bfloat16")
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    args = model_args_from_hf(str(tmp_path))
+    assert args.arch.model_type == "deepseek_v3" and args.moe.num_experts == 384
+    assert args.mla.q_lora_rank == 1536 and args.rope.rope_type == "yarn" and args.rope.factor == 32.0
