@@ -30,6 +30,7 @@ from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.model_record import write_record
 from mcore_rl.conversion.convert_input import (HF_DTYPE_NAMES, ConvertError, DtypeName, DtypeWarning, check_input,
                                                check_output, resolve_dtype, role_from_config)
+from mcore_rl.conversion.merge_fp8 import STORED_KEY
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META, copy_hf_files, peak_rss_mb, process_age_s
 from mcore_rl.fileio.staging import Staging, StagingError
@@ -290,7 +291,8 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         raise ConvertError(f"--dtype {dtype!r}; use one of {sorted(DTYPES)}.")
     check_output(opts.output_path, opts.hf_model_path, opts.overwrite)
     args = model_args_from_hf(opts.hf_model_path)
-    source: Mapping[str, Tensor] = SafetensorsReader(opts.hf_model_path, dequant_dtype=DTYPES[dtype])
+    reader = SafetensorsReader(opts.hf_model_path, dequant_dtype=DTYPES[dtype])
+    source: Mapping[str, Tensor] = reader
     if role == "critic":  # a reward model's bias-free score head: bias 0, as load_hf does
         source = critic_head_source(source, args)
     destroy_parallel_state()  # the conversion owns this process's megatron groups
@@ -313,7 +315,10 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
             copy_hf_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"))
             _state_dtype(os.path.join(stage.path, "huggingface", "config.json"), dtype)
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
-            storage.write_json_atomic(os.path.join(stage.path, META), build_metadata(facts, role, ("model",), None))
+            meta = build_metadata(facts, role, ("model",), None)
+            if reader.fp8.scheme is not None:  # an FP8 import: merge --dtype fp8 writes back what was FP8
+                meta[STORED_KEY] = reader.stored_dtypes
+            storage.write_json_atomic(os.path.join(stage.path, META), meta)
             write_record(stage.path, role)  # last: every file with size and CRC-32, which readers verify
         summary = _summary(role, dtype, resolver, time.time() - start)
         if rank0:

@@ -33,7 +33,8 @@ from mcore_rl.fileio.output_dir import (check_replaceable, input_overlap, refuse
                                          write_export_record)
 from mcore_rl.fileio.staging import Staging
 from mcore_rl.fileio.torch_dist_read import TorchDistReader
-from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, FP8_DTYPE, is_quantized, quantize_block_fp8
+from mcore_rl.conversion.merge_fp8 import STORED_KEY, out_specs, tensor_formats
+from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, quantize_block_fp8
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 
@@ -363,38 +364,27 @@ def check_target(target_dir: str, local_dir: str, overwrite: bool) -> None:
     check_replaceable(target_dir, overwrite, "hf_export", f"target_dir {target_dir}", MergeError)
 
 
-def out_specs(units: list[Unit], dtype: torch.dtype, fp8: BlockFp8 | None) -> list[TensorSpec]:
-    """The tensors written, in order: each HF tensor in ``dtype``; with ``fp8``, a quantized one
-    (``fp8_quant.is_quantized``) as float8_e4m3fn followed by its float32 ``_scale_inv``."""
-    specs = []
-    for spec in (s for u in units for s in u.specs):
-        if fp8 is not None and is_quantized(spec.name, spec.shape):
-            specs += [TensorSpec(spec.name, spec.shape, FP8_DTYPE),
-                      TensorSpec(spec.name + SCALE_SUFFIX, fp8.scale_shape(spec.shape), torch.float32)]
-        else:
-            specs.append(TensorSpec(spec.name, spec.shape, dtype))
-    return specs
-
-
 def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dtype, directory: str,
                  max_shard_size: int | str, progress: bool, fp8: BlockFp8 | None = None) -> ShardedSafetensorsWriter:
     """Streams the HF tensors into ``directory`` (``fp8``: the quantized ones as block FP8 +
     scales, see ``out_specs``) and copies the non-weight HF files (tokenizer, generation config)
     of the model directory (no file that leaves it: symlinks are checked)."""
-    specs = out_specs(units, dtype, fp8)
-    writer = ShardedSafetensorsWriter(directory, specs, max_shard_size)
+    hf_specs = [s for u in units for s in u.specs]
+    formats = tensor_formats(hf_specs, dtype, fp8, model.meta.get(STORED_KEY) if fp8 is not None else None)
+    writer = ShardedSafetensorsWriter(directory, out_specs(hf_specs, formats, fp8), max_shard_size)
     tensors = iter_hf_tensors(model, units, dims, None if fp8 is not None else dtype)
     if progress:
         from tqdm import tqdm
 
         tensors = tqdm(tensors, total=sum(len(u.specs) for u in units), unit="tensor", desc="merge")
     for name, tensor in tensors:
-        if fp8 is not None and is_quantized(name, tuple(tensor.shape)):
+        fmt = formats[name]
+        if fmt is None:
             q, scale = quantize_block_fp8(tensor, fp8, name)
             writer.write(name, q)
             writer.write(name + SCALE_SUFFIX, scale)
         else:
-            writer.write(name, tensor if tensor.dtype == dtype else tensor.to(dtype))
+            writer.write(name, tensor if tensor.dtype == fmt else tensor.to(fmt))
     writer.close()
     for name in sorted(os.listdir(model.hf_dir)):
         src = contained(model.hf_dir, name, f"the listing of {model.hf_dir}")

@@ -28,6 +28,18 @@ _DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
+
+
+def dtype_of_name(name: str, where: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``"BF16"`` -> torch.bfloat16); a
+    CheckpointError naming ``where`` for a name this writer cannot write."""
+    for dtype, text in _DTYPES.items():
+        if text == name:
+            return dtype
+    raise CheckpointError(f"{where}: dtype {name!r} is not one of {sorted(_DTYPES.values())}; the record is "
+                          "damaged: write it again.")
+
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

@@ -83,6 +83,7 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
             )
         self.fp8 = plan_fp8(entries, scheme_of_directory(self.directory), self.directory)
         self._keys = [k for k in self._files if k not in self.fp8.hidden]
+        self.stored_dtypes = {k: entries[k]["dtype"] for k in self._keys}  # safetensors names, as on disk
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.fp8.hidden:
