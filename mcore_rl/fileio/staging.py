@@ -32,7 +32,7 @@ import warnings
 import zlib
 from dataclasses import dataclass, field
 
-from mcore_rl.errors import CheckpointError
+from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.faults import fault_point, io_fault
 from mcore_rl.fileio.files import fsync_path
 
@@ -41,7 +41,7 @@ class StagingError(CheckpointError):
     """An output directory that cannot be staged beside its destination."""
 
 
-class StagingWarning(UserWarning):
+class StagingWarning(McoreRLError, UserWarning):
     """Leftovers of an interrupted or failed commit that this run could not remove."""
 
 

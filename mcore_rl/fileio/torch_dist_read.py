@@ -363,7 +363,7 @@ def _first_clash(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], part: tup
     edges = [sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d, n in enumerate(part)]
     if math.prod(max(len(e) - 1, 1) for e in edges) > MAX_CELLS:
         return "cells"
-    owner = torch.full([max(len(e) - 1, 1) for e in edges], -1, dtype=torch.int32)
+    owner = torch.full([max(len(e) - 1, 1) for e in edges], -1, dtype=torch.int32)  # host: file format
     where = [{v: i for i, v in enumerate(e)} for e in edges]
     for b, (offsets, sizes) in enumerate(boxes):
         if 0 in sizes:

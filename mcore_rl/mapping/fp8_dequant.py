@@ -224,7 +224,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, scheme: FP8Scheme,
         per = s.reshape(()) if shape in ((), (1,)) else s.reshape(wshape[0], 1)
         return (weight.float() * per).to(dtype)
     b0, b1 = scheme.block
-    out = torch.empty(wshape, dtype=dtype)
+    out = torch.empty(wshape, dtype=dtype)  # host: file format
     for i in range(shape[-2]):
         band = slice(i * b0, (i + 1) * b0)
         row_scale = s[..., i, :].repeat_interleave(b1, dim=-1)[..., : wshape[-1]].unsqueeze(-2)

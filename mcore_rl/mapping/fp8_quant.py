@@ -121,8 +121,8 @@ def quantize_block_fp8(w: torch.Tensor, fmt: BlockFp8, name: str = "tensor",
     if w.dim() != 2:
         raise Fp8QuantError(f"{name}: block FP8 quantizes 2-D weights, got shape {tuple(w.shape)}.")
     (rows, cols), b0 = w.shape, fmt.block[0]
-    q = torch.empty(rows, cols, dtype=FP8_DTYPE)
-    scale = torch.empty(fmt.scale_shape((rows, cols)), dtype=torch.float32)
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE)  # host: file format
+    scale = torch.empty(fmt.scale_shape((rows, cols)), dtype=torch.float32)  # host: file format
     step = b0 * max(1, chunk_elements // max(1, b0 * cols))
     for row0 in range(0, rows, step):
         part = w[row0:row0 + step].detach().to(torch.float32)
@@ -138,7 +138,7 @@ def _quantize_rows(w: torch.Tensor, fmt: BlockFp8) -> tuple[torch.Tensor, torch.
     (rows, cols), (b0, b1) = w.shape, fmt.block
     nr, nc = fmt.scale_shape((rows, cols))
     padded = F.pad(w, (0, nc * b1 - cols, 0, nr * b0 - rows)).view(nr, b0, nc, b1)
-    amax = padded.abs().amax(dim=(1, 3)) if w.numel() else torch.zeros(nr, nc)
+    amax = padded.abs().amax(dim=(1, 3)) if w.numel() else torch.zeros(nr, nc)  # host: file format
     scale = block_scales(amax, fmt.scale_fmt)
     y = torch.clamp(padded / scale[:, None, :, None], -FP8_MAX, FP8_MAX)
     del padded
