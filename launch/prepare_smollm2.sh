@@ -24,8 +24,9 @@ if [ ! -f "$CACHE/$GGUF" ]; then
 fi
 fetched=$(date +%s)
 [ -d "$CACHE/hf" ] || "$PY" converters/gguf_to_hf.py --gguf_path "$CACHE/$GGUF" --output_path "$CACHE/hf"
-# a model directory from before HF_FILES held the chat template is replaced once its successor is complete
-if [ ! -f "$CACHE/mcore/huggingface/chat_template.jinja" ]; then
+# a model directory from an older converter (before HF_FILES held the chat template, before the
+# converter wrote RECORD, which merge verifies) is replaced once its successor is complete
+if [ ! -f "$CACHE/mcore/huggingface/chat_template.jinja" ] || [ ! -f "$CACHE/mcore/RECORD" ]; then
   rm -rf "$CACHE/mcore.partial"
   "$PY" converters/hf_to_mcore.py --hf_model_path "$CACHE/hf" --output_path "$CACHE/mcore.partial"
   rm -rf "$CACHE/mcore"
