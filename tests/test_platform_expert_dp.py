@@ -27,7 +27,7 @@ def _moe_layer(layout_kwargs: dict, experts: type):
 
     from mcore_rl.models.builder import BuildOptions, transformer_config
     from mcore_rl.models.hf_config import model_args_from_hf
-    from mcore_rl.models.specs import _LOCAL_MOE
+    from mcore_rl.models.specs import LOCAL_LINEARS, _local_moe
     from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
     from mcore_rl.platform import active_platform
 
@@ -35,7 +35,7 @@ def _moe_layer(layout_kwargs: dict, experts: type):
     initialize_parallel_state(layout)
     args = model_args_from_hf(tiny_config("qwen2_moe", num_hidden_layers=1))
     config = transformer_config(args, layout, BuildOptions(), active_platform())
-    local = _LOCAL_MOE.submodules
+    local = _local_moe(LOCAL_LINEARS).submodules
     spec = local.experts if experts is None else ModuleSpec(module=experts)
     return MoELayer(config, MoESubmodules(experts=spec, shared_experts=local.shared_experts))
 

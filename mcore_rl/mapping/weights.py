@@ -131,12 +131,20 @@ def _canonical_layer_name(layer: torch.nn.Module, rest: str) -> str:
 STATE_BUFFERS = ("mlp.router.expert_bias",)
 
 
-def canonical_params(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+# LoRA adapter factors (models/lora.py): ``<linear>.lora.A`` / ``<linear>.lora.B``
+ADAPTER_MARK = ".lora."
+
+
+def canonical_params(chunk: torch.nn.Module, adapters: bool = False) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(canonical name, parameter): global layer and expert indices, checkpoint key spelling.
-    The state buffers (``STATE_BUFFERS``) come after the parameters, as tensors."""
+    The state buffers (``STATE_BUFFERS``) come after the parameters, as tensors. LoRA adapter
+    factors (``ADAPTER_MARK`` in the name) are not base weights: left out unless ``adapters``,
+    then they are the only ones given."""
     model = unwrap(chunk)
     buffers = ((n, b) for n, b in model.named_buffers() if n.endswith(STATE_BUFFERS))
     for name, param in itertools.chain(model.named_parameters(), buffers):
+        if (ADAPTER_MARK in name) != adapters:
+            continue
         m = _LAYER.match(name)
         if m is None:
             yield name, param

@@ -14,6 +14,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.layers import ValueHead
+from mcore_rl.models.lora_build import attach_adapters, keep_input_grad
+from mcore_rl.models.lora_config import LoraConfig
 from mcore_rl.models.mla import mla_config_kwargs
 from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
 from mcore_rl.models.padding_idx import PadEmbeddingGrad, hold_pad_row
@@ -45,6 +47,8 @@ class BuildOptions:
     # parameters on torch's meta device (shapes only, no memory): a converter's target layout
     meta_device: bool = False
     pad_embedding_grad: PadEmbeddingGrad = "transformers"
+    # LoRA adapters on a frozen base (rank 0: off); models/lora_config.py
+    lora: LoraConfig = LoraConfig()
 
 
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
@@ -202,7 +206,7 @@ def transformer_config(
 
 def _build_chunk(
     args: ModelArgs, config: TransformerConfig, role: Role, platform: Platform, vp_stage: int | None,
-    device: torch.device,
+    device: torch.device, lora: bool = False,
 ) -> GPTModel:
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -215,6 +219,7 @@ def _build_chunk(
             vp_stage,
             args.moe.moe_layers if args.moe else None,
             mla=args.mla is not None,
+            lora=lora,
         ),
         vocab_size=padded_vocab_size(args.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
@@ -253,8 +258,10 @@ def build_model(
     stages = range(layout.vpp) if layout.vpp else [None]
     device = torch.device("meta") if options.meta_device else platform.device()
     with torch.device("meta") if options.meta_device else contextlib.nullcontext():
-        chunks = [_build_chunk(args, config, role, platform, vp, device) for vp in stages]
+        chunks = [_build_chunk(args, config, role, platform, vp, device, options.lora.enabled) for vp in stages]
     hold_pad_row(chunks, args.pad_token_id, options.pad_embedding_grad)
+    if options.lora.enabled:
+        _add_adapters(chunks, args, layout, role, options)
     if options.moe.freeze_router:
         for chunk in chunks:
             for name, param in chunk.named_parameters():
@@ -263,6 +270,24 @@ def build_model(
     if options.meta_device:
         return [_to_meta(chunk) for chunk in chunks]
     return [chunk.to(device) for chunk in chunks]
+
+
+def _add_adapters(chunks: list[GPTModel], args: ModelArgs, layout: ParallelLayout, role: Role,
+                  options: BuildOptions) -> None:
+    """LoRA adapters on the targeted linears; every base parameter frozen except a critic's
+    value head (new, so trained in full: peft's ``modules_to_save=['score']``)."""
+    if options.meta_device:
+        raise ConfigError("lora with meta_device=True: a converter's target model has no adapters; "
+                          "build without lora.")
+    from mcore_rl.models.hf_weights import weight_map  # hf_weights imports this module
+
+    attach_adapters(chunks, options.lora, weight_map(args, role, layout.tp), options.params_dtype)
+    if role == "critic":
+        for chunk in chunks:
+            for name, param in chunk.named_parameters():
+                if name.startswith("output_layer."):
+                    param.requires_grad_(True)
+    keep_input_grad(chunks)
 
 
 def _to_meta(chunk: GPTModel) -> GPTModel:

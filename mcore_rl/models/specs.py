@@ -7,6 +7,7 @@ key-padding mask [b, 1, 1, s] (True = padding).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -33,6 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from mcore_rl.models.layers import RMSNorm, TorchCoreAttention
+from mcore_rl.models.lora import LoraColumnParallelLinear, LoraReplicatedLinear, LoraRowParallelLinear
 
 # The local spec keeps norms as separate modules; TE fuses them into the next linear. These
 # renames make the local spec's checkpoint keys the TE ones. TE's MoE layers keep a separate
@@ -49,24 +51,42 @@ MLA_TO_TE_KEYS = {
     "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
 }
 
-_LOCAL_MLP = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-_LOCAL_MOE = ModuleSpec(
-    module=MoELayer,
-    submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=_LOCAL_MLP),
-        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_LOCAL_MLP),
-    ),
-)
+@dataclass(frozen=True)
+class Linears:
+    """The linear classes a spec places: megatron's, or their LoRA-capable subclasses."""
+
+    column: type = ColumnParallelLinear
+    row: type = RowParallelLinear
+    replicated: type = ReplicatedLinear
 
 
-def _gqa_attention(qk_norm: bool) -> ModuleSpec:
+LOCAL_LINEARS = Linears()
+LORA_LINEARS = Linears(LoraColumnParallelLinear, LoraRowParallelLinear, LoraReplicatedLinear)
+
+
+def _mlp(lin: Linears) -> MLPSubmodules:
+    # a fresh object per use: dense MLP, shared experts and routed experts each have their own
+    return MLPSubmodules(linear_fc1=lin.column, linear_fc2=lin.row)
+
+
+def _local_moe(lin: Linears) -> ModuleSpec:
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=SequentialMLP, submodules=_mlp(lin)),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=_mlp(lin)),
+        ),
+    )
+
+
+def _gqa_attention(qk_norm: bool, lin: Linears) -> ModuleSpec:
     return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.padding_causal},
         submodules=SelfAttentionSubmodules(
-            linear_qkv=ColumnParallelLinear,
+            linear_qkv=lin.column,
             core_attention=TorchCoreAttention,
-            linear_proj=RowParallelLinear,
+            linear_proj=lin.row,
             q_layernorm=RMSNorm if qk_norm else IdentityOp,
             k_layernorm=RMSNorm if qk_norm else IdentityOp,
         ),
@@ -76,27 +96,30 @@ def _gqa_attention(qk_norm: bool) -> ModuleSpec:
 # The down-projections are replicated over TP, as TE's 'duplicated' linears: megatron's MLA then
 # all-gathers the shared rope key over SP with a reduce-scatter backward, where its TP-split
 # (ColumnParallelLinear) branch drops the other ranks' gradient of that key (Megatron-LM #1699).
-_MLA_ATTENTION = ModuleSpec(
-    module=MLASelfAttention,
-    params={"attn_mask_type": AttnMaskType.padding_causal},
-    submodules=MLASelfAttentionSubmodules(
-        linear_q_proj=ColumnParallelLinear,
-        linear_q_down_proj=ReplicatedLinear,
-        linear_q_up_proj=ColumnParallelLinear,
-        linear_kv_down_proj=ReplicatedLinear,
-        linear_kv_up_proj=ColumnParallelLinear,
-        core_attention=TorchCoreAttention,
-        linear_proj=RowParallelLinear,
-        q_layernorm=RMSNorm,
-        kv_layernorm=RMSNorm,
-    ),
-)
+def _mla_attention(lin: Linears) -> ModuleSpec:
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.padding_causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=lin.column,
+            linear_q_down_proj=lin.replicated,
+            linear_q_up_proj=lin.column,
+            linear_kv_down_proj=lin.replicated,
+            linear_kv_up_proj=lin.column,
+            core_attention=TorchCoreAttention,
+            linear_proj=lin.row,
+            q_layernorm=RMSNorm,
+            kv_layernorm=RMSNorm,
+        ),
+    )
 
 
-def local_layer_spec(qk_norm: bool, moe: bool = False, mla: bool = False) -> ModuleSpec:
+def local_layer_spec(qk_norm: bool, moe: bool = False, mla: bool = False,
+                     lin: Linears = LOCAL_LINEARS) -> ModuleSpec:
     """CPU spec: megatron's TransformerLayer/SelfAttention (or MLASelfAttention)/MLP (or
-    MoELayer with SequentialMLP experts) with our norm and core attention."""
-    mlp = _LOCAL_MOE if moe else ModuleSpec(module=MLP, submodules=_LOCAL_MLP)
+    MoELayer with SequentialMLP experts) with our norm and core attention; ``lin``: the linear
+    classes (LORA_LINEARS for a model with adapters)."""
+    mlp = _local_moe(lin) if moe else ModuleSpec(module=MLP, submodules=_mlp(lin))
     if mla:
         keys = {**MLA_TO_TE_KEYS, **({} if moe else {"pre_mlp_layernorm.": DENSE_TO_TE_KEYS["pre_mlp_layernorm."]})}
     else:
@@ -105,7 +128,7 @@ def local_layer_spec(qk_norm: bool, moe: bool = False, mla: bool = False) -> Mod
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
-            self_attention=_MLA_ATTENTION if mla else _gqa_attention(qk_norm),
+            self_attention=_mla_attention(lin) if mla else _gqa_attention(qk_norm, lin),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
             mlp=mlp,
@@ -135,18 +158,23 @@ def block_spec(
     vp_stage: int | None,
     moe_layers: tuple[bool, ...] | None = None,
     mla: bool = False,
+    lora: bool = False,
 ) -> TransformerBlockSubmodules:
     """The decoder block of one pipeline (virtual) stage: its layers and the final norm.
 
     ``moe_layers[i]`` (global layer index) selects an MoE layer; None means all dense.
+    ``lora``: the local spec with LoRA-capable linears, on GPU too (the Transformer Engine spec
+    fuses the layer norm into linear_qkv/linear_fc1, whose adapters would need the normed input,
+    and runs grouped expert GEMMs; both specs have the same checkpoint keys).
     """
-    if use_te:
+    if use_te and not lora:
         from megatron.core.extensions.transformer_engine import TENorm
 
         dense, moe = te_layer_spec(qk_norm, mla=mla), te_layer_spec(qk_norm, config.num_moe_experts, mla)
         final_norm = TENorm
     else:
-        dense, moe = local_layer_spec(qk_norm, mla=mla), local_layer_spec(qk_norm, True, mla)
+        lin = LORA_LINEARS if lora else LOCAL_LINEARS
+        dense, moe = local_layer_spec(qk_norm, mla=mla, lin=lin), local_layer_spec(qk_norm, True, mla, lin)
         final_norm = RMSNorm
     first = get_transformer_layer_offset(config, vp_stage=vp_stage)
     count = get_num_layers_to_build(config, vp_stage=vp_stage)

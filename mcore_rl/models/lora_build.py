@@ -1,0 +1,138 @@
+"""Gives the targeted linears of freshly built chunks their LoRA adapters and freezes the base.
+
+Each full adapter (the TP=1 layout) is drawn from a seed keyed by its canonical name, then split
+as its weight is (the mapping table's transform), so every layout starts from the same adapters.
+Canonical LoRA's B has one column block per adapted part (q/k/v, gate/up), zero elsewhere: its
+mask is built in the HF layout (one indicator per part) and brought into megatron's row order by
+the same transform as the weight.
+"""
+from __future__ import annotations
+
+import torch
+
+from mcore_rl.mapping.transforms import Transform
+from mcore_rl.mapping.weights import WeightMap, unwrap
+from mcore_rl.models.lora import (
+    LORA_LINEARS,
+    LoraAdapter,
+    LoraColumnParallelLinear,
+    adapter_dtype,
+    expert_tp_rank_size,
+    init_full,
+    lora_modules,
+)
+from mcore_rl.models.lora_config import LoraConfig, LoraConfigError
+
+Tensor = torch.Tensor
+
+
+def linear_sites(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(canonical module name, module) of every LoRA-capable linear in a chunk."""
+    from mcore_rl.mapping.weights import canonical_params
+
+    names = {id(p): n for n, p in canonical_params(chunk)}
+    sites = []
+    for module in unwrap(chunk).modules():
+        if isinstance(module, LORA_LINEARS):
+            name = names[id(module.weight)]
+            sites.append((name[: -len(".weight")], module))
+    return sites
+
+
+def attach_adapters(chunks: list[torch.nn.Module], config: LoraConfig, wmap: WeightMap,
+                    params_dtype: torch.dtype) -> int:
+    """Adapters on every linear ``config`` targets, initialised from their seeds; every other
+    parameter frozen. Returns the number of adapted linears (an error when it is 0)."""
+    dtype = adapter_dtype(config, params_dtype)
+    count = 0
+    for chunk in chunks:
+        for name, module in linear_sites(chunk):
+            parts = config.parts(name)
+            if parts is None:
+                continue
+            _, transform = wmap.rule(name + ".weight")
+            module.lora = _build_adapter(module, name, parts, config, transform, wmap, dtype)
+            if isinstance(module, LoraColumnParallelLinear):
+                module.lora_glu_rows = transform.name.endswith("gate_up")
+            count += 1
+    if count == 0 and any(True for _ in chunks):
+        _check_some_target(chunks, config)
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            param.requires_grad_(".lora." in name)
+    return count
+
+
+def _check_some_target(chunks: list[torch.nn.Module], config: LoraConfig) -> None:
+    """A pipeline stage may hold no targeted layer; a model may not (checked on this stage's
+    names: the message lists what exists)."""
+    names = [n for c in chunks for n, _ in linear_sites(c)]
+    if not any(config.parts(n) is not None for n in names) and not any("*" in t for t in config.target_modules):
+        raise LoraConfigError(
+            f"lora.target_modules={list(config.target_modules)} match no linear of this model; its "
+            f"linears are named like {sorted({n.rsplit('.', 1)[-1] for n in names})}."
+        )
+
+
+def _build_adapter(module: torch.nn.Module, name: str, parts: tuple[int, ...], config: LoraConfig,
+                   transform: Transform, wmap: WeightMap, dtype: torch.dtype) -> LoraAdapter:
+    split = {0: "column", 1: "row", None: None}[transform.split_dim]
+    rank, size = expert_tp_rank_size(transform.expert)
+    out_local, in_local = module.weight.shape
+    full_out = out_local * size if split == "column" else out_local
+    full_in = in_local * size if split == "row" else in_local
+    r = config.rank * max(len(parts), 1)
+    mask_full = _part_mask(parts, config.rank, transform, wmap, full_out) if parts else None
+    a_full = init_full(config.lora_A_init_method, (r, full_in), f"{name}.lora.A", config.seed)
+    b_full = init_full(config.lora_B_init_method, (full_out, r), f"{name}.lora.B", config.seed)
+    if mask_full is not None:
+        b_full = b_full * mask_full
+    mask = None if mask_full is None else _shard(mask_full, transform, split, "B", rank, size)
+    adapter = LoraAdapter(module, r, config, split, mask, dtype)
+    with torch.no_grad():
+        adapter.A.copy_(_shard(a_full, transform, split, "A", rank, size))
+        adapter.B.copy_(_shard(b_full, transform, split, "B", rank, size))
+    return adapter
+
+
+def _shard(full: Tensor, transform: Transform, split: str | None, factor: str, rank: int, size: int) -> Tensor:
+    """This rank's part of a full factor: B split like the weight's rows, A like its columns."""
+    if (split, factor) in (("column", "B"), ("row", "A")):
+        return transform.shard(full, rank, size)
+    return full
+
+
+def _part_mask(parts: tuple[int, ...], rank: int, transform: Transform, wmap: WeightMap,
+               full_out: int) -> Tensor:
+    """[full_out, rank * len(parts)]: 1 where a row of adapted part ``parts[j]`` meets column
+    block j, in megatron's row order (the transform of the HF pieces)."""
+    pieces = transform.to_hf(torch.zeros(full_out, 1), wmap.dims)
+    width = rank * len(parts)
+    blocks = []
+    for index, piece in enumerate(pieces):
+        block = torch.zeros(piece.shape[0], width)
+        if index in parts:
+            j = parts.index(index)
+            block[:, j * rank:(j + 1) * rank] = 1.0
+        blocks.append(block)
+    return transform.to_mcore(blocks, wmap.dims)
+
+
+def keep_input_grad(chunks: list[torch.nn.Module]) -> None:
+    """The embedding output requires grad while training: megatron's activation recompute
+    (CheckpointFunction) returns no gradient when its inputs need none, and with a frozen
+    embedding the first layer's inputs would not (the adapters would silently get zero grads)."""
+    for chunk in chunks:
+        model = unwrap(chunk)
+        if getattr(model, "pre_process", False):
+            model.embedding.register_forward_hook(_require_grad)
+
+
+def _require_grad(module, inputs, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        return output.detach().requires_grad_(True)
+    return output
+
+
+def adapter_count(chunks: list[torch.nn.Module]) -> int:
+    return sum(1 for _ in lora_modules(chunks))
