@@ -260,14 +260,15 @@ def _hf_shapes(transform: Transform, local_shape: torch.Size, dims: Dims) -> lis
 
 
 def _local_items(
-    chunks: list[torch.nn.Module], wmap: WeightMap, tensor_of: Callable
+    chunks: list[torch.nn.Module], wmap: WeightMap, tensor_of: Callable, adapters: bool = False
 ) -> tuple[list[_Item], dict[str, torch.nn.Parameter]]:
-    """This rank's parameters as export items, and canonical name -> parameter."""
+    """This rank's parameters (``adapters``: its LoRA factors) as export items, and canonical
+    name -> parameter."""
     stage = parallel_state.get_pipeline_model_parallel_rank()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     items, params = [], {}
     for chunk_index, chunk in enumerate(chunks):
-        for position, (name, param) in enumerate(canonical_params(chunk)):
+        for position, (name, param) in enumerate(canonical_params(chunk, adapters)):
             if wmap.tied_embeddings and name == _TIED_OUTPUT:
                 continue  # the embedding on the first stage is the exported copy
             hf_names, transform = wmap.rule(name)
@@ -347,6 +348,7 @@ def iter_hf_buckets(
     bucket_bytes: int,
     tensor_of: Callable[[torch.nn.Parameter], Tensor] = lambda p: p.data,
     fp8: BlockFp8 | None = None,
+    adapters: bool = False,
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Full HF-named tensors of a live sharded model, on every rank, in buckets.
 
@@ -366,12 +368,14 @@ def iter_hf_buckets(
     ``fp8``: the tensors ``fp8_quant.is_quantized`` names go out as block FP8 (float8_e4m3fn)
     each followed by its float32 ``<name>_scale_inv`` in the same bucket, as ``merge --dtype
     fp8`` writes them; the bucket bound counts the scales' bytes.
+    ``adapters``: export the LoRA factors instead of the base weights (``wmap`` then names
+    their rules: mapping/peft.py's ``AdapterMap``).
     """
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ExportError(
             f"bucket_bytes={bucket_bytes!r} must be a positive int (bytes per bucket, e.g. 512 << 20)."
         )
-    return _buckets(chunks, wmap, bucket_bytes, tensor_of, fp8)
+    return _buckets(chunks, wmap, bucket_bytes, tensor_of, fp8, adapters)
 
 
 def _as_written(name: str, tensor: Tensor, fp8: BlockFp8 | None) -> list[tuple[str, Tensor]]:
@@ -385,8 +389,8 @@ def _as_written(name: str, tensor: Tensor, fp8: BlockFp8 | None) -> list[tuple[s
 # no torch.no_grad() here: on a generator its wrapper holds the last yielded bucket while the next
 # one fills (two buckets alive); _fetch carries it instead
 def _buckets(chunks, wmap: WeightMap, bucket_bytes: int, tensor_of: Callable,
-             fp8: BlockFp8 | None = None) -> Iterator[list]:
-    local, params = _local_items(chunks, wmap, tensor_of)
+             fp8: BlockFp8 | None = None, adapters: bool = False) -> Iterator[list]:
+    local, params = _local_items(chunks, wmap, tensor_of, adapters)
     bucket: list[tuple[str, Tensor]] = []
     filled = 0
     for item in _export_plan(local):
@@ -407,6 +411,8 @@ def export_hf_weights(
     wmap: WeightMap,
     tensor_of: Callable[[torch.nn.Parameter], Tensor] = lambda p: p.data,
     bucket_bytes: int = 512 << 20,
+    adapters: bool = False,
 ) -> dict[str, Tensor]:
     """Full HF-named tensors on every rank (the whole model: a dict over ``iter_hf_buckets``)."""
-    return {name: t for bucket in iter_hf_buckets(chunks, wmap, bucket_bytes, tensor_of) for name, t in bucket}
+    buckets = iter_hf_buckets(chunks, wmap, bucket_bytes, tensor_of, adapters=adapters)
+    return {name: t for bucket in buckets for name, t in bucket}

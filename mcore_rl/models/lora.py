@@ -86,6 +86,7 @@ class LoraAdapter(torch.nn.Module):
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not is_expert
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout > 0 else None
         self.dropout_position = config.dropout_position
+        self.site = None  # its layout for export (mapping.peft.AdapterSite), set by lora_build
         self._mark(base.weight)
 
     def _mark(self, weight: Tensor) -> None:

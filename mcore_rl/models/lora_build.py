@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mcore_rl.mapping.peft import AdapterSite
 from mcore_rl.mapping.transforms import Transform
 from mcore_rl.mapping.weights import WeightMap, unwrap
 from mcore_rl.models.lora import (
@@ -89,6 +90,8 @@ def _build_adapter(module: torch.nn.Module, name: str, parts: tuple[int, ...], c
         b_full = b_full * mask_full
     mask = None if mask_full is None else _shard(mask_full, transform, split, "B", rank, size)
     adapter = LoraAdapter(module, r, config, split, mask, dtype)
+    pieces = transform.to_hf(torch.empty(full_out, 1, device="meta"), wmap.dims)
+    adapter.site = AdapterSite(parts, config.rank, config.scaling, tuple(p.shape[0] for p in pieces))
     with torch.no_grad():
         adapter.A.copy_(_shard(a_full, transform, split, "A", rank, size))
         adapter.B.copy_(_shard(b_full, transform, split, "B", rank, size))
@@ -136,3 +139,9 @@ def _require_grad(module, inputs, output):
 
 def adapter_count(chunks: list[torch.nn.Module]) -> int:
     return sum(1 for _ in lora_modules(chunks))
+
+
+def adapter_sites(chunks: list[torch.nn.Module]) -> dict[str, AdapterSite]:
+    """canonical linear name -> its adapter's layout, for the adapters of these chunks."""
+    return {name: module.lora.site for chunk in chunks for name, module in linear_sites(chunk)
+            if module.lora is not None}

@@ -11,6 +11,7 @@ from typing import Literal
 
 import torch
 
+from mcore_rl.models.lora import adapters_disabled
 from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.rl import losses
 from mcore_rl.models.routing import ROUTED_EXPERTS
@@ -97,10 +98,18 @@ class Actor:
 
     @torch.no_grad()
     def compute_ref_log_prob(self, batch: dict) -> Tensor:
-        """[B, R] log-probs under the frozen reference policy (rows as compute_log_prob)."""
-        if self.ref is None:
-            raise ConfigError("this Actor has no reference model; pass Actor(..., ref=ModelEngine(...)).")
-        return self._forward_log_probs(self.ref, batch, False)["log_probs"]
+        """[B, R] log-probs under the frozen reference policy (rows as compute_log_prob): the
+        ``ref`` engine, or for a LoRA actor without one the same engine with its adapters off
+        (the frozen base). With router replay the routes are computed afresh here, as for a
+        separate reference engine; a trainer that wants the actor's routes passes them as
+        ``batch['routed_experts']`` with router_replay on (see ``replay_ref_routes``)."""
+        if self.ref is not None:
+            return self._forward_log_probs(self.ref, batch, False)["log_probs"]
+        if not self.engine.has_adapters:
+            raise ConfigError("this Actor has no reference model; pass Actor(..., ref=ModelEngine(...)) or "
+                              "train with LoRA (lora.rank > 0), whose frozen base is the reference.")
+        with adapters_disabled(self.engine.model):
+            return self._forward_log_probs(self.engine, batch, False)["log_probs"]
 
     # ---- update --------------------------------------------------------------------------
     def update_policy(self, batch: dict) -> dict[str, float]:

@@ -15,6 +15,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from mcore_rl.models.builder import BuildOptions, Role, build_model
 from mcore_rl.models.ddp import wrap_with_ddp
+from mcore_rl.models.lora import lora_modules
 from mcore_rl.models.forward import LossFn, run_schedule
 from mcore_rl.models.micro_batch import MicroBatch, as_micro_batch
 from mcore_rl.models.hf_config import ModelArgs
@@ -137,6 +138,11 @@ class ModelEngine:
         """
         load_hf(self.model, self.args, self.role, source, init_value_head=init_value_head)
         self.refresh_optimizer_params()
+
+    @property
+    def has_adapters(self) -> bool:
+        """True for a LoRA engine (adapters on a frozen base)."""
+        return any(True for _ in lora_modules(self.model))
 
     def refresh_optimizer_params(self) -> None:
         """Re-copies the model parameters into the optimizer's main (fp32) parameters; call after

@@ -1,0 +1,78 @@
+"""LoRA bodies run inside N-rank worlds (tests/dist.py) and the peft + transformers references."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tests.steps import EXACT_MOE
+
+OPTIM = dict(name="adam", lr=0.05, eps=1.0, clip_grad=1.0)
+
+
+def build_engine(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False, recompute=None,
+                 optim: dict | None = OPTIM):
+    """A LoRA ModelEngine (actor) loaded from ``hf_dir`` at ``layout_kwargs``."""
+    from mcore_rl.models.builder import BuildOptions
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.models.moe import MoEOptions
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.platform import active_platform
+    from mcore_rl.rl.engine import ModelEngine, OptimConfig
+
+    layout = ParallelLayout(**layout_kwargs)
+    initialize_parallel_state(layout)
+    args = model_args_from_hf(hf_dir)
+    options = BuildOptions(lora=LoraConfig(**lora), recompute=recompute,
+                           moe=MoEOptions(**EXACT_MOE) if moe else MoEOptions())
+    return ModelEngine(args, layout, "actor", active_platform(), options,
+                       OptimConfig(**optim) if optim else None, hf_dir)
+
+
+def peft_tensors(engine) -> dict[str, torch.Tensor]:
+    """The engine's adapters as PEFT-named full tensors, on every rank."""
+    from mcore_rl.mapping.peft import AdapterMap
+    from mcore_rl.mapping.weights import export_hf_weights
+    from mcore_rl.models.hf_weights import weight_map
+    from mcore_rl.models.lora_build import adapter_sites
+
+    amap = AdapterMap(weight_map(engine.args, "actor", engine.layout.tp), adapter_sites(engine.model))
+    # clones: tensors that needed no gather are views of the parameters, which training changes
+    return {k: v.clone() for k, v in export_hf_weights(engine.model, amap, adapters=True).items()}
+
+
+def lora_update(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, actor: dict, moe: bool = False,
+                recompute=None) -> dict:
+    """log-probs with adapters and with adapters off (reference), one update_policy, adapters
+    before and after (PEFT names), the base weights after (HF names) and the metrics."""
+    from mcore_rl.models.hf_weights import export_hf
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    engine = build_engine(hf_dir, layout_kwargs, lora, moe, recompute)
+    act = Actor(engine, ActorConfig(**actor))
+    out = {"log_probs": act.compute_log_prob(batch)["log_probs"], "ref_log_probs": act.compute_ref_log_prob(batch),
+           "peft_before": peft_tensors(engine)}
+    out["metrics"] = act.update_policy(batch)
+    out["peft_after"] = peft_tensors(engine)
+    out["base_after"] = export_hf(engine.model, engine.args, "actor")
+    return out
+
+
+def peft_model(hf, lora: dict, tensors: dict[str, torch.Tensor]):
+    """A peft LoRA model over a copy of ``hf`` holding ``tensors`` (PEFT names) as its adapters."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    targets = sorted({k.split(".")[-3] for k in tensors})
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets, lora_dropout=0.0)
+    model = get_peft_model(copy.deepcopy(hf), config)
+    result = set_peft_model_state_dict(model, tensors)
+    if result.unexpected_keys:
+        raise AssertionError(f"peft did not take {result.unexpected_keys[:4]}")
+    return model.eval()
+
+
+def peft_state(model) -> dict[str, torch.Tensor]:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
