@@ -25,7 +25,8 @@ setup(
         # gguf reads llama.cpp files (converters/gguf_to_hf.py); accelerate lets the tests compare
         # with transformers' own GGUF loader
         "gguf": ["gguf>=0.10"],
-        "test": ["pytest", "gguf>=0.10", "accelerate"],
+        # peft: the LoRA tests compare PEFT-format adapters with peft itself
+        "test": ["pytest", "gguf>=0.10", "accelerate", "peft==0.21.2"],
         # Never part of the test command: it can pull a CUDA torch. NVIDIA apex is built from
         # source (see README); the PyPI package named `apex` is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
