@@ -1,7 +1,7 @@
 """verl configs read by the mcore_rl engine, no processes: the optimizer's LR schedule equals what
 verl's Megatron path builds (verl's own ``get_megatron_optimizer_param_scheduler`` on a stand-in
 optimizer), refused optimizer keys, the schedule after a checkpoint load, router replay in the
-engine group, LoRA refused, and a verl Megatron script's overrides composed with
+engine group, verl's LoRA keys (model.lora.* read, FSDP-only keys refused), and a verl Megatron script's overrides composed with
 ``model_engine=mcore_rl``."""
 from __future__ import annotations
 
@@ -238,29 +238,56 @@ def test_router_replay_is_a_structured_engine_key(model_dir):
     assert (engines["actor"].router_replay.mode, engines["critic"].router_replay.mode) == ("R2", "R3")
 
 
-LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora_rank=8",
-        "actor_rollout_ref.model.lora_adapter_path=/adapters/a", "actor_rollout_ref.model.lora.adapter_path=/a",
-        "critic.model.lora_rank=4", "critic.model.lora.rank=4"]
+# verl's FSDP-engine LoRA keys away from their defaults: (override, the model.lora key named instead)
+FSDP_LORA = [("actor_rollout_ref.model.lora_rank=8", "lora.rank"),
+             ("actor_rollout_ref.model.lora_alpha=32", "lora.alpha"),
+             ("actor_rollout_ref.model.target_modules=[q_proj]", "lora.target_modules"),
+             ("actor_rollout_ref.model.lora_adapter_path=/adapters/a", "lora.adapter_path"),
+             ("critic.model.lora_rank=4", "lora.rank")]
 
 
-@pytest.mark.parametrize("override", LORA)
-def test_lora_settings_are_refused_where_verl_reads_them(plain, override):
+@pytest.mark.parametrize("override, instead", FSDP_LORA, ids=[o.split("=")[0].split(".", 1)[1] for o, _ in FSDP_LORA])
+def test_fsdp_lora_keys_are_refused_naming_model_lora(plain, override, instead):
     key = override.split("=")[0]
-    with config_error(f"{key}=", "LoRA is not supported by the mcore_rl engine"):
+    where = key.rsplit(".", 1)[0]
+    with config_error(f"{key}=", "FSDP-engine LoRA key", f"{where}.{instead}"):
         _engines(_with(plain, override))
 
 
-def test_lora_refused_at_engine_construction(model_dir):
-    """Any trainer (the SFT trainer too): the engine refuses before touching a process group."""
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.model.lora.type=dora", "actor_rollout_ref.model.lora.type='dora'"),
+    ("actor_rollout_ref.model.lora.type=vlm_lora", "actor_rollout_ref.model.lora.type='vlm_lora'"),
+    ("actor_rollout_ref.model.lora.target_modules=[q_proj]", "entry 'q_proj' names no linear"),
+    ("actor_rollout_ref.model.lora.adapter_path=/a", "lora.adapter_path='/a'"),
+    ("critic.model.lora.dropout=1.5", "critic.model.lora.dropout=1.5"),
+])
+def test_model_lora_settings_mcore_rl_cannot_run_are_refused(plain, override, message):
+    rank = "critic.model.lora.rank=4" if override.startswith("critic") else "actor_rollout_ref.model.lora.rank=8"
+    with config_error(message):
+        _engines(_with(_with(plain, rank), override))
+
+
+def test_model_lora_reaches_the_engine_with_fsdp_defaults_ignored(model_dir):
+    """verl's model config as its workers build it (FSDP keys at their defaults, always
+    present) with model.lora.* set: the engine's LoraConfig carries them; refusals come before
+    any process group is touched (the SFT trainer's path too)."""
     from verl.workers.config import HFModelConfig
 
     from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError
+    from mcore_rl.integrations.verl.verl_lora import lora_config
+
+    model = HFModelConfig(path=model_dir, lora={"rank": 8, "alpha": 16, "type": "canonical_lora", "merge": True,
+                                                "target_modules": ["linear_q", "linear_fc2"], "dropout": 0.0})
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (0, 16, "all-linear")  # verl's defaults
+    got = lora_config(model, "model", seed=7)
+    assert (got.rank, got.alpha, got.type, got.merge, got.target_modules, got.seed) == (
+        8, 16, "canonical_lora", True, ("linear_q", "linear_fc2"), 7)
+    assert not lora_config(HFModelConfig(path=model_dir), "model").enabled
     from mcore_rl.integrations.verl.engine import McoreRLEngineWithLMHead
 
-    for lora in (dict(lora_rank=16), dict(lora={"rank": 8}), dict(lora_adapter_path="/adapters/a")):
-        model = HFModelConfig(path=model_dir, **lora)
-        with pytest.raises(VerlConfigError, match="model.lora.*not supported by the mcore_rl engine"):
-            McoreRLEngineWithLMHead(model, McoreRLEngineConfig(), None, None)
+    for bad in (dict(lora_rank=16), dict(lora={"rank": 8, "type": "dora"}), dict(lora_adapter_path="/adapters/a")):
+        with pytest.raises(VerlConfigError, match=r"model\.lora"):
+            McoreRLEngineWithLMHead(HFModelConfig(path=model_dir, **bad), McoreRLEngineConfig(), None, None)
 
 
 # A verl Megatron PPO script's overrides (keys of verl's examples/*/run_*megatron*.sh that verl

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from verl.workers.config import ActorConfig, CriticConfig, McoreEngineConfig
 from verl.workers.config.engine import EngineConfig
@@ -91,29 +91,14 @@ class MegatronEngineKeys(McoreEngineConfig):
         pass
 
 
-# LoRA switches verl reads (trainer_base / ray_trainer ``ref_in_actor``, the SFT trainer, the
-# engines): (key under the model config, the value that means "off")
-LORA_KEYS = (("lora_rank", 0), ("lora.rank", 0), ("lora_adapter_path", None), ("lora.adapter_path", None))
+def check_lora(model_config: Any, where: str) -> None:
+    """verl's model config's LoRA settings, checked when verl validates its configs (the engine
+    reads them again): ``model.lora.*`` as mcore_rl's LoraConfig, FSDP-only keys at their
+    defaults (``verl_lora.lora_config``)."""
+    from mcore_rl.integrations.verl.verl_lora import lora_config
 
-
-def _lookup(config: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if config is None:
-            return None
-        config = config.get(part) if isinstance(config, Mapping) else getattr(config, part, None)
-    return config
-
-
-def refuse_lora(model_config: Any, where: str) -> None:
-    """A LoRA rank > 0 or an adapter path: an error naming the key (verl would make the actor its
-    own reference and train adapters; the mcore_rl engine would train every weight)."""
-    for key, off in LORA_KEYS:
-        value = _lookup(model_config, key)
-        active = (value or 0) > 0 if off == 0 else value is not None
-        if active:
-            raise VerlConfigError(f"{where}.{key}={value!r}: LoRA is not supported by the mcore_rl engine yet (it "
-                                  "would train every weight, and verl would take the policy itself as the reference); "
-                                  f"set {where}.{key}={off!r}, or use verl's megatron/fsdp engine for LoRA.")
+    if model_config is not None:
+        lora_config(model_config, where)
 
 
 def _merge_megatron(engine: McoreRLEngineConfig, megatron: Any, where: str) -> McoreRLEngineConfig:
@@ -141,9 +126,9 @@ class McoreRLActorConfig(ActorConfig):
         self.engine = self.mcore_rl
 
     def validate(self, n_gpus: int, train_batch_size: int, model_config: dict = None) -> None:
-        """verl's checks, and LoRA refused (verl's ``validate_config`` passes the model config)."""
+        """verl's checks, and the LoRA keys (verl's ``validate_config`` passes the model config)."""
         super().validate(n_gpus, train_batch_size, model_config)
-        refuse_lora(model_config, "actor_rollout_ref.model")
+        check_lora(model_config, "actor_rollout_ref.model")
 
 
 @dataclass
@@ -159,7 +144,7 @@ class McoreRLCriticConfig(CriticConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        refuse_lora(self.model, "critic.model")
+        check_lora(self.model, "critic.model")
         self.mcore_rl = _merge_megatron(self.mcore_rl, self.megatron, "critic")
         self.engine = self.mcore_rl
 

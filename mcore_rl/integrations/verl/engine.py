@@ -25,13 +25,14 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from mcore_rl.errors import McoreRLError
-from mcore_rl.integrations.verl import ray_nodes, verl_batches, verl_checkpoints, verl_optim, verl_routing
-from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError, refuse_lora
+from mcore_rl.integrations.verl import ray_nodes, verl_batches, verl_checkpoints, verl_lora, verl_optim, verl_routing
+from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError
 from mcore_rl.models.builder import BuildOptions, Role
 from mcore_rl.models.forward import run_schedule
 from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.models.hf_config import model_args_from_hf
 from mcore_rl.models.hf_weights import export_hf_buckets
+from mcore_rl.models.lora import adapters_disabled, merged_tensor_of
 from mcore_rl.models.routing import ROUTED_EXPERTS
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
 from mcore_rl.platform import setup_platform
@@ -58,7 +59,8 @@ class McoreRLEngine(BaseEngine):
         if not isinstance(engine_config, McoreRLEngineConfig):
             raise VerlConfigError(f"the mcore_rl engine needs engine=mcore_rl (McoreRLEngineConfig), got "
                                   f"{type(engine_config).__name__}.")
-        refuse_lora(model_config, "model")
+        # model.lora.* (verl's Megatron keys); FSDP-only LoRA keys refused before any process group use
+        self.lora = verl_lora.lora_config(model_config, "model", seed=engine_config.seed)
         self.model_config, self.engine_config = model_config, engine_config
         verl_checkpoints.check_checkpoint_config(checkpoint_config)  # refused now, not at the first save
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
@@ -92,7 +94,7 @@ class McoreRLEngine(BaseEngine):
         recompute = c.recompute_granularity or (
             "full" if getattr(self.model_config, "enable_gradient_checkpointing", False) else None)
         options = BuildOptions(params_dtype=torch.bfloat16 if c.is_bf16 else torch.float32, recompute=recompute,
-                               recompute_num_layers=c.recompute_num_layers or 1)
+                               recompute_num_layers=c.recompute_num_layers or 1, lora=self.lora)
         optim = None if c.forward_only else verl_optim.optim_config(self.optimizer_config,
                                                                     c.use_distributed_optimizer)
         # verl's hf_config carries the tokenizer's pad id (HFModelConfig): its FSDP engine's padding_idx
@@ -285,19 +287,36 @@ class McoreRLEngine(BaseEngine):
                 log.info("optim.use_checkpoint_opt_param_scheduler=False: the config's %s replace the checkpoint's",
                          changed)
 
-    def get_per_tensor_param(self, **_kwargs: Any) -> tuple[Iterator[tuple[str, Tensor]], None]:
-        """(generator of (HF name, full tensor), None): ``export_hf``'s tensors, one parameter's
-        at a time. Collective: every rank must run the generator to its end."""
+    def get_per_tensor_param(self, base_sync_done: bool = False,
+                             **_kwargs: Any) -> tuple[Iterator[tuple[str, Tensor]], dict | None]:
+        """(generator of (name, full tensor), PEFT config or None), one parameter's tensors at a
+        time. Without LoRA: ``export_hf``'s tensors, None. With LoRA (verl's protocol, see
+        ``verl_lora``): ``lora.merge=True`` the merged weights ``W + s B A``, None;
+        ``lora.merge=False`` the base weights without adapters (``base_sync_done=False``) or only
+        the adapter factors under PEFT names (``base_sync_done=True``), with verl's PEFT-config
+        dict either way. Collective: every rank must run the generator to its end."""
         if self.engine is None:
             raise McoreRLError("initialize() the mcore_rl engine before exporting its weights.")
         self.to(ON_DEVICE, model=True, optimizer=False, grad=False)  # verl offloads them again after the sync
         engine = self.engine
+        lora = self.lora.enabled
+        peft_config = verl_lora.peft_config_for_rollout(self.lora) if lora and not self.lora.merge else None
+        if peft_config is not None and base_sync_done:
+            return verl_lora.adapter_tensors(engine), peft_config
+        tensor_of = merged_tensor_of(engine.model) if lora and self.lora.merge else (lambda p: p.data)
 
         def tensors() -> Iterator[tuple[str, Tensor]]:
-            for bucket in export_hf_buckets(engine.model, engine.args, self.role, bucket_bytes=1):
+            for bucket in export_hf_buckets(engine.model, engine.args, self.role, bucket_bytes=1, tensor_of=tensor_of):
                 yield from bucket
 
-        return tensors(), None
+        return tensors(), peft_config
+
+    def disable_adapter(self):
+        """verl's reference policy on a LoRA actor (``no_lora_adapter``, ``ref_in_actor``): inside
+        the context the adapters are off and the engine computes the frozen base."""
+        if self.engine is None:
+            raise McoreRLError("initialize() the mcore_rl engine before disabling its adapters.")
+        return adapters_disabled(self.engine.model)
 
 
 def _check_router_replay(engine: ModelEngine, mode: str) -> None:

@@ -114,17 +114,21 @@ class ServerAdapter(BaseRollout):
 
     @torch.no_grad()
     async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None,
-                             wire_format: str = "named_tensors", peft_config: Any = None, **_kwargs: Any) -> None:
+                             wire_format: str = "named_tensors", peft_config: Any = None, base_sync_done: bool = False,
+                             **_kwargs: Any) -> None:
         """Every rank runs ``weights`` to its end (a collective generator); the pushing rank sends
-        the full HF-named tensors in buckets of at most ``bucket_bytes`` (a larger tensor alone)."""
-        if wire_format != "named_tensors" or peft_config is not None:
+        the full tensors in buckets of at most ``bucket_bytes`` (a larger tensor alone). verl's
+        LoRA protocol: ``peft_config`` with ``base_sync_done=True``: the tensors are the adapter
+        factors (PEFT names), served unmerged; without (or ``base_sync_done=False``): weights."""
+        if wire_format != "named_tensors":
             for _ in weights:  # keep the collective going on every rank before failing
                 pass
-            raise RolloutServerError(f"the mcore_rl rollout takes full named tensors only (wire_format={wire_format!r}, "
-                                     f"peft adapter: {peft_config is not None}); use checkpoint_engine.backend=naive.")
+            raise RolloutServerError(f"the mcore_rl rollout takes full named tensors only (wire_format={wire_format!r}); "
+                                     "use checkpoint_engine.backend=naive.")
+        adapters = dict(peft_config) if peft_config is not None and base_sync_done else None
         server = self._handle() if self.weight_sync else None
         if server is not None:
-            await server.begin_weight_update.remote()
+            await server.begin_weight_update.remote(adapters)
         elif self._handle() is not None:  # weight_sync=False: the step advances, the weights stay
             await self._server.set_global_steps.remote(global_steps)
         bucket: list[tuple[str, torch.Tensor]] = []

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from mcore_rl.errors import McoreRLError
+from mcore_rl.integrations.verl.rollout_lora import ServedAdapters
 from mcore_rl.rollout.hf_generate import TransformersRollout
 from mcore_rl.rollout.sampling import SampleRequest, SampleResult, sample_requests
 
@@ -98,6 +99,8 @@ class RolloutServer:
         self._resumed: asyncio.Event | None = None  # set while requests are admitted
         self._updated: set[int] = set()
         self._stale = False  # a weight sync failed part-way: the weights are a mix
+        self.adapters = ServedAdapters(self.engine.model)  # LoRA served unmerged (rollout_lora)
+        self._adapter_sync = False
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
@@ -188,36 +191,54 @@ class RolloutServer:
                     b.done.set_result(r)
 
     # ---- weights ------------------------------------------------------------------------------
-    async def begin_weight_update(self) -> None:
-        """Waits for the batch in flight; the next buckets replace the weights."""
+    async def begin_weight_update(self, peft_config: dict[str, Any] | None = None) -> None:
+        """Waits for the batch in flight; the next buckets replace the weights, or with
+        ``peft_config`` (verl's adapter-only sync) the LoRA adapters."""
         self._ensure_loop_state()
         await self._lock.acquire()
         self._updated = set()
+        self._adapter_sync = peft_config is not None
+        try:
+            if self._adapter_sync:
+                self.adapters.begin(peft_config)
+        except BaseException:
+            self._lock.release()
+            raise
 
     async def update_weights_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
-        """Copies one bucket of (HF name, full tensor) into the model."""
+        """Copies one bucket of (HF name, full tensor) into the model (an adapter sync: keeps the
+        bucket's PEFT-named factors until the sync finishes)."""
         if self._lock is None or not self._lock.locked():
             raise RolloutServerError("update_weights_bucket outside begin_weight_update / finish_weight_update.")
+        if self._adapter_sync:
+            return self.adapters.take(bucket)
         taken = self.engine.update_weights(bucket)
         self._updated.update(id(self.engine.params[name]) for name, _ in bucket)
         return taken
 
     async def finish_weight_update(self, global_steps: int | None, complete: bool = True) -> None:
-        """Checks that every parameter was replaced, records the weights' step, and resumes.
-        ``complete=False`` (the sender failed part-way): the server refuses to generate until a
-        whole sync succeeds."""
+        """Checks that every parameter was replaced (an adapter sync: that every adapter is
+        whole; it then replaces the served adapters; a full sync removes them), records the
+        weights' step, and resumes. ``complete=False`` (the sender failed part-way): the server
+        refuses to generate until a whole sync succeeds."""
         try:
             self._stale = True
             if not complete:
+                self.adapters.abandon()
                 return
-            missing = sorted(n for n, p in self.engine.params.items() if id(p) not in self._updated)
-            if missing:
-                raise RolloutServerError(f"the weight sync left {len(missing)} rollout parameters unchanged "
-                                         f"(e.g. {missing[:4]}); the trainer's export and the rollout model disagree.")
+            if self._adapter_sync:
+                self.adapters.install()
+            else:
+                missing = sorted(n for n, p in self.engine.params.items() if id(p) not in self._updated)
+                if missing:
+                    raise RolloutServerError(f"the weight sync left {len(missing)} rollout parameters unchanged "
+                                             f"(e.g. {missing[:4]}); the trainer's export and the rollout model disagree.")
+                self.adapters.clear()
             self.global_steps = global_steps
             self._seen.clear()
             self._stale = False
         finally:
+            self._adapter_sync = False
             self._lock.release()
 
     async def set_global_steps(self, global_steps: int) -> None:

@@ -1,0 +1,101 @@
+"""verl's LoRA keys -> mcore_rl's ``LoraConfig``, and the weight-sync payloads of a LoRA engine.
+
+verl's model config carries two LoRA vocabularies (verl 0.9.1, ``HFModelConfig``): the Megatron
+engine's ``model.lora.*`` dict (``type``, ``rank``, ``alpha``, ``target_modules`` with megatron's
+linear names, ``merge``, ...) and the FSDP engine's top-level keys (``lora_rank``,
+``lora_alpha``, ``target_modules`` with HF module names, ...). The mcore_rl engine reads
+``model.lora.*``; the FSDP keys at their defaults (always present) are ignored, another value is
+an error naming the ``model.lora`` key to use instead.
+
+Weight sync (``get_per_tensor_param(base_sync_done=...)``, as verl's worker calls it):
+``lora.merge=True``: merged weights ``W + s B A`` under the HF names, no PEFT config.
+``lora.merge=False`` (verl's default): the first sync (``base_sync_done=False``) sends the base
+weights without adapters, later ones only the adapter factors under PEFT names
+(``base_model.model.<module>.lora_A.weight`` [r, in] / ``lora_B.weight`` [out, r]), each with
+verl's PEFT-config dict (``build_peft_config_for_vllm``: ``r``, ``lora_alpha``, ...).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from mcore_rl.integrations.verl.config import VerlConfigError
+from mcore_rl.models.lora_config import LoraConfig, LoraConfigError, lora_config_from_dict
+
+Tensor = torch.Tensor
+# verl's FSDP-engine LoRA keys: (default, what to set instead)
+FSDP_KEYS = {
+    "lora_rank": (0, "lora.rank"),
+    "lora_alpha": (16, "lora.alpha"),
+    "target_modules": ("all-linear", "lora.target_modules (megatron names: linear_qkv, linear_proj, ...)"),
+    "target_parameters": (None, "lora.target_modules (routed experts: '*.local_experts.*')"),
+    "exclude_modules": (None, "lora.exclude_modules"),
+    "lora_adapter_path": (None, "lora.adapter_path"),
+}
+
+
+def _get(config: Any, key: str, default: Any = None) -> Any:
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers -> dicts/lists (verl hands either)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+    except ImportError:  # pragma: no cover - verl depends on omegaconf
+        return value
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def lora_config(model_config: Any, where: str, seed: int = 0) -> LoraConfig:
+    """The ``LoraConfig`` of verl's model config ``model_config`` (``where``: its key path in the
+    user's config, for errors); FSDP-only LoRA keys away from their defaults are refused. ``seed``
+    seeds the adapters' initialisation unless ``lora.seed`` is given. rank 0: LoRA off."""
+    for key, (default, instead) in FSDP_KEYS.items():
+        value = _plain(_get(model_config, key, default))
+        if value != default:
+            raise VerlConfigError(f"{where}.{key}={value!r} is verl's FSDP-engine LoRA key, which the mcore_rl engine "
+                                  f"does not read (it reads {where}.lora.*): set {where}.{instead} instead and leave "
+                                  f"{where}.{key} at its default {default!r}.")
+    values = dict(_plain(_get(model_config, "lora", None)) or {})
+    values.setdefault("seed", seed)
+    try:
+        config = lora_config_from_dict(values)
+    except LoraConfigError as e:
+        text = str(e)
+        raise VerlConfigError(f"{where}.{text}" if text.startswith("lora.") else f"{where}.lora: {text}") from e
+    except TypeError as e:  # a key of the right name with a value LoraConfig cannot take
+        raise VerlConfigError(f"{where}.lora={values!r}: {e}") from e
+    if config.enabled and config.adapter_path is not None:
+        raise VerlConfigError(f"{where}.lora.adapter_path={config.adapter_path!r}: starting from a PEFT adapter is "
+                              "not wired into the mcore_rl engine yet; set it to null (adapters start from "
+                              "lora_A_init_method / lora_B_init_method).")
+    return config
+
+
+def peft_config_for_rollout(config: LoraConfig) -> dict[str, Any]:
+    """verl's PEFT-config dict for rollout engines (vLLM's ``PEFTHelper.from_dict``, SGLang's
+    loader, the mcore_rl rollout server), built by verl's own ``build_peft_config_for_vllm``."""
+    from verl.utils.megatron_peft_utils import build_peft_config_for_vllm
+
+    return build_peft_config_for_vllm({"rank": config.rank, "alpha": config.alpha, "dropout": config.dropout})
+
+
+def adapter_tensors(engine) -> Iterator[tuple[str, Tensor]]:
+    """(PEFT name, full tensor) of every adapter factor of a LoRA ``ModelEngine``, one at a
+    time. Collective: every rank must run it to its end."""
+    from mcore_rl.mapping.peft import AdapterMap
+    from mcore_rl.mapping.weights import iter_hf_buckets
+    from mcore_rl.models.hf_weights import weight_map
+    from mcore_rl.models.lora_build import adapter_sites
+
+    amap = AdapterMap(weight_map(engine.args, engine.role, engine.layout.tp), adapter_sites(engine.model))
+    for bucket in iter_hf_buckets(engine.model, amap, bucket_bytes=1, adapters=True):
+        yield from bucket
