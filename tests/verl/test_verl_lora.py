@@ -1,0 +1,87 @@
+"""verl's ``model.lora.*`` on the mcore_rl engine, driven by verl's own worker code (bodies:
+lora_bodies.py; one 2-process launch, actor TP=2, rollout TP=2 on the CPU rollout server):
+
+- only adapters train (every trainable parameter is an adapter factor);
+- verl's reference with ``ref_in_actor`` (``no_lora_adapter`` -> ``engine.disable_adapter()``)
+  gives the frozen base's log-probs (those before training, B = 0) while the trained adapters
+  move the policy's far away;
+- verl's ``update_weights``: with ``lora.merge=False`` the first sync sends the base weights
+  (HF names) then the adapters (PEFT names, verl's peft config), the second only the adapters;
+  with ``merge=True`` merged weights under HF names each time. After each sync the rollout
+  server's model scores the rows as the trainer does.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from tests.dist import run_ranks  # noqa: E402
+from tests.verl.lora_bodies import lora_sync_body  # noqa: E402
+from tests.verl.verl_fixtures import save_tiny_model  # noqa: E402
+
+HF_TOL = 1e-4  # transformers' kernels vs megatron's (tests/verl/test_verl_rl.py)
+# linears of a llama/qwen2 decoder layer, as PEFT names them
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("verl_lora") / "model"), seed=1)
+    return run_ranks(2, lora_sync_body, model_dir, 5)
+
+
+def _outputs(ranks: list[dict], protocol: str) -> dict:
+    """The rank holding verl's outputs (TP rank 0 of the only DP rank), which is also the
+    replica's pushing rank (its server lives there)."""
+    held = [r[protocol] for r in ranks if r[protocol]["start"] is not None]
+    assert len(held) == 1 and held[0]["first"], "outputs and the server expected on rank 0"
+    return held[0]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((a - b)[mask].abs().max())
+
+
+@pytest.mark.parametrize("protocol", ["unmerged", "merged"])
+def test_only_adapters_train_and_the_reference_is_the_frozen_base(ranks, protocol):
+    for r in ranks:
+        trainable = r[protocol]["trainable"]
+        assert trainable and all(".lora." in n for n in trainable), trainable
+    out = _outputs(ranks, protocol)
+    mask = out["rows"]["attention_mask"][:, -out["rows"]["responses"].shape[1]:].bool()
+    moved = _diff(out["trained"], out["start"], mask)
+    assert moved > 0.05, f"one step moved the policy by {moved} only: the adapters barely act"
+    assert torch.equal(out["ref"][mask], out["start"][mask]), "ref_in_actor's reference is not the frozen base (bit for bit)"
+
+
+def test_unmerged_sync_sends_base_then_adapters_then_adapters_only(ranks):
+    out = _outputs(ranks, "unmerged")
+    first, second = out["first"]["syncs"], out["second"]["syncs"]
+    assert [s["peft"] for s in first] == [False, True] and [s["peft"] for s in second] == [True]
+    base, adapters = first[0]["names"], first[1]["names"]
+    assert sorted(base) == out["first"]["params"] or set(base) <= set(out["first"]["params"])
+    assert not any("lora" in n for n in base)
+    layers = {n.split(".layers.")[1].split(".")[0] for n in adapters}
+    expected = {f"base_model.model.model.layers.{i}.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{p}.lora_{f}.weight"
+                for i in layers for p in LINEARS for f in "AB"}
+    assert len(layers) > 1 and set(adapters) == expected and sorted(second[0]["names"]) == sorted(adapters)
+    assert len(out["second"]["adapted"]) == len(expected) // 2  # replaced, not added to
+
+
+@pytest.mark.parametrize("protocol", ["unmerged", "merged"])
+def test_rollout_server_scores_as_the_trainer_after_each_sync(ranks, protocol):
+    out = _outputs(ranks, protocol)
+    mask = out["rows"]["attention_mask"][:, -out["rows"]["responses"].shape[1]:].bool()
+    for sync, trained in (("first", "trained"), ("second", "trained2")):
+        got = out[sync]
+        assert got["steps"] == (1 if sync == "first" else 2)
+        diff = _diff(got["server"], out[trained], mask)
+        assert diff <= HF_TOL, f"{protocol} {sync} sync: rollout vs trainer log-probs differ by {diff}"
+        # the check discriminates: the base alone is far from the trained policy
+        assert _diff(out["ref"], out[trained], mask) > 100 * HF_TOL
+    if protocol == "merged":
+        assert all(not s["peft"] and not any("lora" in n for n in s["names"])
+                   for s in out["first"]["syncs"] + out["second"]["syncs"])
+        assert out["second"]["adapted"] == []
