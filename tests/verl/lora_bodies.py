@@ -117,3 +117,48 @@ def lora_sync_body(model_dir: str, seed: int) -> dict:
     """The unmerged (verl's default) and the merged protocol, one worker each."""
     B._env()
     return {"unmerged": _one_worker(model_dir, False, seed), "merged": _one_worker(model_dir, True, seed)}
+
+
+# ---- verl's SFT trainer (SFTTrainer + fit, as run_sft runs them after joining the process group) ----
+def sft_config(inputs: dict, ckpt: str, steps: int, *overrides: str):
+    """verl's SFT config (sft_trainer_engine.yaml) as ``python -m verl.trainer.sft_trainer``
+    composes it, with model.lora.rank=8 on the mcore_rl engine (tests/verl/test_verl_sft.py's sizes)."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose(config_name="sft_trainer_engine", overrides=[
+            "hydra.searchpath=[pkg://mcore_rl.integrations.verl.hydra]", "engine=mcore_rl", "optim=megatron",
+            "engine.dtype=float32", f"model.path={inputs['model']}", "model.enable_gradient_checkpointing=False",
+            "model.lora.rank=8", "model.lora.alpha=16", f"data.train_files={inputs['train']}", "data.val_files=null",
+            "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2", "data.use_dynamic_bsz=False",
+            "data.max_length=64", "data.num_workers=0", "model.use_remove_padding=True", "optim.lr=1e-2",
+            "optim.lr_warmup_steps=0", "trainer.test_freq=-1", "trainer.save_freq=1",
+            f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={ckpt}", "trainer.logger=[console]",
+            "trainer.device=cpu", *overrides])
+
+
+def _state(engine) -> dict:
+    """Adapters (PEFT names), the base weights (HF names, export_hf) and the trainable names."""
+    from mcore_rl.integrations.verl.verl_lora import adapter_tensors
+    from mcore_rl.models.hf_weights import export_hf
+
+    model = engine.engine
+    return {"adapters": {n: t.clone() for n, t in adapter_tensors(model)},
+            "base": {n: t.clone() for n, t in export_hf(model.model, model.args, "actor").items()},
+            "trainable": sorted(n for c in model.model for n, p in c.named_parameters() if p.requires_grad)}
+
+
+def sft_lora_body(inputs: dict, root: str) -> dict:
+    """2 SFT steps saving each; then a second trainer resumes from step 1 and trains step 2."""
+    B._env()
+    from verl.trainer.sft_trainer import SFTTrainer
+
+    first = SFTTrainer(sft_config(inputs, f"{root}/a", 2))
+    start = _state(first.engine)
+    first.fit()
+    straight = _state(first.engine)
+    resumed = SFTTrainer(sft_config(inputs, f"{root}/b", 2, "trainer.resume_mode=resume_path",
+                                    f"trainer.resume_from_path={root}/a/global_step_1"))
+    at_resume = resumed.resume_global_step
+    resumed.fit()
+    return {"start": start, "straight": straight, "resumed": _state(resumed.engine), "at_resume": at_resume}
