@@ -239,3 +239,56 @@ def test_adapter_sends_buckets_from_one_rank_and_copies_views(model_dir, monkeyp
         size = sum(t.nbytes for _, t in bucket)
         assert size <= 20_000 or len(bucket) == 1, size  # a larger tensor travels alone
         assert all(t.untyped_storage().nbytes() == t.nbytes for _, t in bucket)  # not the whole buffer
+
+
+def test_adapter_sync_serves_w_plus_sba_refuses_partial_adapters_and_a_full_sync_removes_them(model_dir):
+    """verl's adapter-only sync (PEFT names, peft config) into the server: the model computes
+    (W + alpha/r B A) x on the adapted linear; a missing factor, an unknown module, a shape that
+    does not fit or DoRA is refused (and the server refuses to generate until a whole sync); a
+    full weight sync (verl's base sync) removes the adapters."""
+    import copy
+
+    from mcore_rl.integrations.verl.rollout_lora import RolloutAdapterError
+    from mcore_rl.integrations.verl.rollout_server import RolloutServerError
+
+    server = make_server(model_dir)
+    model = server.engine.model
+    ids = torch.tensor([prompts(1)[0]])
+    with torch.no_grad():
+        base = model(ids).logits
+    q = model.model.layers[0].self_attn.q_proj
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, q.in_features, generator=g), torch.randn(q.out_features, 2, generator=g)
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    peft = {"r": 2, "lora_alpha": 6, "peft_type": "LORA"}
+
+    async def sync(items, peft_config):
+        await server.begin_weight_update(peft_config)
+        complete = False
+        try:
+            await server.update_weights_bucket(items)
+            complete = True
+        finally:
+            await server.finish_weight_update(4, complete=complete)
+
+    merged = copy.deepcopy(model)  # before the sync: the adapters' forward hooks would be copied too
+    with torch.no_grad():
+        merged.model.layers[0].self_attn.q_proj.weight += 3.0 * b @ a
+        expected = merged(ids).logits
+    asyncio.run(sync([(name.format("A"), a), (name.format("B"), b)], peft))
+    with torch.no_grad():
+        served = model(ids).logits
+    assert (served - expected).abs().max() <= 1e-5 and (served - base).abs().max() > 1e-2
+    for items, config, message in (
+            ([(name.format("A"), a)], peft, "only lora_A arrived"),
+            ([(name.format("A").replace("q_proj", "nope"), a)], peft, "has no linear"),
+            ([(name.format("A"), a.T), (name.format("B"), b)], peft, "do not fit"),
+            ([(name.format("A"), a), (name.format("B"), b)], {**peft, "use_dora": True}, "use_dora")):
+        with pytest.raises(RolloutAdapterError, match=message):
+            asyncio.run(sync(items, config))
+        with pytest.raises(RolloutServerError, match="failed part-way"):
+            generate_all(server, prompts(1), ["x"])  # stale after a failed sync
+    trained = dict(model.named_parameters())
+    asyncio.run(sync([(n, p.detach().clone()) for n, p in trained.items()], None))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, base) and not server.adapters.active
