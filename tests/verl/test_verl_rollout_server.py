@@ -292,3 +292,28 @@ def test_adapter_sync_serves_w_plus_sba_refuses_partial_adapters_and_a_full_sync
     asyncio.run(sync([(n, p.detach().clone()) for n, p in trained.items()], None))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, base) and not server.adapters.active
+
+
+def test_adapter_refused_at_the_start_still_drains_the_collective_generator(model_dir, monkeypatch):
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from mcore_rl.integrations.verl.rollout_lora import RolloutAdapterError
+    from mcore_rl.integrations.verl.rollout_replica import ServerAdapter
+
+    monkeypatch.setenv("RANK", "0")
+    config = RolloutConfig(name="mcore_rl", dtype="float32", prompt_length=16, response_length=8,
+                           tensor_model_parallel_size=1)
+    adapter = ServerAdapter(config, HFModelConfig(path=model_dir), None)
+    adapter._server = _Local(make_server(model_dir), [])
+    drained = []
+
+    def weights():
+        for i in range(3):
+            drained.append(i)
+            yield f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight", torch.zeros(2, 2)
+
+    with pytest.raises(RolloutAdapterError, match="use_dora"):
+        asyncio.run(adapter.update_weights(weights(), global_steps=1, peft_config={"r": 2, "lora_alpha": 4,
+                                                                                    "use_dora": True},
+                                           base_sync_done=True))
+    assert drained == [0, 1, 2]

@@ -128,7 +128,12 @@ class ServerAdapter(BaseRollout):
         adapters = dict(peft_config) if peft_config is not None and base_sync_done else None
         server = self._handle() if self.weight_sync else None
         if server is not None:
-            await server.begin_weight_update.remote(adapters)
+            try:
+                await server.begin_weight_update.remote(adapters)  # refuses adapters it cannot serve
+            except BaseException:
+                for _ in weights:  # the other ranks are in the collective generator
+                    pass
+                raise
         elif self._handle() is not None:  # weight_sync=False: the step advances, the weights stay
             await self._server.set_global_steps.remote(global_steps)
         bucket: list[tuple[str, torch.Tensor]] = []
