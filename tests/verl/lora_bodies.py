@@ -94,7 +94,7 @@ def _synced(worker, server, calls: list, rows: dict, step: int) -> dict:
             "adapted": sorted(server.adapters.active), "params": sorted(server.engine.params)}
 
 
-def _one_worker(model_dir: str, merge: bool, rows_seed: int) -> dict:
+def _one_worker(model_dir: str, merge: bool, rows_seed: int, second_sync: bool) -> dict:
     worker, server, calls = _worker(model_dir, merge)
     engine = worker.actor.engine.engine
     rows = B.global_batch(engine.args.vocab_size, rows_seed)
@@ -104,19 +104,22 @@ def _one_worker(model_dir: str, merge: bool, rows_seed: int) -> dict:
     out["trained"] = _log_probs(worker, rows)
     out["ref"] = _log_probs(worker, rows, no_lora_adapter=True)  # verl's ref_in_actor
     out["first"] = _synced(worker, server, calls, rows, 1)
+    out["trainable"] = sorted(n for c in engine.model for n, p in c.named_parameters() if p.requires_grad)
+    if not second_sync:
+        return out
     # a second step and sync: adapter-only for merge=False (the base is there), replacing the first
     _update(worker, rows, out["trained"] if out["trained"] is not None else torch.zeros(rows["responses"].shape),
             rows_seed + 2)
     out["trained2"] = _log_probs(worker, rows)
     out["second"] = _synced(worker, server, calls, rows, 2)
-    out["trainable"] = sorted(n for c in engine.model for n, p in c.named_parameters() if p.requires_grad)
     return out
 
 
 def lora_sync_body(model_dir: str, seed: int) -> dict:
-    """The unmerged (verl's default) and the merged protocol, one worker each."""
+    """The unmerged (verl's default; two steps and syncs) and the merged protocol (one), one
+    worker each."""
     B._env()
-    return {"unmerged": _one_worker(model_dir, False, seed), "merged": _one_worker(model_dir, True, seed)}
+    return {"unmerged": _one_worker(model_dir, False, seed, True), "merged": _one_worker(model_dir, True, seed, False)}
 
 
 # ---- verl's SFT trainer (SFTTrainer + fit, as run_sft runs them after joining the process group) ----
