@@ -45,7 +45,8 @@ def _worker(model_dir: str, merge: bool):
     lora = [f"actor_rollout_ref.model.lora.{k}={v}" for k, v in {**LORA, "merge": merge}.items()]
     cfg = B.ppo_config(model_dir, *lora, "actor_rollout_ref.actor.mcore_rl.tensor_model_parallel_size=2",
                        "critic.mcore_rl.tensor_model_parallel_size=2", f"actor_rollout_ref.actor.optim.lr={LR}",
-                       "actor_rollout_ref.rollout.name=mcore_rl", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                       "actor_rollout_ref.rollout.name=mcore_rl",
+                       "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
                        "actor_rollout_ref.rollout.load_format=dummy", "actor_rollout_ref.rollout.dtype=float32",
                        "actor_rollout_ref.rollout.prompt_length=16", "actor_rollout_ref.rollout.response_length=8",
                        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1")

@@ -1,8 +1,8 @@
 """verl configs read by the mcore_rl engine, no processes: the optimizer's LR schedule equals what
 verl's Megatron path builds (verl's own ``get_megatron_optimizer_param_scheduler`` on a stand-in
 optimizer), refused optimizer keys, the schedule after a checkpoint load, router replay in the
-engine group, verl's LoRA keys (model.lora.* read, FSDP-only keys refused), and a verl Megatron script's overrides composed with
-``model_engine=mcore_rl``."""
+engine group, verl's LoRA keys (model.lora.* read, FSDP-only keys refused), and a verl Megatron
+script's overrides composed with ``model_engine=mcore_rl``."""
 from __future__ import annotations
 
 import contextlib

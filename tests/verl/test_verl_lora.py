@@ -53,7 +53,7 @@ def test_only_adapters_train_and_the_reference_is_the_frozen_base(ranks, protoco
     mask = out["rows"]["attention_mask"][:, -out["rows"]["responses"].shape[1]:].bool()
     moved = _diff(out["trained"], out["start"], mask)
     assert moved > 0.05, f"one step moved the policy by {moved} only: the adapters barely act"
-    assert torch.equal(out["ref"][mask], out["start"][mask]), "ref_in_actor's reference is not the frozen base (bit for bit)"
+    assert torch.equal(out["ref"][mask], out["start"][mask]), "ref_in_actor's reference is not the frozen base"
 
 
 def test_unmerged_sync_sends_base_then_adapters_then_adapters_only(ranks):

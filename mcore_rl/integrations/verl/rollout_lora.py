@@ -75,13 +75,15 @@ class ServedAdapters:
     def take(self, bucket: list[tuple[str, Tensor]]) -> int:
         """Keeps one bucket of (PEFT name, tensor) until ``install``."""
         if self._pending is None:
-            raise RolloutAdapterError("adapter tensors outside an adapter sync (begin_weight_update with a peft_config).")
+            raise RolloutAdapterError("adapter tensors outside an adapter sync (begin_weight_update with a "
+                                      "peft_config).")
         for name, tensor in bucket:
             module, factor = module_and_factor(name)
             linear = self.linears.get(module)
             if linear is None:
-                raise RolloutAdapterError(f"adapter tensor {name!r}: the rollout model has no linear {module!r} (e.g. "
-                                          "routed experts' fused weights); sync merged weights (model.lora.merge=True).")
+                raise RolloutAdapterError(f"adapter tensor {name!r}: the rollout model has no linear {module!r} "
+                                          "(e.g. routed experts' fused weights); sync merged weights "
+                                          "(model.lora.merge=True).")
             self._pending.setdefault(module, {})[factor] = tensor.detach().to(linear.weight.dtype).clone()
         return len(bucket)
 

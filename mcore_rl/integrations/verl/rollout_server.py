@@ -232,7 +232,8 @@ class RolloutServer:
                 missing = sorted(n for n, p in self.engine.params.items() if id(p) not in self._updated)
                 if missing:
                     raise RolloutServerError(f"the weight sync left {len(missing)} rollout parameters unchanged "
-                                             f"(e.g. {missing[:4]}); the trainer's export and the rollout model disagree.")
+                                             f"(e.g. {missing[:4]}); the trainer's export and the rollout model "
+                                             "disagree.")
                 self.adapters.clear()
             self.global_steps = global_steps
             self._seen.clear()
