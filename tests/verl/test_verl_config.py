@@ -267,6 +267,13 @@ def test_model_lora_settings_mcore_rl_cannot_run_are_refused(plain, override, me
         _engines(_with(_with(plain, rank), override))
 
 
+def test_model_lora_passes_verls_validation(plain):
+    """main_ppo's validate_config and the engine configs with model.lora.* set (actor and critic)."""
+    cfg = _with(_with(_with(plain, "actor_rollout_ref.model.lora.rank=8"), "actor_rollout_ref.model.lora.merge=True"),
+                "critic.model.lora.rank=4")
+    assert set(_engines(cfg)) == {"actor", "ref", "critic"}
+
+
 def test_model_lora_reaches_the_engine_with_fsdp_defaults_ignored(model_dir):
     """verl's model config as its workers build it (FSDP keys at their defaults, always
     present) with model.lora.* set: the engine's LoraConfig carries them; refusals come before
