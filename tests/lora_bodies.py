@@ -32,14 +32,15 @@ def build_engine(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False
 
 def peft_tensors(engine) -> dict[str, torch.Tensor]:
     """The engine's adapters as PEFT-named full tensors, on every rank."""
-    from mcore_rl.mapping.peft import AdapterMap
+    from mcore_rl.mapping.peft import AdapterMap, to_peft_tensors
     from mcore_rl.mapping.weights import export_hf_weights
     from mcore_rl.models.hf_weights import weight_map
     from mcore_rl.models.lora_build import adapter_sites
 
     amap = AdapterMap(weight_map(engine.args, "actor", engine.layout.tp), adapter_sites(engine.model))
+    tensors = to_peft_tensors(export_hf_weights(engine.model, amap, adapters=True), engine.args.arch.model_type)
     # clones: tensors that needed no gather are views of the parameters, which training changes
-    return {k: v.clone() for k, v in export_hf_weights(engine.model, amap, adapters=True).items()}
+    return {k: v.clone() for k, v in tensors.items()}
 
 
 def lora_update(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, actor: dict, moe: bool = False,
@@ -63,8 +64,12 @@ def peft_model(hf, lora: dict, tensors: dict[str, torch.Tensor]):
     """A peft LoRA model over a copy of ``hf`` holding ``tensors`` (PEFT names) as its adapters."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
-    targets = sorted({k.split(".")[-3] for k in tensors})
-    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets, lora_dropout=0.0)
+    experts = [k for k in tensors if ".mlp.experts." in k]
+    targets = sorted({k.split(".")[-3] for k in tensors if k not in experts})
+    parameters = sorted({f"mlp.experts.{p}" for p, needle in (("gate_up_proj", "base_layer.lora_"), ("down_proj", "experts.lora_"))
+                         if any(needle in k for k in experts)})
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets, lora_dropout=0.0,
+                        target_parameters=parameters or None)
     model = get_peft_model(copy.deepcopy(hf), config)
     result = set_peft_model_state_dict(model, tensors)
     if result.unexpected_keys:
