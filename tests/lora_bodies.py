@@ -21,8 +21,11 @@ def build_engine(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False
     from mcore_rl.platform import active_platform
     from mcore_rl.rl.engine import ModelEngine, OptimConfig
 
+    from megatron.core import parallel_state
+
     layout = ParallelLayout(**layout_kwargs)
-    initialize_parallel_state(layout)
+    if not parallel_state.model_parallel_is_initialized():  # a second engine in the same world
+        initialize_parallel_state(layout)
     args = model_args_from_hf(hf_dir)
     options = BuildOptions(lora=LoraConfig(**lora), recompute=recompute,
                            moe=MoEOptions(**EXACT_MOE) if moe else MoEOptions())
@@ -81,3 +84,20 @@ def peft_state(model) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def lora_ref_with_replay(hf_dir: str, lora: dict, batch: dict, actor: dict) -> dict:
+    """R2 replay: the actor's routes (recorded with adapters on), the LoRA reference with and
+    without them, and a frozen-base engine (no LoRA) replaying the same routes."""
+    from mcore_rl.models.routing import ROUTED_EXPERTS
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    config = ActorConfig(**{**actor, "router_replay": "R2"})
+    act = Actor(build_engine(hf_dir, {}, lora, moe=True), config)
+    recorded = act.compute_log_prob(batch)
+    routed = {**batch, ROUTED_EXPERTS: recorded[ROUTED_EXPERTS]}
+    out = {"ref_fresh": act.compute_ref_log_prob(batch), "ref_replay": act.compute_ref_log_prob(routed)}
+    base = Actor(build_engine(hf_dir, {}, dict(rank=0), moe=True, optim=None), config)
+    out["base_replay"] = base._forward_log_probs(base.engine, routed, False, replay_routing=True)["log_probs"]
+    out["base_fresh"] = base.compute_log_prob(batch)["log_probs"]
+    return out

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.lora_bodies import lora_update, peft_model, peft_state
+from tests.lora_bodies import lora_ref_with_replay, lora_update, peft_model, peft_state
 from tests.test_actor_update import ACTOR, make_batch, reference_update
 from tests.tiny import hf_log_probs, tiny_config, tiny_hf_model
 
@@ -97,3 +97,14 @@ def test_layouts_equal_one_rank(layout, models):
             assert worst[0] <= TOL, f"rank {rank}: {key} {worst[1]} differs by {worst[0]:.3g}"
         norm, want = got["metrics"]["actor/grad_norm"], one["metrics"]["actor/grad_norm"]
         assert abs(norm - want) <= 1e-5 * want, f"rank {rank}: grad norm {norm} != {want}"
+
+
+def test_reference_replays_the_actors_routes(models):
+    """With R2 and the actor's routes in the batch, the LoRA reference is the frozen base routed
+    as the policy was; without routes it is the base routed afresh (a separate ref engine)."""
+    d, _, batch, _ = models["qwen3_moe"]
+    got = run_ranks(1, lora_ref_with_replay, d, MODELS["qwen3_moe"][1], batch, ACTOR)[0]
+    assert _max_diff(got["ref_replay"], got["base_replay"]) <= TOL
+    assert _max_diff(got["ref_fresh"], got["base_fresh"]) <= TOL
+    # the adapters changed some routes, so replaying them changes the reference
+    assert _max_diff(got["ref_replay"], got["ref_fresh"]) > 100 * TOL
