@@ -101,3 +101,24 @@ def lora_ref_with_replay(hf_dir: str, lora: dict, batch: dict, actor: dict) -> d
     out["base_replay"] = base._forward_log_probs(base.engine, routed, False, replay_routing=True)["log_probs"]
     out["base_fresh"] = base.compute_log_prob(batch)["log_probs"]
     return out
+
+
+def lora_roundtrip(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, actor: dict, out_dir: str,
+                   moe: bool = False, steps: int = 2) -> dict:
+    """Start from a PEFT adapter (lora['adapter_path']): log-probs, ``steps`` updates, then the
+    adapter exported as PEFT (out_dir/peft) and merged HF weights (out_dir/merged); log-probs after."""
+    import os
+
+    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.models.lora_io import save_merged_hf, save_peft_adapter
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    engine = build_engine(hf_dir, layout_kwargs, lora, moe)
+    act = Actor(engine, ActorConfig(**actor))
+    out = {"before": act.compute_log_prob(batch)["log_probs"]}
+    for _ in range(steps):
+        act.update_policy(batch)
+    out["after"] = act.compute_log_prob(batch)["log_probs"]
+    save_peft_adapter(engine.model, engine.args, "actor", LoraConfig(**lora), os.path.join(out_dir, "peft"), hf_dir)
+    save_merged_hf(engine.model, engine.args, "actor", os.path.join(out_dir, "merged"))
+    return out

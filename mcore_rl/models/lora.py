@@ -71,7 +71,7 @@ class LoraAdapter(torch.nn.Module):
     ``mask``). ``split``: 'column', 'row' or None (replicated linear); ``explicit``: expert linear
     without its own communication. forward(x [..., in_local]) -> s * B A x [..., out_local]."""
 
-    def __init__(self, base: torch.nn.Module, rank: int, config: LoraConfig, split: str | None,
+    def __init__(self, base: torch.nn.Module, rank: int, scaling: float, config: LoraConfig, split: str | None,
                  mask: Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         out_local, in_local = base.weight.shape
@@ -79,7 +79,7 @@ class LoraAdapter(torch.nn.Module):
         self.A = torch.nn.Parameter(torch.zeros(rank, in_local, dtype=dtype, device=device))
         self.B = torch.nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
         self.register_buffer("mask", None if mask is None else mask.to(device, dtype), persistent=False)
-        self.split, self.scaling, self.enabled = split, config.scaling, True
+        self.split, self.scaling, self.enabled = split, scaling, True
         self.tp_group = getattr(base, "tp_group", None)
         self.explicit = bool(getattr(base, "explicit_expert_comm", False))
         # expert factors never take the dense TP sum (they reduce over the expert-DP group)
