@@ -122,3 +122,15 @@ def lora_roundtrip(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, ac
     save_peft_adapter(engine.model, engine.args, "actor", LoraConfig(**lora), os.path.join(out_dir, "peft"), hf_dir)
     save_merged_hf(engine.model, engine.args, "actor", os.path.join(out_dir, "merged"))
     return out
+
+
+def adapted_names(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False) -> list[str]:
+    """Canonical names of every adapted linear, gathered from all ranks, sorted."""
+    import torch
+
+    from mcore_rl.models.lora_build import adapter_sites
+
+    engine = build_engine(hf_dir, layout_kwargs, lora, moe, optim=None)
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, sorted(adapter_sites(engine.model)))
+    return sorted({n for names in gathered for n in names})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.lora_bodies import lora_ref_with_replay, lora_update, peft_model, peft_state
+from tests.lora_bodies import adapted_names, lora_ref_with_replay, lora_update, peft_model, peft_state
 from tests.test_actor_update import ACTOR, make_batch, reference_update
 from tests.tiny import hf_log_probs, tiny_config, tiny_hf_model
 
@@ -108,3 +108,17 @@ def test_reference_replays_the_actors_routes(models):
     assert _max_diff(got["ref_fresh"], got["base_fresh"]) <= TOL
     # the adapters changed some routes, so replaying them changes the reference
     assert _max_diff(got["ref_replay"], got["ref_fresh"]) > 100 * TOL
+
+
+def test_patterns_name_global_layers_and_experts(models):
+    """'*.layers.1.*' and '*.local_experts.3.*' mean the same modules at every layout: names
+    carry global layer and expert indices (stage 1 of PP=2 holds layer 1 as its layer 0; EP
+    rank 1 holds expert 3 as its local expert 1)."""
+    d = models["qwen3_moe"][0]
+    lora = dict(BASE, target_modules=("*.layers.1.self_attention.linear_qkv", "*.local_experts.3.linear_fc2"))
+    want = ["decoder.layers.0.mlp.experts.local_experts.3.linear_fc2",
+            "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2",
+            "decoder.layers.1.self_attention.linear_qkv"]
+    assert run_ranks(1, adapted_names, d, {}, lora, True)[0] == want
+    assert run_ranks(2, adapted_names, d, dict(pp=2), lora, True)[0] == want
+    assert run_ranks(2, adapted_names, d, dict(ep=2), lora, True)[0] == want
