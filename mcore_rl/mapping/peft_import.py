@@ -123,12 +123,12 @@ def plan_site(adapter: PeftAdapter, wmap: WeightMap, site: str, lora_type: str,
             raise PeftAdapterError(f"{adapter.path}: {modules} have ranks/scalings {ranks}; canonical_lora needs one "
                                    "rank and alpha per fused linear: import with lora.type='lora'.")
         r = ranks[0][0]
-        blocks = [torch.zeros(n, r * len(present)) for n in rows]
+        blocks = [torch.zeros(n, r * len(present)) for n in rows]  # host: full factors from the file, sharded and copied later
         for j, i in enumerate(present):
             blocks[i][:, j * r:(j + 1) * r] = pieces_b[i]
         return SitePlan(torch.cat(pieces_a), transform.to_mcore(blocks, wmap.dims), scaling, tuple(present), r)
     total = sum(r for r, _ in ranks)
-    blocks, col = [torch.zeros(n, total) for n in rows], 0
+    blocks, col = [torch.zeros(n, total) for n in rows], 0  # host: full factors from the file, sharded and copied later
     for (r, s), i in zip(ranks, present):
         blocks[i][:, col:col + r] = pieces_b[i] * (s / scaling)
         col += r

@@ -294,16 +294,16 @@ def adapter_dtype(config: LoraConfig, params_dtype: torch.dtype) -> torch.dtype:
 def init_full(method: str, shape: tuple[int, int], key: str, seed: int) -> Tensor:
     """A full (unsharded) factor drawn from a generator seeded by ``seed`` and ``key``: the same
     values at every layout. fp32 [rows, cols]."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) & ((1 << 62) - 1))
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) & ((1 << 62) - 1))  # host: layout-independent init
     rows, cols = shape
     if method == "zero":
-        return torch.zeros(shape)
+        return torch.zeros(shape)  # host: a full factor, sharded and copied to the device
     if method == "normal":
-        return torch.randn(shape, generator=g) * 0.02
+        return torch.randn(shape, generator=g) * 0.02  # host: a full factor
     if method == "xavier":  # xavier normal: std = sqrt(2 / (fan_in + fan_out))
-        return torch.randn(shape, generator=g) * math.sqrt(2.0 / (rows + cols))
+        return torch.randn(shape, generator=g) * math.sqrt(2.0 / (rows + cols))  # host: a full factor
     bound = 1.0 / math.sqrt(cols)  # kaiming_uniform with a=sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-    return (torch.rand(shape, generator=g) * 2 - 1) * bound
+    return (torch.rand(shape, generator=g) * 2 - 1) * bound  # host: a full factor
 
 
 def expert_tp_rank_size(expert: bool) -> tuple[int, int]:

@@ -134,11 +134,11 @@ def _part_mask(parts: tuple[int, ...], rank: int, transform: Transform, wmap: We
                full_out: int) -> Tensor:
     """[full_out, rank * len(parts)]: 1 where a row of adapted part ``parts[j]`` meets column
     block j, in megatron's row order (the transform of the HF pieces)."""
-    pieces = transform.to_hf(torch.zeros(full_out, 1), wmap.dims)
+    pieces = transform.to_hf(torch.zeros(full_out, 1), wmap.dims)  # host: the mask is built full, then sharded
     width = rank * len(parts)
     blocks = []
     for index, piece in enumerate(pieces):
-        block = torch.zeros(piece.shape[0], width)
+        block = torch.zeros(piece.shape[0], width)  # host: the mask is built full, then sharded
         if index in parts:
             j = parts.index(index)
             block[:, j * rank:(j + 1) * rank] = 1.0
