@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from mcore_rl.checkpoint import integrity, inventory, peer_sync, recovery, step_dirs, storage
+from mcore_rl.checkpoint.adapters import save_part
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.errors import CheckpointError
@@ -227,7 +228,8 @@ class CheckpointManager:
             contents = tuple(c for c in self.cfg.save_contents
                              if engine.optimizer is not None or c not in ("optimizer", "extra"))
             dist = tuple(c for c in contents if c != "hf_model")
-            out[role] = (contents, sharded_state(engine, dist, self.cfg.optimizer_sharding, is_loading=False))
+            out[role] = (contents, sharded_state(engine, dist, self.cfg.optimizer_sharding, is_loading=False,
+                                                 part=save_part(engine)))  # LoRA: adapter-only
         return out
 
     def _write(self, p: _Pending, snapshot: dict, engines: dict[str, Any], trainer_state: dict | None) -> list:
