@@ -15,10 +15,10 @@ FULLY = "fully_reshardable"
 
 
 def build(hf_dir: str, layout_kwargs: dict, seed: int, role: str = "actor", lora: dict | None = LORA,
-          weights: bool = True):
+          weights: bool = True, moe: dict | None = None):
     """A trainable engine (LoRA unless ``lora`` is None; hidden dropout 0.1; Adam with warmup and
-    decay) of ``hf_dir``'s model, its weights loaded unless ``weights=False`` (the random init),
-    and its Actor / Critic (2 optimizer steps per update)."""
+    decay; ``moe``: MoEOptions) of ``hf_dir``'s model, its weights loaded unless ``weights=False``
+    (the random init), and its Actor / Critic (2 optimizer steps per update)."""
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.models.lora_config import LoraConfig
@@ -30,7 +30,10 @@ def build(hf_dir: str, layout_kwargs: dict, seed: int, role: str = "actor", lora
 
     layout = ParallelLayout(**layout_kwargs)
     initialize_parallel_state(layout, seed=seed)
-    options = BuildOptions(hidden_dropout=0.1, lora=LoraConfig(**lora) if lora else LoraConfig())
+    from mcore_rl.models.moe import MoEOptions
+
+    options = BuildOptions(hidden_dropout=0.1, lora=LoraConfig(**lora) if lora else LoraConfig(),
+                           moe=MoEOptions(**(moe or {})))
     optim = OptimConfig(lr=0.02, eps=1e-3, warmup_steps=2, total_steps=6, decay_style="linear")
     engine = ModelEngine(model_args_from_hf(hf_dir), layout, role, active_platform(), options, optim,
                          hf_dir if weights else None)
@@ -229,3 +232,50 @@ def checks_run(hf_a: str, hf_b: str, hf_copy: str, tmp: str) -> dict:
     except MergeError as e:
         out["merge"] = str(e)
     return out
+
+
+def _critic_leg(hf_critic: str, tmp: str) -> dict:
+    """A LoRA critic (value head trained in full) saved with its merged HF export, resumed."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from mcore_rl.models.hf_weights import export_hf
+    from mcore_rl.models.lora import merged_tensor_of
+
+    root = f"{tmp}/critic"
+    engine, critic = build(hf_critic, {}, seed=1, role="critic")
+    train(critic, range(1))
+    manager(root, save_contents=("model", "optimizer", "extra", "hf_model")).save(1, {"critic": engine}, {"step": 1})
+    out = {"at_save": {"adapters": adapters_full(engine), "base": base_full(engine)},
+           "merged": {k: v.clone() for k, v in export_hf(engine.model, engine.args, "critic",
+                                                           merged_tensor_of(engine.model)).items()}}
+    exported = SafetensorsReader(f"{root}/global_step_1/critic/huggingface")
+    out["exported"] = {k: exported[k] for k in exported}
+    out["keys"] = _saved(f"{root}/global_step_1", "critic")[0]
+    destroy()
+    engine, _ = build(hf_critic, {}, seed=77, role="critic")
+    manager(root).resume({"critic": engine})
+    out["loaded"] = {"adapters": adapters_full(engine), "base": base_full(engine)}
+    destroy()
+    return out
+
+
+def _moe_leg(hf_moe: str, tmp: str) -> dict:
+    """A LoRA glm4_moe actor whose router correction bias moves in training: saved, resumed."""
+    from tests.steps import EXACT_MOE
+
+    moe = dict(EXACT_MOE, expert_bias_update_rate=0.01)
+    engine, actor = build(hf_moe, {}, seed=1, moe=moe)
+    train(actor, range(1))
+    manager(f"{tmp}/moe").save(1, {"actor": engine}, {"step": 1})
+    at_save = base_full(engine)
+    destroy()
+    engine, _ = build(hf_moe, {}, seed=77, moe=moe)
+    fresh = base_full(engine)
+    manager(f"{tmp}/moe").resume({"actor": engine})
+    out = {"at_save": at_save, "fresh": fresh, "loaded": base_full(engine)}
+    destroy()
+    return out
+
+
+def extras_run(hf_critic: str, hf_moe: str, tmp: str) -> dict:
+    """World 1: the critic and MoE legs."""
+    return {"critic": _critic_leg(hf_critic, tmp), "moe": _moe_leg(hf_moe, tmp)}

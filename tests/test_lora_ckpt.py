@@ -9,7 +9,7 @@ import torch
 
 from tests.ckpt_bodies import hf_dir_for
 from tests.dist import run_ranks
-from tests.lora_ckpt_bodies import checks_run, resume_run, save_run
+from tests.lora_ckpt_bodies import checks_run, extras_run, resume_run, save_run
 
 TP2 = dict(tp=2, sequence_parallel=True)
 
@@ -84,3 +84,27 @@ def test_adapter_only_step_base_and_settings_checked(tmp_path):
     msg = out["mcore_vs_hf"]["message"]
     assert "trained on the model directory" in msg and "(a model directory vs a HF directory)" in msg and "model.mcore_dir=" in msg, msg
     assert "holds LoRA adapters only" in out["merge"], out["merge"]
+
+
+def test_critic_value_head_moe_bias_and_merged_export(tmp_path):
+    """World 1: a LoRA critic's step holds its value head (trained in full) and resumes it; its
+    hf_model export is the merged model; a LoRA glm4_moe actor's router correction bias (a state
+    buffer that training moves) is saved and resumed."""
+    critic_hf = hf_dir_for(str(tmp_path), "llama", "critic")
+    moe_hf = hf_dir_for(str(tmp_path), "glm4_moe", "actor")
+    out = run_ranks(1, extras_run, critic_hf, moe_hf, str(tmp_path), daemon=False)[0]
+    c = out["critic"]
+    model_keys = [k for k in c["keys"] if not k.startswith(("optimizer", "rng_state"))]
+    assert "output_layer.weight" in model_keys and all(".lora." in k or k.startswith("output_layer.")
+                                                        for k in model_keys), model_keys
+    for part in ("adapters", "base"):
+        assert c["at_save"][part].keys() == c["loaded"][part].keys() and c["loaded"][part]
+        assert all(torch.equal(v, c["loaded"][part][k]) for k, v in c["at_save"][part].items()), part
+    assert c["exported"].keys() == c["merged"].keys()
+    assert all(torch.equal(v, c["exported"][k]) for k, v in c["merged"].items())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(c["merged"][q], c["at_save"]["base"][q])  # merged, not the base
+    m = out["moe"]
+    bias = [k for k in m["at_save"] if k.endswith("e_score_correction_bias")]
+    assert bias and all(not torch.equal(m["at_save"][k], m["fresh"][k]) for k in bias)  # it moved
+    assert all(torch.equal(v, m["loaded"][k]) for k, v in m["at_save"].items())
