@@ -92,7 +92,7 @@ def tensors_identity(tensors: Mapping[str, torch.Tensor]) -> Identity:
         t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
         if content:
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return {"kind": "tensors", "path": None, "content": content, "sha256": h.hexdigest()}
 
 
