@@ -21,8 +21,11 @@ def build_engine(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False
     from mcore_rl.platform import active_platform
     from mcore_rl.rl.engine import ModelEngine, OptimConfig
 
+    from megatron.core import parallel_state
+
     layout = ParallelLayout(**layout_kwargs)
-    initialize_parallel_state(layout)
+    if not parallel_state.model_parallel_is_initialized():  # a second engine in the same world
+        initialize_parallel_state(layout)
     args = model_args_from_hf(hf_dir)
     options = BuildOptions(lora=LoraConfig(**lora), recompute=recompute,
                            moe=MoEOptions(**EXACT_MOE) if moe else MoEOptions())
@@ -32,14 +35,15 @@ def build_engine(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False
 
 def peft_tensors(engine) -> dict[str, torch.Tensor]:
     """The engine's adapters as PEFT-named full tensors, on every rank."""
-    from mcore_rl.mapping.peft import AdapterMap
+    from mcore_rl.mapping.peft import AdapterMap, to_peft_tensors
     from mcore_rl.mapping.weights import export_hf_weights
     from mcore_rl.models.hf_weights import weight_map
     from mcore_rl.models.lora_build import adapter_sites
 
     amap = AdapterMap(weight_map(engine.args, "actor", engine.layout.tp), adapter_sites(engine.model))
+    tensors = to_peft_tensors(export_hf_weights(engine.model, amap, adapters=True), engine.args.arch.model_type)
     # clones: tensors that needed no gather are views of the parameters, which training changes
-    return {k: v.clone() for k, v in export_hf_weights(engine.model, amap, adapters=True).items()}
+    return {k: v.clone() for k, v in tensors.items()}
 
 
 def lora_update(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, actor: dict, moe: bool = False,
@@ -63,8 +67,12 @@ def peft_model(hf, lora: dict, tensors: dict[str, torch.Tensor]):
     """A peft LoRA model over a copy of ``hf`` holding ``tensors`` (PEFT names) as its adapters."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
-    targets = sorted({k.split(".")[-3] for k in tensors})
-    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets, lora_dropout=0.0)
+    experts = [k for k in tensors if ".mlp.experts." in k]
+    targets = sorted({k.split(".")[-3] for k in tensors if k not in experts})
+    parameters = sorted({f"mlp.experts.{p}" for p, needle in (("gate_up_proj", "base_layer.lora_"), ("down_proj", "experts.lora_"))
+                         if any(needle in k for k in experts)})
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=targets, lora_dropout=0.0,
+                        target_parameters=parameters or None)
     model = get_peft_model(copy.deepcopy(hf), config)
     result = set_peft_model_state_dict(model, tensors)
     if result.unexpected_keys:
@@ -76,3 +84,53 @@ def peft_state(model) -> dict[str, torch.Tensor]:
     from peft import get_peft_model_state_dict
 
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def lora_ref_with_replay(hf_dir: str, lora: dict, batch: dict, actor: dict) -> dict:
+    """R2 replay: the actor's routes (recorded with adapters on), the LoRA reference with and
+    without them, and a frozen-base engine (no LoRA) replaying the same routes."""
+    from mcore_rl.models.routing import ROUTED_EXPERTS
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    config = ActorConfig(**{**actor, "router_replay": "R2"})
+    act = Actor(build_engine(hf_dir, {}, lora, moe=True), config)
+    recorded = act.compute_log_prob(batch)
+    routed = {**batch, ROUTED_EXPERTS: recorded[ROUTED_EXPERTS]}
+    out = {"ref_fresh": act.compute_ref_log_prob(batch), "ref_replay": act.compute_ref_log_prob(routed)}
+    base = Actor(build_engine(hf_dir, {}, dict(rank=0), moe=True, optim=None), config)
+    out["base_replay"] = base._forward_log_probs(base.engine, routed, False, replay_routing=True)["log_probs"]
+    out["base_fresh"] = base.compute_log_prob(batch)["log_probs"]
+    return out
+
+
+def lora_roundtrip(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, actor: dict, out_dir: str,
+                   moe: bool = False, steps: int = 2) -> dict:
+    """Start from a PEFT adapter (lora['adapter_path']): log-probs, ``steps`` updates, then the
+    adapter exported as PEFT (out_dir/peft) and merged HF weights (out_dir/merged); log-probs after."""
+    import os
+
+    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.models.lora_io import save_merged_hf, save_peft_adapter
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    engine = build_engine(hf_dir, layout_kwargs, lora, moe)
+    act = Actor(engine, ActorConfig(**actor))
+    out = {"before": act.compute_log_prob(batch)["log_probs"]}
+    for _ in range(steps):
+        act.update_policy(batch)
+    out["after"] = act.compute_log_prob(batch)["log_probs"]
+    save_peft_adapter(engine.model, engine.args, "actor", LoraConfig(**lora), os.path.join(out_dir, "peft"), hf_dir)
+    save_merged_hf(engine.model, engine.args, "actor", os.path.join(out_dir, "merged"))
+    return out
+
+
+def adapted_names(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False) -> list[str]:
+    """Canonical names of every adapted linear, gathered from all ranks, sorted."""
+    import torch
+
+    from mcore_rl.models.lora_build import adapter_sites
+
+    engine = build_engine(hf_dir, layout_kwargs, lora, moe, optim=None)
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, sorted(adapter_sites(engine.model)))
+    return sorted({n for names in gathered for n in names})

@@ -88,3 +88,16 @@ def test_layouts_equal_one_rank(layout, dense):
             assert worst[0] <= TOL, f"rank {rank}: {key} {worst[1]} differs by {worst[0]:.3g}"
         norm, want = got["metrics"]["actor/grad_norm"], one["metrics"]["actor/grad_norm"]
         assert abs(norm - want) <= 1e-5 * want, f"rank {rank}: grad norm {norm} != {want}"
+
+
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_recompute_equals_no_recompute(recompute, dense):
+    """Activation recompute with a frozen base: megatron's CheckpointFunction gives no gradient
+    when its inputs need none, so the embedding output must require grad (else the adapters'
+    gradients through recomputed layers are silently zero)."""
+    d, _, batch, results = dense
+    one = results["lora"]
+    got = run_ranks(1, lora_update, d, {}, LORA, batch, ACTOR, False, recompute)[0]
+    worst = max((_max_diff(got["peft_after"][k], v), k) for k, v in one["peft_after"].items())
+    assert worst[0] <= TOL, f"{worst[1]} differs by {worst[0]:.3g}"
+    assert abs(got["metrics"]["actor/grad_norm"] - one["metrics"]["actor/grad_norm"]) <= 1e-5 * one["metrics"]["actor/grad_norm"]

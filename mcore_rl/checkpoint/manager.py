@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from mcore_rl.checkpoint import integrity, inventory, peer_sync, recovery, step_dirs, storage
+from mcore_rl.checkpoint.adapters import is_lora, save_part
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.errors import CheckpointError
@@ -227,7 +228,8 @@ class CheckpointManager:
             contents = tuple(c for c in self.cfg.save_contents
                              if engine.optimizer is not None or c not in ("optimizer", "extra"))
             dist = tuple(c for c in contents if c != "hf_model")
-            out[role] = (contents, sharded_state(engine, dist, self.cfg.optimizer_sharding, is_loading=False))
+            out[role] = (contents, sharded_state(engine, dist, self.cfg.optimizer_sharding, is_loading=False,
+                                                 part=save_part(engine)))  # LoRA: adapter-only
         return out
 
     def _write(self, p: _Pending, snapshot: dict, engines: dict[str, Any], trainer_state: dict | None) -> list:
@@ -266,10 +268,13 @@ class CheckpointManager:
     def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
         """HF safetensors shards of at most ``hf_max_shard_size`` (+ index), streamed bucket by
         bucket (collective: every rank gathers each bucket; rank 0 writes it; a failed write
-        still takes part in every gather, then fails the save on every rank)."""
+        still takes part in every gather, then fails the save on every rank). A LoRA engine's
+        are merged (``W + s B A``): the model it trained."""
         from mcore_rl.models.hf_weights import export_hf_buckets
+        from mcore_rl.models.lora import merged_tensor_of
 
-        buckets = export_hf_buckets(engine.model, engine.args, role, parse_size(self.cfg.hf_max_shard_size))
+        merged = {"tensor_of": merged_tensor_of(engine.model)} if is_lora(engine) else {}
+        buckets = export_hf_buckets(engine.model, engine.args, role, parse_size(self.cfg.hf_max_shard_size), **merged)
 
         def write() -> None:
             try:

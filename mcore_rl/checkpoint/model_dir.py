@@ -11,18 +11,20 @@ from megatron.core import dist_checkpointing
 from mcore_rl.checkpoint import integrity, model_record, storage
 from mcore_rl.checkpoint.collective import agreed
 from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.base_identity import model_dir_identity
 from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.state import LoadPlan, _safe_loading, apply_loaded, plan_load, sharded_state
 from mcore_rl.mapping.weights import unwrap
 
 
-def read_plan(model_dir: str, engine, role: str, contents: tuple[str, ...]) -> LoadPlan:
-    """Validates ``model_dir``'s metadata against ``engine`` (raises before any state is touched)."""
+def read_plan(model_dir: str, engine, role: str, contents: tuple[str, ...], base_load: bool = False) -> LoadPlan:
+    """Validates ``model_dir``'s metadata against ``engine`` (raises before any state is touched);
+    ``base_load``: see ``state.plan_load``."""
     meta_path = os.path.join(model_dir, META)
     if not os.path.isfile(meta_path):
         raise CheckpointError(f"{model_dir} has no {META}; it is not a model directory written by "
                               "mcore_rl (convert a HF model with converters/hf_to_mcore.py).")
-    return plan_load(storage.read_json(meta_path), engine, role, tuple(contents), model_dir)
+    return plan_load(storage.read_json(meta_path), engine, role, tuple(contents), model_dir, base_load)
 
 
 def verify_model_dir(model_dir: str) -> tuple[int, int]:
@@ -76,7 +78,8 @@ def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None
     dist_dir = os.path.join(model_dir, "dist_ckpt")
     agreed(lambda: storage.check_files(dist_dir, storage.expected_files(dist_dir)),  # every file there, none
            f"checking {dist_dir}")                                                   # outside it, on every node
-    state = sharded_state(engine, plan.contents, plan.sharding, is_loading=True, rng=plan.restore_rng)
+    state = sharded_state(engine, plan.contents, plan.sharding, is_loading=True, rng=plan.restore_rng,
+                          part=plan.model_part)
     kept = _split_off(engine, state, keep_prefix) if keep_prefix else {}
     with _safe_loading():
         loaded = dist_checkpointing.load(state, dist_dir, sharded_strategy=("torch_dist", 1))
@@ -104,14 +107,30 @@ def load_model_dir(model_dir: str, engine, init_value_head: bool = False, verify
     (collective over the engine's world). The engine's role must be the directory's, except with
     ``init_value_head=True``: a critic engine takes the trunk of an actor directory (its LM head
     is not read) and keeps its value head's initialisation, as ``load_hf`` does for a causal LM.
-    ``verify``: first every file is checked against the directory's record (``verify_model_dir``)."""
+    ``verify``: first every file is checked against the directory's record (``verify_model_dir``).
+    A LoRA engine takes a full directory as its base (its adapters keep their values; ``engine.base``
+    becomes the directory's identity, which adapter-only checkpoints record), or an adapter-only
+    directory of the same LoRA settings trained on its base."""
     if init_value_head and engine.role != "critic":
         raise CheckpointError(f"init_value_head=True loads an actor's trunk into a critic; the engine is "
                               f"a {engine.role!r}: drop init_value_head.")
     role = "actor" if init_value_head else engine.role
     model_dir = os.path.abspath(model_dir)
     ident = verify_model_dir(model_dir) if verify else None
-    plan = agreed(lambda: read_plan(model_dir, engine, role, ("model",)), f"checking {model_dir}")
+    plan = agreed(lambda: read_plan(model_dir, engine, role, ("model",), base_load=True), f"checking {model_dir}")
+    base = agreed(lambda: _base_identity(model_dir), f"identifying {model_dir}") if plan.model_part == "base" else None
     load_planned(model_dir, engine, plan, keep_prefix="output_layer." if init_value_head else None)
     if ident is not None:
         same_identity(model_dir, ident)
+    if base is not None:
+        engine.base = base
+
+
+def _base_identity(model_dir: str) -> dict:
+    """``model_dir``'s identity as a LoRA base: from the record that vouches for it (read, not
+    re-verified), else from its files."""
+    try:
+        record = model_record.find_record(model_dir)
+    except CheckpointError:  # verify=False on a directory without a record
+        return model_dir_identity(model_dir, None, None)
+    return model_dir_identity(model_dir, record.source, record.files)

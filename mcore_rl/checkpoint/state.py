@@ -15,11 +15,15 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing import ShardedObject
 
+from mcore_rl.checkpoint import adapters
+from mcore_rl.checkpoint.adapters import ModelPart
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.safe_load import restricted_unpickling
 from mcore_rl.mapping.weights import unwrap
 
 SCHEMA_VERSION = 1
+ADAPTER_SCHEMA_VERSION = 2  # adapter-only (LoRA) steps: no base weights, a ``lora`` record
+READABLE_SCHEMAS = (SCHEMA_VERSION, ADAPTER_SCHEMA_VERSION)
 # layout sizes a dp_reshardable optimizer state is tied to (only DP may change)
 _DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "ep", "etp")  # CP is not: the optimizer shards over DP x CP
 
@@ -66,12 +70,17 @@ def versions() -> dict[str, str]:
 
 
 def build_metadata(engine, role: str, contents: tuple[str, ...], sharding: str) -> dict[str, Any]:
-    """What ``mcore_rl.json`` holds for one engine's checkpoint."""
-    return {"schema_version": SCHEMA_VERSION, "role": role, "model_type": engine.args.arch.model_type,
+    """What ``mcore_rl.json`` holds for one engine's checkpoint (a LoRA engine's: schema 2, with
+    the ``lora`` record of ``adapters.lora_record``)."""
+    meta = {"schema_version": SCHEMA_VERSION, "role": role, "model_type": engine.args.arch.model_type,
             "arch": arch_facts(engine.args), "layout": layout_facts(engine),
             "params_dtype": str(engine.config.params_dtype), "contents": sorted(contents),
             "optimizer_sharding": sharding if "optimizer" in contents else None,
             "versions": dict(versions())}
+    record = adapters.lora_record(engine)
+    if record is not None:  # older readers refuse it by the version instead of missing the base weights
+        meta.update(schema_version=ADAPTER_SCHEMA_VERSION, lora=record)
+    return meta
 
 
 @dataclass(frozen=True)
@@ -81,14 +90,18 @@ class LoadPlan:
     contents: tuple[str, ...]
     restore_rng: bool
     sharding: str | None
+    model_part: ModelPart = "all"  # adapters.py: all / adapters (LoRA step) / base (under adapters)
 
 
-def plan_load(meta: dict, engine, role: str, contents: tuple[str, ...], where: str) -> LoadPlan:
+def plan_load(meta: dict, engine, role: str, contents: tuple[str, ...], where: str,
+              base_load: bool = False) -> LoadPlan:
     """Validates a checkpoint against ``engine`` and decides the load; raises CheckpointError
-    before any state is touched (other architecture, contents not saved, impossible reshard)."""
-    if meta.get("schema_version") != SCHEMA_VERSION:
+    before any state is touched (other architecture, contents not saved, impossible reshard,
+    LoRA adapters of other settings or on another base). ``base_load``: the engine's start (a
+    model directory), where a full model may load under a LoRA engine's adapters."""
+    if meta.get("schema_version") not in READABLE_SCHEMAS:
         raise CheckpointError(f"{where}: schema_version={meta.get('schema_version')!r}, this build reads "
-                              f"{SCHEMA_VERSION}; load it with the mcore_rl version that wrote it.")
+                              f"{list(READABLE_SCHEMAS)}; load it with the mcore_rl version that wrote it.")
     if meta.get("role") != role:
         raise CheckpointError(f"{where}: holds role {meta.get('role')!r}, asked for {role!r}; "
                               "pass the engine under the role it was saved as.")
@@ -116,11 +129,12 @@ def plan_load(meta: dict, engine, role: str, contents: tuple[str, ...], where: s
             f"{', '.join(f'{k} {old.get(k)} -> {new[k]}' for k in changed)}; resume with the saved "
             f"{', '.join(f'{k}={old.get(k)}' for k in changed)}, or drop 'optimizer' from "
             "checkpoint.load_contents (fresh optimizer), or save with optimizer_sharding=fully_reshardable.")
+    part = adapters.plan_part(meta, engine, where, base_load)
     same = old == new
     if "extra" in contents and not same:
         warnings.warn(f"{where}: layout changed ({_layout_str(old)} -> {_layout_str(new)}); model and "
                       "optimizer are resharded, the RNG state is NOT restored (it is per rank).", stacklevel=2)
-    return LoadPlan(tuple(contents), "extra" in contents and same, sharding)
+    return LoadPlan(tuple(contents), "extra" in contents and same, sharding, part)
 
 
 def _layout_str(facts: dict) -> str:
@@ -166,16 +180,19 @@ def restore_rng(payload: dict[str, Any], where: str) -> None:
 
 
 # ---- sharded state dict -----------------------------------------------------------------------
-def model_state(engine) -> dict[str, Any]:
-    """``model0..model{V-1}``: each chunk's unwrapped GPTModel sharded state dict."""
-    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(engine.model)}
+def model_state(engine, part: ModelPart = "all") -> dict[str, Any]:
+    """``model0..model{V-1}``: each chunk's unwrapped GPTModel sharded state dict, the entries
+    of ``part`` (``adapters.select``)."""
+    return {f"model{i}": adapters.select(engine, i, unwrap(chunk).sharded_state_dict(), part)
+            for i, chunk in enumerate(engine.model)}
 
 
 def sharded_state(engine, contents: tuple[str, ...], sharding: str | None, is_loading: bool,
-                  rng: bool = True) -> dict:
+                  rng: bool = True, part: ModelPart = "all") -> dict:
     """The torch_dist state dict of ``contents`` (model, optimizer, extra) for one engine;
-    ``rng=False`` leaves the per-rank RNG out (a load into another layout)."""
-    models = model_state(engine)
+    ``rng=False`` leaves the per-rank RNG out (a load into another layout); ``part``: the model
+    entries (a LoRA engine's step: ``adapters``)."""
+    models = model_state(engine, part)
     state: dict[str, Any] = {}
     if "model" in contents:
         state.update(models)
@@ -199,7 +216,7 @@ def apply_loaded(engine, loaded: dict, plan: LoadPlan, where: str) -> None:
     the scheduler (checkpoint wins, one warning per differing value) and RNG when planned."""
     if "model" in plan.contents:
         for i, chunk in enumerate(engine.model):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=True)
+            adapters.load_chunk(unwrap(chunk), loaded[f"model{i}"], plan.model_part, where)
     if "optimizer" in plan.contents:
         with torch.no_grad():
             engine.optimizer.load_state_dict(loaded["optimizer"])

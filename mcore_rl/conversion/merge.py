@@ -117,6 +117,12 @@ def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
                              "'model' in checkpoint.save_contents, or the file is damaged); nothing to merge.")
         if role not in ("actor", "critic"):
             raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
+        lora = meta.get("lora")
+        if isinstance(lora, dict) and lora.get("adapter_only"):
+            base = lora.get("base") if isinstance(lora.get("base"), dict) else {}
+            raise MergeError(f"{local_dir} holds LoRA adapters only (trained on {base.get('path') or base.get('kind')!r}), "
+                             "no base weights; a merge needs a full model: export the adapters or merged weights "
+                             "from a LoRA engine (mapping/peft.py, export_hf_weights with merged_tensor_of).")
         hf_dir = os.path.join(local_dir, "huggingface")
         args = _model_args(hf_dir)
         same_dir(local_dir, reader)

@@ -11,10 +11,12 @@ PEFT names: ``base_model.model.<HF module>.lora_A.weight`` [r, in] / ``lora_B.we
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
+from mcore_rl.mapping.peft_experts import experts_to_peft
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.mapping.weights import MappingError, WeightMap
 
@@ -39,10 +41,11 @@ class LoraFactor(Transform):
     """How one factor of an adapter maps to its PEFT tensors. B: split and re-laid-out as the
     weight's rows; A: split as the weight's columns (row-parallel linears) or replicated."""
 
-    def __init__(self, base: Transform, factor: str, site: AdapterSite) -> None:
+    def __init__(self, base: Transform, factor: str, site: AdapterSite, whole: bool = False) -> None:
         split = base.split_dim if (factor, base.split_dim) in (("B", 0), ("A", 1)) else None
         super().__init__(f"lora_{factor}({base.name})", split, base.expert)
         self.base, self.factor, self.site = base, factor, site
+        self.whole = whole  # one tensor in megatron's full layout (routed experts: peft_experts.py)
 
     def shard(self, full: Tensor, rank: int, size: int) -> Tensor:
         return full if self.split_dim is None else self.base.shard(full, rank, size)
@@ -53,6 +56,8 @@ class LoraFactor(Transform):
     def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
         """B [out, R] -> each PEFT B [rows_p, r]; A [R, in] -> each PEFT A [r, in]."""
         r, parts = self.site.rank, self.site.parts
+        if self.whole:
+            return [full]
         if self.factor == "B":
             pieces = self.base.to_hf(full, dims)  # B's rows are laid out as the weight's
             if not parts:
@@ -65,6 +70,8 @@ class LoraFactor(Transform):
     def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
         """Inverse of to_hf (a fused adapter's pieces must share one A)."""
         parts, r = self.site.parts, self.site.rank
+        if self.whole:
+            return hf[0]
         if self.factor == "A":
             if parts:
                 return torch.cat(hf, dim=0)
@@ -94,6 +101,8 @@ class AdapterMap:
             raise MappingError(f"{canonical!r} is not an adapter factor of this model.")
         site = self.sites[linear]
         hf_weights, transform = self.base.rule(linear + ".weight")
+        if transform.expert:  # one [E*r, in] / [out, r*E] tensor per layer in peft: staged per expert
+            return [_expert_stage_name(linear, factor, site)], LoraFactor(transform, factor, site, whole=True)
         if site.parts:
             hf_weights = [hf_weights[p] for p in site.parts]
         names = [peft_name(n, factor) for n in hf_weights]
@@ -105,3 +114,36 @@ def peft_name(hf_weight: str, factor: str) -> str:
     if not hf_weight.endswith(".weight"):
         raise MappingError(f"{hf_weight!r} is not a weight; adapters sit on linear weights only.")
     return PEFT_PREFIX + hf_weight[: -len("weight")] + FACTOR_SUFFIX[factor]
+
+
+_EXPERT_SITE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
+EXPERT_STAGE = "routed_expert_lora"  # staging names: routed_expert_lora.<layer>.<expert>.<part>.<A|B>
+_EXPERT_PART = {"linear_fc1": "gate_up", "linear_fc2": "down"}
+
+
+def _expert_stage_name(linear: str, factor: str, site: AdapterSite) -> str:
+    m = _EXPERT_SITE.match(linear)
+    if m is None:
+        raise MappingError(f"{linear!r}: an expert adapter outside a routed expert's fc1/fc2.")
+    if site.parts:
+        raise MappingError(f"{linear!r}: canonical LoRA (separate gate/up adapters) on routed experts has no "
+                           "PEFT form (peft adapts gate_up_proj as one parameter); export merged weights or "
+                           "use type='lora' for the experts.")
+    return f"{EXPERT_STAGE}.{m[1]}.{m[2]}.{_EXPERT_PART[m[3]]}.{factor}"
+
+
+def to_peft_tensors(tensors: dict[str, Tensor], model_type: str) -> dict[str, Tensor]:
+    """Exported adapter tensors (AdapterMap names) -> PEFT's state dict: routed experts' staged
+    per-expert factors become peft's per-layer expert tensors (mapping/peft_experts.py)."""
+    out, layers = {}, {}
+    for name, tensor in tensors.items():
+        if not name.startswith(EXPERT_STAGE + "."):
+            out[name] = tensor
+            continue
+        _, layer, expert, part, factor = name.split(".")
+        pair = layers.setdefault(int(layer), {}).setdefault(int(expert), {}).setdefault(part, {})
+        pair[factor] = tensor
+    for layer, experts in sorted(layers.items()):
+        factors = {e: {part: (ab["A"], ab["B"]) for part, ab in parts.items()} for e, parts in experts.items()}
+        out.update(experts_to_peft(f"model.layers.{layer}", factors, model_type))
+    return out

@@ -39,9 +39,10 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from mcore_rl.models.lora_config import LoraConfig
+from mcore_rl.models.lora_config import LoraConfig, LoraConfigError
 
 Tensor = torch.Tensor
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -70,7 +71,7 @@ class LoraAdapter(torch.nn.Module):
     ``mask``). ``split``: 'column', 'row' or None (replicated linear); ``explicit``: expert linear
     without its own communication. forward(x [..., in_local]) -> s * B A x [..., out_local]."""
 
-    def __init__(self, base: torch.nn.Module, rank: int, config: LoraConfig, split: str | None,
+    def __init__(self, base: torch.nn.Module, rank: int, scaling: float, config: LoraConfig, split: str | None,
                  mask: Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
         out_local, in_local = base.weight.shape
@@ -78,12 +79,12 @@ class LoraAdapter(torch.nn.Module):
         self.A = torch.nn.Parameter(torch.zeros(rank, in_local, dtype=dtype, device=device))
         self.B = torch.nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
         self.register_buffer("mask", None if mask is None else mask.to(device, dtype), persistent=False)
-        self.split, self.scaling, self.enabled = split, config.scaling, True
+        self.split, self.scaling, self.enabled = split, scaling, True
         self.tp_group = getattr(base, "tp_group", None)
         self.explicit = bool(getattr(base, "explicit_expert_comm", False))
         # expert factors never take the dense TP sum (they reduce over the expert-DP group)
-        is_expert = bool(getattr(base, "is_expert", False))
-        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not is_expert
+        self.is_expert = bool(getattr(base, "is_expert", False))
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.is_expert
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout > 0 else None
         self.dropout_position = config.dropout_position
         self.site = None  # its layout for export (mapping.peft.AdapterSite), set by lora_build
@@ -98,12 +99,32 @@ class LoraAdapter(torch.nn.Module):
             split_factor.partition_dim = 0 if self.split == "column" else 1
             split_factor.partition_stride = 1
         replicated = [p for p in (self.A, self.B) if p is not split_factor]
+        if self.is_expert:
+            self._mark_expert_replicated(replicated)
+            return
         for p in replicated:
             # dense factors whose grads are partial per sequence chunk: finalize sums them over TP
             if self.split is None:
                 p.sequence_parallel = getattr(weight, "sequence_parallel", False)
             else:
                 p.sequence_parallel = self.sequence_parallel
+
+    def _mark_expert_replicated(self, replicated: list[Tensor]) -> None:
+        """megatron's grad norm counts a parameter without TP attributes on dense TP rank 0 only
+        (its expert optimizer filters duplicates with the dense TP group). A replicated expert
+        factor is unique on each rank when expert-TP is 1 (then it is marked as TP-split, so
+        every rank counts it), and a copy per expert-TP rank otherwise, counted once only when
+        the expert-TP group is the TP group."""
+        etp = self.tp_group.size() if self.tp_group is not None else 1
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if etp == 1:
+            for p in replicated:
+                p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+        elif etp != tp:
+            raise LoraConfigError(
+                f"LoRA on routed experts with etp({etp}) != tp({tp}) and etp > 1: megatron's grad norm "
+                "would count the experts' replicated adapter factors on the wrong ranks; use etp=1 or "
+                f"etp=tp({tp}), or leave the experts out of lora.target_modules.")
 
     @property
     def weight_B(self) -> Tensor:
@@ -215,6 +236,21 @@ class LoraReplicatedLinear(ReplicatedLinear):
 LORA_LINEARS = (LoraColumnParallelLinear, LoraRowParallelLinear, LoraReplicatedLinear)
 
 
+class LoraMLASelfAttention(MLASelfAttention):
+    """megatron's MLA attention with LoRA-capable down-projections. Its constructor accepts only
+    megatron's own classes there (an exact-type check), so they are built as megatron's
+    replicated ``Linear`` and then given its LoRA subclass, which adds no state but the empty
+    ``lora`` slot (same parameters, same checkpoint keys)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for name in ("linear_q_down_proj", "linear_kv_down_proj"):
+            module = getattr(self, name, None)
+            if type(module) is ReplicatedLinear:
+                module.__class__ = LoraReplicatedLinear
+                module.lora = None
+
+
 def lora_modules(chunks: list[torch.nn.Module]) -> Iterator[torch.nn.Module]:
     """Every LoRA-capable linear of the chunks that has an adapter."""
     for chunk in chunks:
@@ -258,16 +294,16 @@ def adapter_dtype(config: LoraConfig, params_dtype: torch.dtype) -> torch.dtype:
 def init_full(method: str, shape: tuple[int, int], key: str, seed: int) -> Tensor:
     """A full (unsharded) factor drawn from a generator seeded by ``seed`` and ``key``: the same
     values at every layout. fp32 [rows, cols]."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) & ((1 << 62) - 1))
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) & ((1 << 62) - 1))  # host: layout-independent init
     rows, cols = shape
     if method == "zero":
-        return torch.zeros(shape)
+        return torch.zeros(shape)  # host: a full factor, sharded and copied to the device
     if method == "normal":
-        return torch.randn(shape, generator=g) * 0.02
+        return torch.randn(shape, generator=g) * 0.02  # host: a full factor
     if method == "xavier":  # xavier normal: std = sqrt(2 / (fan_in + fan_out))
-        return torch.randn(shape, generator=g) * math.sqrt(2.0 / (rows + cols))
+        return torch.randn(shape, generator=g) * math.sqrt(2.0 / (rows + cols))  # host: a full factor
     bound = 1.0 / math.sqrt(cols)  # kaiming_uniform with a=sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
-    return (torch.rand(shape, generator=g) * 2 - 1) * bound
+    return (torch.rand(shape, generator=g) * 2 - 1) * bound  # host: a full factor
 
 
 def expert_tp_rank_size(expert: bool) -> tuple[int, int]:

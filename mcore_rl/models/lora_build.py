@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.mapping.peft import AdapterSite
+from mcore_rl.mapping.peft_import import SitePlan, plan_site, read_peft_adapter
 from mcore_rl.mapping.transforms import Transform
 from mcore_rl.mapping.weights import WeightMap, unwrap
 from mcore_rl.models.lora import (
@@ -42,21 +43,27 @@ def linear_sites(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def attach_adapters(chunks: list[torch.nn.Module], config: LoraConfig, wmap: WeightMap,
                     params_dtype: torch.dtype) -> int:
-    """Adapters on every linear ``config`` targets, initialised from their seeds; every other
-    parameter frozen. Returns the number of adapted linears (an error when it is 0)."""
+    """Adapters on every linear ``config`` targets, initialised from their seeds, or with
+    ``config.adapter_path`` on every linear the PEFT adapter there adapts, with its values,
+    ranks and scalings; every other parameter frozen. Returns the number of adapted linears."""
     dtype = adapter_dtype(config, params_dtype)
+    adapter = read_peft_adapter(config.adapter_path) if config.adapter_path else None
+    expert_cache: dict = {}
     count = 0
     for chunk in chunks:
         for name, module in linear_sites(chunk):
-            parts = config.parts(name)
-            if parts is None:
-                continue
             _, transform = wmap.rule(name + ".weight")
-            module.lora = _build_adapter(module, name, parts, config, transform, wmap, dtype)
+            if adapter is not None:
+                plan = plan_site(adapter, wmap, name, config.type, expert_cache)
+            else:
+                plan = _seeded_plan(module, name, config, transform, wmap)
+            if plan is None:
+                continue
+            module.lora = _build_adapter(module, plan, config, transform, wmap, dtype)
             if isinstance(module, LoraColumnParallelLinear):
                 module.lora_glu_rows = transform.name.endswith("gate_up")
             count += 1
-    if count == 0 and any(True for _ in chunks):
+    if count == 0 and adapter is None:
         _check_some_target(chunks, config)
     for chunk in chunks:
         for name, param in chunk.named_parameters():
@@ -75,26 +82,44 @@ def _check_some_target(chunks: list[torch.nn.Module], config: LoraConfig) -> Non
         )
 
 
-def _build_adapter(module: torch.nn.Module, name: str, parts: tuple[int, ...], config: LoraConfig,
-                   transform: Transform, wmap: WeightMap, dtype: torch.dtype) -> LoraAdapter:
-    split = {0: "column", 1: "row", None: None}[transform.split_dim]
-    rank, size = expert_tp_rank_size(transform.expert)
+def _full_shape(module: torch.nn.Module, transform: Transform) -> tuple[int, int]:
+    """(rows, columns) of the full (TP=1) weight of ``module``."""
+    _, size = expert_tp_rank_size(transform.expert)
     out_local, in_local = module.weight.shape
-    full_out = out_local * size if split == "column" else out_local
-    full_in = in_local * size if split == "row" else in_local
+    return (out_local * size if transform.split_dim == 0 else out_local,
+            in_local * size if transform.split_dim == 1 else in_local)
+
+
+def _seeded_plan(module: torch.nn.Module, name: str, config: LoraConfig, transform: Transform,
+                 wmap: WeightMap) -> SitePlan | None:
+    """A fresh adapter for a targeted linear: full factors drawn from the seed and the name."""
+    parts = config.parts(name)
+    if parts is None:
+        return None
+    full_out, full_in = _full_shape(module, transform)
     r = config.rank * max(len(parts), 1)
-    mask_full = _part_mask(parts, config.rank, transform, wmap, full_out) if parts else None
     a_full = init_full(config.lora_A_init_method, (r, full_in), f"{name}.lora.A", config.seed)
     b_full = init_full(config.lora_B_init_method, (full_out, r), f"{name}.lora.B", config.seed)
-    if mask_full is not None:
-        b_full = b_full * mask_full
-    mask = None if mask_full is None else _shard(mask_full, transform, split, "B", rank, size)
-    adapter = LoraAdapter(module, r, config, split, mask, dtype)
-    pieces = transform.to_hf(torch.empty(full_out, 1, device="meta"), wmap.dims)
-    adapter.site = AdapterSite(parts, config.rank, config.scaling, tuple(p.shape[0] for p in pieces))
+    if parts:
+        b_full = b_full * _part_mask(parts, config.rank, transform, wmap, full_out)
+    return SitePlan(a_full, b_full, config.scaling, parts, config.rank)
+
+
+def _build_adapter(module: torch.nn.Module, plan: SitePlan, config: LoraConfig, transform: Transform,
+                   wmap: WeightMap, dtype: torch.dtype) -> LoraAdapter:
+    split = {0: "column", 1: "row", None: None}[transform.split_dim]
+    rank, size = expert_tp_rank_size(transform.expert)
+    full_out, _ = _full_shape(module, transform)
+    mask = None
+    if plan.parts:
+        mask = _shard(_part_mask(plan.parts, plan.part_rank, transform, wmap, full_out), transform, split, "B",
+                      rank, size)
+    adapter = LoraAdapter(module, plan.A.shape[0], plan.scaling, config, split, mask, dtype)
     with torch.no_grad():
-        adapter.A.copy_(_shard(a_full, transform, split, "A", rank, size))
-        adapter.B.copy_(_shard(b_full, transform, split, "B", rank, size))
+        adapter.A.copy_(_shard(plan.A, transform, split, "A", rank, size))
+        adapter.B.copy_(_shard(plan.B, transform, split, "B", rank, size))
+    pieces = transform.to_hf(torch.empty(full_out, 1, device="meta"), wmap.dims)
+    adapter.site = AdapterSite(plan.parts, plan.part_rank, plan.scaling, tuple(p.shape[0] for p in pieces))
     return adapter
 
 
@@ -109,11 +134,11 @@ def _part_mask(parts: tuple[int, ...], rank: int, transform: Transform, wmap: We
                full_out: int) -> Tensor:
     """[full_out, rank * len(parts)]: 1 where a row of adapted part ``parts[j]`` meets column
     block j, in megatron's row order (the transform of the HF pieces)."""
-    pieces = transform.to_hf(torch.zeros(full_out, 1), wmap.dims)
+    pieces = transform.to_hf(torch.zeros(full_out, 1), wmap.dims)  # host: the mask is built full, then sharded
     width = rank * len(parts)
     blocks = []
     for index, piece in enumerate(pieces):
-        block = torch.zeros(piece.shape[0], width)
+        block = torch.zeros(piece.shape[0], width)  # host: the mask is built full, then sharded
         if index in parts:
             j = parts.index(index)
             block[:, j * rank:(j + 1) * rank] = 1.0

@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from mcore_rl.models.layers import RMSNorm, TorchCoreAttention
-from mcore_rl.models.lora import LoraColumnParallelLinear, LoraReplicatedLinear, LoraRowParallelLinear
+from mcore_rl.models.lora import LoraColumnParallelLinear, LoraMLASelfAttention, LoraRowParallelLinear
 
 # The local spec keeps norms as separate modules; TE fuses them into the next linear. These
 # renames make the local spec's checkpoint keys the TE ones. TE's MoE layers keep a separate
@@ -57,11 +57,13 @@ class Linears:
 
     column: type = ColumnParallelLinear
     row: type = RowParallelLinear
-    replicated: type = ReplicatedLinear
+    # MLA's replicated down-projections must be megatron's own class (it checks the exact type):
+    # the LoRA attention class swaps in the LoRA-capable subclass after construction
+    mla_attention: type = MLASelfAttention
 
 
 LOCAL_LINEARS = Linears()
-LORA_LINEARS = Linears(LoraColumnParallelLinear, LoraRowParallelLinear, LoraReplicatedLinear)
+LORA_LINEARS = Linears(LoraColumnParallelLinear, LoraRowParallelLinear, LoraMLASelfAttention)
 
 
 def _mlp(lin: Linears) -> MLPSubmodules:
@@ -98,13 +100,13 @@ def _gqa_attention(qk_norm: bool, lin: Linears) -> ModuleSpec:
 # (ColumnParallelLinear) branch drops the other ranks' gradient of that key (Megatron-LM #1699).
 def _mla_attention(lin: Linears) -> ModuleSpec:
     return ModuleSpec(
-        module=MLASelfAttention,
+        module=lin.mla_attention,
         params={"attn_mask_type": AttnMaskType.padding_causal},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=lin.column,
-            linear_q_down_proj=lin.replicated,
+            linear_q_down_proj=ReplicatedLinear,
             linear_q_up_proj=lin.column,
-            linear_kv_down_proj=lin.replicated,
+            linear_kv_down_proj=ReplicatedLinear,
             linear_kv_up_proj=lin.column,
             core_attention=TorchCoreAttention,
             linear_proj=lin.row,

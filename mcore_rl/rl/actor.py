@@ -71,7 +71,7 @@ class Actor:
         _check_router_replay(engine, config.router_replay)
 
     def _forward_log_probs(self, engine: ModelEngine, batch: dict, with_entropy: bool,
-                           record_routing: bool = False) -> dict:
+                           record_routing: bool = False, replay_routing: bool = False) -> dict:
         validate_batch(batch, vocab_size=engine.args.vocab_size)
         vocab = engine.args.vocab_size
         temperature = self.config.temperature
@@ -86,7 +86,7 @@ class Actor:
             return lp.sum() * 0.0, out
 
         keys = ("log_probs", "entropy") if with_entropy else ("log_probs",)
-        return forward_rows(engine, batch, self.config, loss_fn, keys, record_routing)
+        return forward_rows(engine, batch, self.config, loss_fn, keys, record_routing, replay_routing)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: dict, with_entropy: bool = False) -> dict[str, Tensor]:
@@ -100,16 +100,18 @@ class Actor:
     def compute_ref_log_prob(self, batch: dict) -> Tensor:
         """[B, R] log-probs under the frozen reference policy (rows as compute_log_prob): the
         ``ref`` engine, or for a LoRA actor without one the same engine with its adapters off
-        (the frozen base). With router replay the routes are computed afresh here, as for a
-        separate reference engine; a trainer that wants the actor's routes passes them as
-        ``batch['routed_experts']`` with router_replay on (see ``replay_ref_routes``)."""
+        (the frozen base). Router replay (R2/R3) with ``batch['routed_experts']`` present (verl
+        passes the actor's routes): the LoRA reference replays those routes, so base and policy
+        differ by the adapters only; without them it routes afresh, as a separate reference
+        engine always does."""
         if self.ref is not None:
             return self._forward_log_probs(self.ref, batch, False)["log_probs"]
         if not self.engine.has_adapters:
             raise ConfigError("this Actor has no reference model; pass Actor(..., ref=ModelEngine(...)) or "
                               "train with LoRA (lora.rank > 0), whose frozen base is the reference.")
+        replay = self.config.router_replay != "disabled" and ROUTED_EXPERTS in batch
         with adapters_disabled(self.engine.model):
-            return self._forward_log_probs(self.engine, batch, False)["log_probs"]
+            return self._forward_log_probs(self.engine, batch, False, replay_routing=replay)["log_probs"]
 
     # ---- update --------------------------------------------------------------------------
     def update_policy(self, batch: dict) -> dict[str, float]:

@@ -4,6 +4,7 @@ on the last pipeline stage are shared with every rank of the pipeline group as t
 broadcasts (a small integer header describes names, dtypes and shapes: no pickling)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
 
@@ -13,6 +14,8 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from mcore_rl.fileio.base_identity import hf_dir_identity, no_base_identity, tensors_identity
+from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.models.builder import BuildOptions, Role, build_model
 from mcore_rl.models.ddp import wrap_with_ddp
 from mcore_rl.models.lora import lora_modules
@@ -105,13 +108,19 @@ class ModelEngine:
     ) -> None:
         """``hf_weights``: a HF directory (or HF name -> tensor) loaded before the optimizer
         copies the parameters. ``init_value_head=True`` (critic only) starts a critic from a
-        causal LM: the trunk is loaded, ``lm_head`` ignored, the value head keeps its init."""
+        causal LM: the trunk is loaded, ``lm_head`` ignored, the value head keeps its init.
+
+        With LoRA (``options.lora``), ``base`` records what the frozen base weights came from
+        (``fileio.base_identity``; a model directory loaded later replaces it): adapter-only
+        checkpoints record it and a resume checks it."""
         self.args, self.layout, self.role, self.platform = args, layout, role, platform
+        self.lora_config = options.lora
         # run before an offload/onload moves the state (a checkpoint manager waits for its write)
         self.before_state_moves: list[Callable[[], None]] = []
         chunks = build_model(args, layout, role, platform, options)
         if hf_weights is not None:
             load_hf(chunks, args, role, hf_weights, init_value_head=init_value_head)
+        self.base = base_identity_of(hf_weights) if options.lora.enabled else None
         self.config = chunks[0].config
         self.routing = (  # MoE routing record / replay, scoped to this engine
             EngineRouting(chunks, args.moe.moe_layers, args.moe.top_k, args.moe.num_experts,
@@ -137,6 +146,8 @@ class ModelEngine:
         next step.
         """
         load_hf(self.model, self.args, self.role, source, init_value_head=init_value_head)
+        if self.lora_config.enabled:
+            self.base = base_identity_of(source)
         self.refresh_optimizer_params()
 
     @property
@@ -213,6 +224,18 @@ class ModelEngine:
     def train(self, mode: bool = True) -> None:
         for m in self.model:
             m.train(mode)
+
+
+def base_identity_of(source: str | os.PathLike | Mapping[str, Tensor] | None) -> dict:
+    """The identity (``fileio.base_identity``) of HF weights ``source``: a directory (or a reader
+    of one), in-memory tensors, or None (nothing loaded: the random init)."""
+    if source is None:
+        return no_base_identity()
+    if isinstance(source, SafetensorsReader):
+        return hf_dir_identity(source.directory)
+    if isinstance(source, (str, os.PathLike)):
+        return hf_dir_identity(source)
+    return tensors_identity(source)
 
 
 def _megatron_optim_config(optim: OptimConfig, options: BuildOptions) -> OptimizerConfig:

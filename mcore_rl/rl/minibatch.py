@@ -144,22 +144,30 @@ def micro_batches(batch: dict, config: BatchingConfig, engine: ModelEngine) -> l
 
 
 def forward_rows(engine: ModelEngine, batch: dict, config: BatchingConfig, loss_fn: LossFn,
-                 keys: tuple[str, ...], record_routing: bool = False) -> dict[str, Tensor]:
+                 keys: tuple[str, ...], record_routing: bool = False,
+                 replay_routing: bool = False) -> dict[str, Tensor]:
     """Forward-only over this rank's rows; results ``keys`` ([b, R] per micro-batch) as
     [B, R] (global dispatch) or [B_local, R] (sharded), on the batch's device.
     ``record_routing`` (MoE): also ``ROUTED_EXPERTS`` [B(_local), S, MoE layers, top_k], every
-    MoE layer's experts for each real token (-1 at padding)."""
+    MoE layer's experts for each real token (-1 at padding). ``replay_routing``: route every
+    token to ``batch[ROUTED_EXPERTS]`` instead."""
     engine.train(False)
-    local = dispatch_rows(without_routes(batch), config)
+    local = dispatch_rows(batch if replay_routing else without_routes(batch), config)
     if record_routing:  # micro-batches index their tokens into local's rows (MicroBatch.token_id)
         engine.routing.begin("record", *local["input_ids"].shape)
+    elif replay_routing:
+        routes = local[ROUTED_EXPERTS]
+        local = without_routes(local)
+        engine.routing.begin("replay", *local["input_ids"].shape, routes.to(local["input_ids"].device))
     try:
         plan = micro_batch_plan(local, config, engine)
         results = engine.run(plan.batches, cp_loss_fn(loss_fn), True)
     except BaseException:
-        if record_routing:
+        if record_routing or replay_routing:
             engine.routing.end(combine=False)
         raise
+    if replay_routing:
+        engine.routing.end(combine=False)
     out = {}
     for key in keys:
         value = all_reduce_cp(plan.restore([r[key] for r in results]))  # each CP rank: its tokens

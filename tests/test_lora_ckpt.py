@@ -1,0 +1,109 @@
+"""Adapter-only LoRA checkpoints (issue 31): a LoRA engine's step holds adapters, optimizer, RNG
+and scheduler, never the base; resume is bit-exact (dropout in the model and the adapters, so
+the RNG matters), resharding to another layout loads every adapter and optimizer tensor
+exactly; the base and the LoRA settings are recorded and a resume onto another base or with
+other settings is refused before any state moves."""
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+from tests.ckpt_bodies import hf_dir_for
+from tests.ckpt_reshard_bodies import hf_dir
+from tests.dist import run_ranks
+from tests.lora_ckpt_bodies import checks_run, extras_run, resume_run, save_run
+from tests.tiny import tiny_config, tiny_hf_model
+
+TP2 = dict(tp=2, sequence_parallel=True)
+
+
+def test_resume_bit_exact_and_reshard(tmp_path):
+    """Saved at TP=2+SP; resumed there (bit-exact after one more update) and at PP=2 and DP=2
+    (every adapter and optimizer tensor loaded exactly)."""
+    hf = hf_dir(str(tmp_path), "llama")  # 2 layers
+    root = str(tmp_path / "ckpt")
+    ref = run_ranks(2, save_run, hf, TP2, root, daemon=False)
+    res = run_ranks(2, resume_run, hf, TP2, root, [dict(pp=2), dict()], daemon=False)
+    for r in range(2):
+        a, b = ref[r], res[r]
+        assert b["state"] == {"step": 1}
+        opt = a["at_save"]["opt"]
+        assert opt.keys() == b["opt_loaded"].keys() and opt
+        assert all(torch.equal(opt[k], b["opt_loaded"][k]) for k in opt)
+        assert any(not torch.equal(opt[k], b["opt_fresh"][k]) for k in opt)  # the load changed it
+        assert a["metrics"] == b["metrics"]
+        assert a["adapters_after"].keys() == b["adapters_after"].keys()
+        assert all(torch.equal(v, b["adapters_after"][k]) for k, v in a["adapters_after"].items())
+        assert all(torch.equal(v, b["base_after"][k]) for k, v in a["base_after"].items())
+        for got in b["resharded"]:
+            for part in ("adapters", "opt/param", "opt/exp_avg", "opt/exp_avg_sq"):
+                want = a["at_save"][part]
+                assert want.keys() == got["loaded"][part].keys() and want, part
+                assert all(torch.equal(v, got["loaded"][part][k]) for k, v in want.items()), part
+            assert got["loaded"]["adam_steps"] == a["at_save"]["adam_steps"]
+            assert got["loaded"]["scheduler_steps"] == a["at_save"]["scheduler_steps"] > 0
+            assert any("RNG state is NOT restored" in w for w in got["warnings"])
+
+
+def test_adapter_only_step_base_and_settings_checked(tmp_path):
+    """World 1, llama: the adapter-only step holds no base weight and is < 0.2x a full step;
+    another base (same shapes, other weights), another alpha, an engine without adapters and a
+    full step are refused before any state moves; a moved copy of the base and a model-directory
+    base resume."""
+    hf_a = hf_dir_for(str(tmp_path), "llama", "actor")
+    hf_b = str(tmp_path / "other_base")
+    tiny_hf_model(tiny_config("llama", num_hidden_layers=4, attention_dropout=0.1), seed=1).save_pretrained(hf_b)
+    hf_copy = str(tmp_path / "moved_base")
+    shutil.copytree(hf_a, hf_copy)
+    out = run_ranks(1, checks_run, hf_a, hf_b, hf_copy, str(tmp_path), daemon=False)[0]
+    print(f"step bytes: adapter-only {out['bytes_lora']}, full {out['bytes_full']}, "
+          f"ratio {out['bytes_lora'] / out['bytes_full']:.4f}")
+    assert out["bytes_lora"] < 0.2 * out["bytes_full"]
+    model_keys = [k for k in out["keys_lora"] if not k.startswith(("optimizer", "rng_state", "lr_scheduler"))]
+    assert model_keys and all(".lora." in k for k in model_keys), model_keys
+    # the optimizer's flat buffers hold exactly the adapters' elements; RNG and scheduler are there
+    opt_numel = {k.rsplit(".", 1)[1]: n for k, n in out["opt_numel"].items()}
+    assert opt_numel == dict.fromkeys(("param", "exp_avg", "exp_avg_sq"), out["adapter_numel"]), opt_numel
+    assert any(k.startswith("rng_state") for k in out["keys_lora"]) and out["has_scheduler"]
+    assert out["base"]["kind"] == "hf" and out["base"]["path"] == hf_a
+    msg = out["other_base"]["message"]
+    assert f"trained on the HF model directory {hf_a}" in msg and hf_b in msg and f"model.hf_dir={hf_a}" in msg, msg
+    assert "model.safetensors: other sampled bytes" in msg and out["other_base"]["untouched"]
+    msg = out["other_alpha"]["message"]
+    assert "lora.alpha: saved 16.0, now 32.0" in msg and out["other_alpha"]["untouched"], msg
+    assert "holds LoRA adapters only" in out["no_adapters"]["message"], out["no_adapters"]
+    msg = out["full_step"]["message"]
+    assert "holds a full model (no LoRA adapters)" in msg and "model.mcore_dir" in msg and out["full_step"]["untouched"]
+    assert out["copy"]["message"] == ""
+    assert all(torch.equal(v, out["copy"]["adapters"][k]) for k, v in out["copy"]["saved"].items())
+    assert out["mcore"]["base"]["kind"] == "mcore" and out["mcore"]["base"]["record"].endswith("global_step_1/COMPLETE")
+    assert out["mcore"]["message"] == ""
+    assert all(torch.equal(v, out["mcore"]["adapters"][k]) for k, v in out["mcore"]["saved"].items())
+    msg = out["mcore_vs_hf"]["message"]
+    assert "trained on the model directory" in msg and "(a model directory vs a HF directory)" in msg and "model.mcore_dir=" in msg, msg
+    assert "holds LoRA adapters only" in out["merge"], out["merge"]
+
+
+def test_critic_value_head_moe_bias_and_merged_export(tmp_path):
+    """World 1: a LoRA critic's step holds its value head (trained in full) and resumes it; its
+    hf_model export is the merged model; a LoRA glm4_moe actor's router correction bias (a state
+    buffer that training moves) is saved and resumed."""
+    critic_hf = hf_dir_for(str(tmp_path), "llama", "critic")
+    moe_hf = hf_dir_for(str(tmp_path), "glm4_moe", "actor")
+    out = run_ranks(1, extras_run, critic_hf, moe_hf, str(tmp_path), daemon=False)[0]
+    c = out["critic"]
+    model_keys = [k for k in c["keys"] if not k.startswith(("optimizer", "rng_state"))]
+    assert "output_layer.weight" in model_keys and all(".lora." in k or k.startswith("output_layer.")
+                                                        for k in model_keys), model_keys
+    for part in ("adapters", "base"):
+        assert c["at_save"][part].keys() == c["loaded"][part].keys() and c["loaded"][part]
+        assert all(torch.equal(v, c["loaded"][part][k]) for k, v in c["at_save"][part].items()), part
+    assert c["exported"].keys() == c["merged"].keys()
+    assert all(torch.equal(v, c["exported"][k]) for k, v in c["merged"].items())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(c["merged"][q], c["at_save"]["base"][q])  # merged, not the base
+    m = out["moe"]
+    bias = [k for k in m["at_save"] if k.endswith("e_score_correction_bias")]
+    assert bias and all(not torch.equal(m["at_save"][k], m["fresh"][k]) for k in bias)  # it moved
+    assert all(torch.equal(v, m["loaded"][k]) for k, v in m["at_save"].items())
