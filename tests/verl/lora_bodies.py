@@ -34,7 +34,7 @@ class _Local:
         return _Remote
 
 
-def _worker(model_dir: str, merge: bool):
+def _worker(model_dir: str, merge: bool, adapter_path: str | None):
     """verl's actor+rollout worker at TP=2 (rollout TP=2: one replica, rank 0 pushes), its
     rollout server in this process on rank 0 (random weights until the first sync)."""
     from verl.utils.config import omega_conf_to_dataclass
@@ -42,7 +42,8 @@ def _worker(model_dir: str, merge: bool):
 
     from mcore_rl.integrations.verl.rollout_server import RolloutServer
 
-    lora = [f"actor_rollout_ref.model.lora.{k}={v}" for k, v in {**LORA, "merge": merge}.items()]
+    settings = {**LORA, "merge": merge, **({"adapter_path": adapter_path} if adapter_path else {})}
+    lora = [f"actor_rollout_ref.model.lora.{k}={v}" for k, v in settings.items()]
     cfg = B.ppo_config(model_dir, *lora, "actor_rollout_ref.actor.mcore_rl.tensor_model_parallel_size=2",
                        "critic.mcore_rl.tensor_model_parallel_size=2", f"actor_rollout_ref.actor.optim.lr={LR}",
                        "actor_rollout_ref.rollout.name=mcore_rl",
@@ -95,11 +96,12 @@ def _synced(worker, server, calls: list, rows: dict, step: int) -> dict:
             "adapted": sorted(server.adapters.active), "params": sorted(server.engine.params)}
 
 
-def _one_worker(model_dir: str, merge: bool, rows_seed: int, second_sync: bool) -> dict:
-    worker, server, calls = _worker(model_dir, merge)
+def _one_worker(model_dir: str, merge: bool, rows_seed: int, second_sync: bool, adapter_path: str | None) -> dict:
+    worker, server, calls = _worker(model_dir, merge, adapter_path)
     engine = worker.actor.engine.engine
     rows = B.global_batch(engine.args.vocab_size, rows_seed)
-    out = {"rows": rows, "start": _log_probs(worker, rows)}  # B = 0: the frozen base's log-probs
+    # seeded adapters (B = 0) start at the frozen base; imported ones elsewhere
+    out = {"rows": rows, "start": _log_probs(worker, rows), "base": _log_probs(worker, rows, no_lora_adapter=True)}
     _update(worker, rows, out["start"] if out["start"] is not None else torch.zeros(rows["responses"].shape),
             rows_seed + 1)
     out["trained"] = _log_probs(worker, rows)
@@ -116,11 +118,12 @@ def _one_worker(model_dir: str, merge: bool, rows_seed: int, second_sync: bool) 
     return out
 
 
-def lora_sync_body(model_dir: str, seed: int) -> dict:
-    """The unmerged (verl's default; two steps and syncs) and the merged protocol (one), one
-    worker each."""
+def lora_sync_body(model_dir: str, adapter_dir: str, seed: int) -> dict:
+    """The unmerged protocol (verl's default; two steps and syncs) starting from a PEFT adapter
+    (``lora.adapter_path``), the merged one (one sync) from seeded adapters; one worker each."""
     B._env()
-    return {"unmerged": _one_worker(model_dir, False, seed, True), "merged": _one_worker(model_dir, True, seed, False)}
+    return {"unmerged": _one_worker(model_dir, False, seed, True, adapter_dir),
+            "merged": _one_worker(model_dir, True, seed, False, None)}
 
 
 # ---- verl's SFT trainer (SFTTrainer + fit, as run_sft runs them after joining the process group) ----

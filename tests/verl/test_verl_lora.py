@@ -3,10 +3,11 @@ lora_bodies.py; one 2-process launch, actor TP=2, rollout TP=2 on the CPU rollou
 
 - only adapters train (every trainable parameter is an adapter factor);
 - verl's reference with ``ref_in_actor`` (``no_lora_adapter`` -> ``engine.disable_adapter()``)
-  gives the frozen base's log-probs (those before training, B = 0) while the trained adapters
-  move the policy's far away;
+  gives the frozen base's log-probs, bit for bit before and after training (seeded adapters,
+  B = 0: also the policy's before training), while the adapters move the policy far away;
 - verl's ``update_weights``: with ``lora.merge=False`` the first sync sends the base weights
-  (HF names) then the adapters (PEFT names, verl's peft config), the second only the adapters;
+  (HF names) then the adapters (PEFT names, verl's peft config; started from a PEFT adapter with
+  rank_pattern/alpha_pattern: per-module scalings folded into B), the second only the adapters;
   with ``merge=True`` merged weights under HF names. After each sync the rollout
   server's model scores the rows as the trainer does.
 """
@@ -28,8 +29,17 @@ LINEARS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    model_dir = save_tiny_model(str(tmp_path_factory.mktemp("verl_lora") / "model"), seed=1)
-    return run_ranks(2, lora_sync_body, model_dir, 5)
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path_factory.mktemp("verl_lora")
+    model_dir = save_tiny_model(str(d / "model"), seed=1)
+    # a PEFT adapter whose modules differ in rank and scaling (adapter-only syncs fold them into B)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(
+        r=4, lora_alpha=8, target_modules=[p for names in LINEARS.values() for p in names], lora_dropout=0.0,
+        rank_pattern={"o_proj": 2}, alpha_pattern={"v_proj": 3, "down_proj": 3}, init_lora_weights=False))
+    peft.save_pretrained(str(d / "adapter"))
+    return run_ranks(2, lora_sync_body, model_dir, str(d / "adapter"), 5)
 
 
 def _outputs(ranks: list[dict], protocol: str) -> dict:
@@ -53,7 +63,12 @@ def test_only_adapters_train_and_the_reference_is_the_frozen_base(ranks, protoco
     mask = out["rows"]["attention_mask"][:, -out["rows"]["responses"].shape[1]:].bool()
     moved = _diff(out["trained"], out["start"], mask)
     assert moved > 0.05, f"one step moved the policy by {moved} only: the adapters barely act"
-    assert torch.equal(out["ref"][mask], out["start"][mask]), "ref_in_actor's reference is not the frozen base"
+    # ref_in_actor's reference: the frozen base, before and after training, bit for bit
+    assert torch.equal(out["ref"][mask], out["base"][mask]), "the reference moved with training"
+    if protocol == "merged":  # seeded adapters (B = 0) start exactly at the base
+        assert torch.equal(out["start"][mask], out["base"][mask])
+    else:  # the imported PEFT adapter acts from the start
+        assert _diff(out["start"], out["base"], mask) > 0.05
 
 
 def test_unmerged_sync_sends_base_then_adapters_then_adapters_only(ranks):

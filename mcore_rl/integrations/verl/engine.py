@@ -79,6 +79,7 @@ class McoreRLEngine(BaseEngine):
         self.hf_source: str | None = None  # HF config/tokenizer copied into checkpoints' huggingface/
         self.mode: str | None = None
         self._placement: PartOffloader | None = None  # which state parts are in host memory
+        self._plan: verl_lora.SyncPlan | None = None  # LoRA's adapter-only sync (get_per_tensor_param)
 
     # ---- build -----------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -300,9 +301,12 @@ class McoreRLEngine(BaseEngine):
         self.to(ON_DEVICE, model=True, optimizer=False, grad=False)  # verl offloads them again after the sync
         engine = self.engine
         lora = self.lora.enabled
-        peft_config = verl_lora.peft_config_for_rollout(self.lora) if lora and not self.lora.merge else None
-        if peft_config is not None and base_sync_done:
-            return verl_lora.adapter_tensors(engine), peft_config
+        peft_config = None
+        if lora and not self.lora.merge:
+            plan = self._sync_plan()
+            peft_config = verl_lora.peft_config_for_rollout(self.lora, plan)
+            if base_sync_done:
+                return verl_lora.adapter_tensors(engine, plan), peft_config
         tensor_of = merged_tensor_of(engine.model) if lora and self.lora.merge else (lambda p: p.data)
 
         def tensors() -> Iterator[tuple[str, Tensor]]:
@@ -310,6 +314,18 @@ class McoreRLEngine(BaseEngine):
                 yield from bucket
 
         return tensors(), peft_config
+
+    def _sync_plan(self) -> verl_lora.SyncPlan:
+        """The adapter-only sync's rank and scaling (collective, once); refuses routed-expert
+        adapters, which that sync cannot send."""
+        if self._plan is None:
+            self._plan = verl_lora.sync_plan(self.engine, self.platform.device())
+        if self._plan.experts:
+            raise VerlConfigError("model.lora.merge=False with adapters on routed experts: verl's adapter-only weight "
+                                  "sync has no per-tensor PEFT form for them (peft stacks a layer's experts); set "
+                                  "model.lora.merge=True (merged weights), or leave the routed experts out of "
+                                  "model.lora.target_modules.")
+        return self._plan
 
     def disable_adapter(self):
         """verl's reference policy on a LoRA actor (``no_lora_adapter``, ``ref_in_actor``): inside

@@ -12,10 +12,13 @@ Weight sync (``get_per_tensor_param(base_sync_done=...)``, as verl's worker call
 ``lora.merge=False`` (verl's default): the first sync (``base_sync_done=False``) sends the base
 weights without adapters, later ones only the adapter factors under PEFT names
 (``base_model.model.<module>.lora_A.weight`` [r, in] / ``lora_B.weight`` [out, r]), each with
-verl's PEFT-config dict (``build_peft_config_for_vllm``: ``r``, ``lora_alpha``, ...).
+verl's PEFT-config dict (``build_peft_config_for_vllm``: ``r``, ``lora_alpha``, ...). Routed
+experts' adapters have no per-tensor PEFT form (peft stacks a layer's experts): with them the
+unmerged sync is refused (``merge=True`` sends them merged).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -73,29 +76,67 @@ def lora_config(model_config: Any, where: str, seed: int = 0) -> LoraConfig:
         raise VerlConfigError(f"{where}.{text}" if text.startswith("lora.") else f"{where}.lora: {text}") from e
     except TypeError as e:  # a key of the right name with a value LoraConfig cannot take
         raise VerlConfigError(f"{where}.lora={values!r}: {e}") from e
-    if config.enabled and config.adapter_path is not None:
-        raise VerlConfigError(f"{where}.lora.adapter_path={config.adapter_path!r}: starting from a PEFT adapter is "
-                              "not wired into the mcore_rl engine yet; set it to null (adapters start from "
-                              "lora_A_init_method / lora_B_init_method).")
     return config
 
 
-def peft_config_for_rollout(config: LoraConfig) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SyncPlan:
+    """What an adapter-only sync announces: ``rank`` (peft config ``r``: the largest PEFT rank
+    of any adapter of the model), ``scaling`` (``lora_alpha / r``: the largest adapter scaling;
+    an adapter with a smaller one, e.g. from a PEFT import with ``alpha_pattern``, goes out with
+    its ratio folded into B), ``experts``: routed-expert adapters exist."""
+
+    rank: int
+    scaling: float
+    experts: bool
+
+
+def sync_plan(engine, device: torch.device) -> SyncPlan:
+    """The model's ``SyncPlan``, agreed over all ranks (collective: pipeline stages hold
+    different adapters)."""
+    from mcore_rl.models.lora import lora_modules
+
+    modules = list(lora_modules(engine.model))
+    local = torch.tensor([max((_peft_rank(m.lora) for m in modules), default=0),
+                          max((m.lora.scaling for m in modules), default=0.0),
+                          float(any(m.lora.is_expert for m in modules))], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
+    rank, scaling, experts = local.tolist()
+    return SyncPlan(int(rank), scaling, bool(experts))
+
+
+def _peft_rank(adapter) -> int:
+    """The rank of the adapter's PEFT tensors: a canonical part's rank, else all of A's rows."""
+    return adapter.site.rank if adapter.site.parts else int(adapter.A.shape[0])
+
+
+def peft_config_for_rollout(config: LoraConfig, plan: SyncPlan) -> dict[str, Any]:
     """verl's PEFT-config dict for rollout engines (vLLM's ``PEFTHelper.from_dict``, SGLang's
-    loader, the mcore_rl rollout server), built by verl's own ``build_peft_config_for_vllm``."""
+    loader, the mcore_rl rollout server), built by verl's own ``build_peft_config_for_vllm``:
+    ``r`` and ``lora_alpha`` give the plan's rank and scaling."""
     from verl.utils.megatron_peft_utils import build_peft_config_for_vllm
 
-    return build_peft_config_for_vllm({"rank": config.rank, "alpha": config.alpha, "dropout": config.dropout})
+    return build_peft_config_for_vllm({"rank": plan.rank, "alpha": plan.scaling * plan.rank,
+                                       "dropout": config.dropout})
 
 
-def adapter_tensors(engine) -> Iterator[tuple[str, Tensor]]:
+def adapter_tensors(engine, plan: SyncPlan) -> Iterator[tuple[str, Tensor]]:
     """(PEFT name, full tensor) of every adapter factor of a LoRA ``ModelEngine``, one at a
-    time. Collective: every rank must run it to its end."""
+    time; B scaled by (adapter scaling / ``plan.scaling``) where they differ, so that every
+    adapter is ``plan.scaling * B A``. Collective: every rank must run it to its end."""
     from mcore_rl.mapping.peft import AdapterMap
     from mcore_rl.mapping.weights import iter_hf_buckets
     from mcore_rl.models.hf_weights import weight_map
+    from mcore_rl.models.lora import lora_modules
     from mcore_rl.models.lora_build import adapter_sites
 
+    fold = {id(m.lora.B): m.lora.scaling / plan.scaling for m in lora_modules(engine.model)
+            if m.lora.scaling != plan.scaling}
+
+    def tensor_of(param: Tensor) -> Tensor:
+        ratio = fold.get(id(param))
+        return param.data if ratio is None else param.data * ratio
+
     amap = AdapterMap(weight_map(engine.args, engine.role, engine.layout.tp), adapter_sites(engine.model))
-    for bucket in iter_hf_buckets(engine.model, amap, bucket_bytes=1, adapters=True):
+    for bucket in iter_hf_buckets(engine.model, amap, bucket_bytes=1, tensor_of=tensor_of, adapters=True):
         yield from bucket
