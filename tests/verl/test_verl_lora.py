@@ -102,20 +102,27 @@ def test_rollout_server_scores_as_the_trainer_after_each_sync(ranks, protocol):
 
 
 @pytest.fixture(scope="module")
-def sft(tmp_path_factory) -> list[dict]:
+def sft(tmp_path_factory) -> tuple[list[dict], str]:
     from tests.verl.lora_bodies import sft_lora_body
     from tests.verl.verl_fixtures import save_sft_parquet
 
     d = tmp_path_factory.mktemp("verl_lora_sft")
     inputs = {"model": save_tiny_model(str(d / "model")), "train": save_sft_parquet(str(d / "train.parquet"))}
-    return run_ranks(2, sft_lora_body, inputs, str(d / "ckpt"))
+    return run_ranks(2, sft_lora_body, inputs, str(d / "ckpt")), str(d / "ckpt")
 
 
 def test_sft_trainer_with_lora_trains_adapters_only_saves_and_resumes(sft):
     """verl's SFT trainer (model.lora.rank=8, DP=2): only adapter factors are trainable, the base
     weights are bit-identical after two steps while every adapter B moved from zero, and a
-    trainer resuming from step 1's checkpoint reaches step 2's adapters and base bit for bit."""
-    for r in sft:
+    trainer resuming from step 1's checkpoint reaches step 2's adapters and base bit for bit;
+    the steps verl saved through the engine are mcore_rl's adapter-only checkpoints."""
+    import json
+
+    ranks, root = sft
+    for step in ("a/global_step_1", "a/global_step_2", "b/global_step_2"):
+        with open(f"{root}/{step}/actor/mcore_rl.json") as f:
+            assert json.load(f)["lora"]["adapter_only"] is True, step
+    for r in ranks:
         start, straight, resumed = r["start"], r["straight"], r["resumed"]
         assert straight["trainable"] and all(".lora." in n for n in straight["trainable"])
         assert straight["base"].keys() == start["base"].keys()
