@@ -18,6 +18,11 @@ import torch
 
 pytest.importorskip("verl")
 
+# imported once here, before tests/dist.py forks the ranks (each would import them otherwise)
+import verl.trainer.sft_trainer  # noqa: E402,F401
+import verl.workers.engine_workers  # noqa: E402,F401
+
+import mcore_rl.integrations.verl.engine  # noqa: E402,F401
 from tests.dist import run_ranks  # noqa: E402
 from tests.verl.lora_bodies import lora_sync_body  # noqa: E402
 from tests.verl.verl_fixtures import save_tiny_model  # noqa: E402
