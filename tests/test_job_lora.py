@@ -18,6 +18,7 @@ from tests.dist import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUND = 1e-4  # max |rollout log-prob - trainer log-prob| of a synced engine (fp32), as test_rollout_sync
+RANKS = {"actor": 8, "critic": 4}
 LORA = ["actor.lora.rank=8", "actor.lora.alpha=16", "critic.lora.rank=4", "critic.lora.alpha=8",
         "actor.use_kl_loss=true", "actor.kl_loss_coeff=0.1", "rollout.engine=transformers",
         "actor_optim.lr=1.0e-2", "critic_optim.lr=1.0e-2", "actor_optim.warmup_steps=0",
@@ -59,6 +60,8 @@ def test_base_frozen_adapters_and_value_head_train(lora_run):
             before, after = rank["before"][role], rank["after"][role]
             adapters = [n for n in before if ".lora." in n]
             assert len(adapters) == 2 * 4 * 2, (role, adapters)  # A and B of 4 linears in 2 layers
+            ranks = {before[n].shape[0] for n in adapters if n.endswith(".lora.A")}  # A: [rank, in]
+            assert ranks == {RANKS[role]}, (role, ranks)
             moved = sorted(n for n in before if not torch.equal(before[n], after[n]))
             head = [n for n in before if n.startswith("module.output_layer.")] if role == "critic" else []
             assert moved == sorted(adapters + head), (role, moved)
