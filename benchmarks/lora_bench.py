@@ -148,7 +148,8 @@ def main() -> None:
     full_sync = sync_bytes_full(actors["full"].engine)
     mib = 1 << 20
     lines = [
-        f"SmolLM2-135M, world 1, fp32; LoRA rank {LORA['rank']} alpha {LORA['alpha']} on {', '.join(LORA['target_modules'])}",
+        f"SmolLM2-135M, world 1, fp32; LoRA rank {LORA['rank']} alpha {LORA['alpha']} on "
+        f"{', '.join(LORA['target_modules'])}",
         f"trainable parameters: LoRA {trainable['lora']:,}, full {trainable['full']:,} "
         f"(ratio {trainable['lora'] / trainable['full']:.4f})",
         _ratio_line("optimizer states", memory["lora"][0] / mib, memory["full"][0] / mib, "MiB", None),
