@@ -86,24 +86,9 @@ def test_rollout_engine_takes_merged_weights(lora_run):
                                                     "got 'dora'"),
     (["actor.lora.rank=8", "actor.lora.target_modules=[linear_fc3]"],
      "actor.lora: invalid LoraConfig: lora.target_modules entry 'linear_fc3' names no linear"),
-    (["actor.lora.rank=8", "actor.lora.adapter_path=/tmp/adapter"],
-     "actor.lora.adapter_path='/tmp/adapter': the main job does not import PEFT adapters yet"),
     (["algorithm.name=grpo", "critic.lora.rank=8"], "critic.lora.rank=8 with algorithm.name='grpo', which has no "
                                                     "critic: drop critic.lora or use ppo"),
 ])
 def test_lora_keys_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         _config(tmp_path, *overrides)
-
-
-@pytest.mark.parametrize("role", ["actor", "critic"])
-def test_lora_model_directory_start_is_refused(role, tmp_path):
-    """A model directory holds no adapters (megatron's loader would fail on a missing key)."""
-    from mcore_rl.job.loop import starts
-    from tests.real_model import smollm2_dir
-
-    mcore_dir = os.path.join(smollm2_dir(), "mcore")
-    cfg = _config(tmp_path, f"model.mcore_dir={mcore_dir}", f"{role}.lora.rank=4")
-    with pytest.raises(ConfigError, match=re.escape(f"{role}.lora with model.mcore_dir='{mcore_dir}': a LoRA "
-                                                    f"{role} starts from HF weights; merge the model directory")):
-        starts(cfg)

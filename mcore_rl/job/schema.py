@@ -196,14 +196,6 @@ def _lora_field() -> LoraConfig:
     return field(default_factory=LoraConfig)
 
 
-def _check_job_lora(section: str, lora: LoraConfig) -> None:
-    """What the main job cannot do with a LoRA setting: an error naming the key and the fix."""
-    if lora.enabled and lora.adapter_path is not None:
-        raise ValueError(f"{section}.lora.adapter_path={lora.adapter_path!r}: the main job does not import "
-                         "PEFT adapters yet; drop it (the adapters start from lora_A/B_init_method and "
-                         f"{section}.lora.seed)")
-
-
 @dataclass(frozen=True)
 class JobActorConfig(ActorConfig):
     """The actor's batching and loss (``ActorConfig``) and ``lora``: LoRA adapters on the
@@ -215,9 +207,6 @@ class JobActorConfig(ActorConfig):
 
     lora: LoraConfig = _lora_field()
 
-    def __post_init__(self) -> None:
-        _check_job_lora("actor", self.lora)
-
 
 @dataclass(frozen=True)
 class JobCriticConfig(CriticConfig):
@@ -225,9 +214,6 @@ class JobCriticConfig(CriticConfig):
     its frozen trunk; the value head is new and stays fully trainable."""
 
     lora: LoraConfig = _lora_field()
-
-    def __post_init__(self) -> None:
-        _check_job_lora("critic", self.lora)
 
 
 @dataclass(frozen=True)
