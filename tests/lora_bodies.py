@@ -134,3 +134,17 @@ def adapted_names(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = Fals
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, sorted(adapter_sites(engine.model)))
     return sorted({n for names in gathered for n in names})
+
+
+def assert_equal_to_one_rank(results: list[dict], one: dict, tol: float) -> None:
+    """Every rank's ``lora_update`` result equals the single rank's: log-probs, reference,
+    adapters before and after the step (within ``tol``) and the grad norm (relative ``tol``)."""
+    diff = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
+    for rank, got in enumerate(results):
+        for key in ("log_probs", "ref_log_probs"):
+            assert diff(got[key], one[key]) <= tol, f"rank {rank}: {key}"
+        for key in ("peft_before", "peft_after"):
+            worst = max((diff(got[key][k], v), k) for k, v in one[key].items())
+            assert worst[0] <= tol, f"rank {rank}: {key} {worst[1]} differs by {worst[0]:.3g}"
+        norm, want = got["metrics"]["actor/grad_norm"], one["metrics"]["actor/grad_norm"]
+        assert abs(norm - want) <= tol * want, f"rank {rank}: grad norm {norm} != {want}"

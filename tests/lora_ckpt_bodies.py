@@ -200,8 +200,6 @@ def checks_run(hf_a: str, hf_b: str, hf_copy: str, tmp: str) -> dict:
     """World 1: sizes and keys of a full and an adapter-only step of the same model; the
     refusals (another base, other settings, no adapters, a full step, another kind of base);
     resumes onto a copy of the base and onto a model-directory base."""
-    from mcore_rl.conversion.merge import MergeError, open_model_dir
-
     full, lora = f"{tmp}/full", f"{tmp}/lora"
     _saved_engine(hf_a, full, lora=None)
     saved = _saved_engine(hf_a, lora)
@@ -214,7 +212,11 @@ def checks_run(hf_a: str, hf_b: str, hf_copy: str, tmp: str) -> dict:
     out["no_adapters"] = _refusal(hf_a, lora, lora=None)
     out["full_step"] = _refusal(hf_a, full)
     engine, _ = build(hf_copy, {}, seed=5)  # the same base, moved
-    out["copy"] = {"message": _attempt(engine, lora), "adapters": adapters_full(engine), "saved": saved["adapters"]}
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+
+    base_hf = SafetensorsReader(hf_a)
+    out["copy"] = {"message": _attempt(engine, lora), "adapters": adapters_full(engine), "saved": saved["adapters"],
+                   "base_hf": {k: base_hf[k] for k in base_hf}}
     destroy()
     # a model directory as the base: the full step's actor, loaded into LoRA engines without weights
     start = f"{full}/global_step_1/actor"
@@ -227,12 +229,20 @@ def checks_run(hf_a: str, hf_b: str, hf_copy: str, tmp: str) -> dict:
                     "adapters": adapters_full(engine), "saved": saved_m["adapters"]}
     destroy()
     out["mcore_vs_hf"] = _refusal(hf_a, f"{tmp}/lora_m")
-    try:
-        open_model_dir(f"{lora}/global_step_1/actor")
-        out["merge"] = ""
-    except MergeError as e:
-        out["merge"] = str(e)
+    out["merge"] = {}
+    for name, step in (("hf_base", lora),):  # (the model-directory base here has no huggingface/: unmergeable)
+        out["merge"][name] = _offline_merge(f"{step}/global_step_1/actor", f"{tmp}/merged_{name}")
     return out
+
+
+def _offline_merge(local_dir: str, target: str) -> dict:
+    """converters' merge of an adapter-only step with its base: the HF tensors it wrote."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+
+    merge(local_dir, target)
+    written = SafetensorsReader(target)
+    return {k: written[k] for k in written}
 
 
 def _critic_leg(hf_critic: str, tmp: str) -> dict:
@@ -251,6 +261,7 @@ def _critic_leg(hf_critic: str, tmp: str) -> dict:
     exported = SafetensorsReader(f"{root}/global_step_1/critic/huggingface")
     out["exported"] = {k: exported[k] for k in exported}
     out["keys"] = _saved(f"{root}/global_step_1", "critic")[0]
+    out["offline"] = _offline_merge(f"{root}/global_step_1/critic", f"{tmp}/critic_merged")
     destroy()
     engine, _ = build(hf_critic, {}, seed=77, role="critic")
     manager(root).resume({"critic": engine})
@@ -266,13 +277,19 @@ def _moe_leg(hf_moe: str, tmp: str) -> dict:
     moe = dict(EXACT_MOE, expert_bias_update_rate=0.01)
     engine, actor = build(hf_moe, {}, seed=1, moe=moe)
     train(actor, range(1))
+    from mcore_rl.models.hf_weights import export_hf
+    from mcore_rl.models.lora import merged_tensor_of
+
     manager(f"{tmp}/moe").save(1, {"actor": engine}, {"step": 1})
     at_save = base_full(engine)
+    merged = {k: v.clone() for k, v in export_hf(engine.model, engine.args, "actor",
+                                                 merged_tensor_of(engine.model)).items()}
+    offline = _offline_merge(f"{tmp}/moe/global_step_1/actor", f"{tmp}/moe_merged")
     destroy()
     engine, _ = build(hf_moe, {}, seed=77, moe=moe)
     fresh = base_full(engine)
     manager(f"{tmp}/moe").resume({"actor": engine})
-    out = {"at_save": at_save, "fresh": fresh, "loaded": base_full(engine)}
+    out = {"at_save": at_save, "fresh": fresh, "loaded": base_full(engine), "merged": merged, "offline": offline}
     destroy()
     return out
 

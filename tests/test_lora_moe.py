@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.lora_bodies import adapted_names, lora_ref_with_replay, lora_update, peft_model, peft_state
+from tests.lora_bodies import assert_equal_to_one_rank, adapted_names, lora_ref_with_replay, lora_update, peft_model, peft_state
 from tests.test_actor_update import ACTOR, make_batch, reference_update
 from tests.tiny import hf_log_probs, tiny_config, tiny_hf_model
 
@@ -89,14 +89,7 @@ def test_layouts_equal_one_rank(layout, models):
     name, world, kwargs = LAYOUTS[layout]
     d, _, batch, runs = models[name]
     one, lora = runs["main"], MODELS[name][1]
-    for rank, got in enumerate(run_ranks(world, lora_update, d, kwargs, lora, batch, ACTOR, True)):
-        for key in ("log_probs", "ref_log_probs"):
-            assert _max_diff(got[key], one[key]) <= TOL, f"rank {rank}: {key}"
-        for key in ("peft_before", "peft_after"):
-            worst = max((_max_diff(got[key][k], v), k) for k, v in one[key].items())
-            assert worst[0] <= TOL, f"rank {rank}: {key} {worst[1]} differs by {worst[0]:.3g}"
-        norm, want = got["metrics"]["actor/grad_norm"], one["metrics"]["actor/grad_norm"]
-        assert abs(norm - want) <= 1e-5 * want, f"rank {rank}: grad norm {norm} != {want}"
+    assert_equal_to_one_rank(run_ranks(world, lora_update, d, kwargs, lora, batch, ACTOR, True), one, TOL)
 
 
 def test_reference_replays_the_actors_routes(models):

@@ -117,19 +117,29 @@ def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
                              "'model' in checkpoint.save_contents, or the file is damaged); nothing to merge.")
         if role not in ("actor", "critic"):
             raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
-        lora = meta.get("lora")
-        if isinstance(lora, dict) and lora.get("adapter_only"):
-            base = lora.get("base") if isinstance(lora.get("base"), dict) else {}
-            raise MergeError(f"{local_dir} holds LoRA adapters only (trained on {base.get('path') or base.get('kind')!r}), "
-                             "no base weights; a merge needs a full model: export the adapters or merged weights "
-                             "from a LoRA engine (mapping/peft.py, export_hf_weights with merged_tensor_of).")
-        hf_dir = os.path.join(local_dir, "huggingface")
+        hf_dir = _config_dir(local_dir, meta)
         args = _model_args(hf_dir)
         same_dir(local_dir, reader)
     except BaseException:
         reader.close()
         raise
     return ModelDir(local_dir, role, args, reader, hf_dir, meta)
+
+
+def _config_dir(local_dir: str, meta: dict) -> str:
+    """Where the model's config.json is: its ``huggingface/``; an adapter-only LoRA step saved
+    without it takes its base's (a HF directory, or a model directory's ``huggingface/``)."""
+    own = os.path.join(local_dir, "huggingface")
+    lora = meta.get("lora") if isinstance(meta.get("lora"), dict) else {}
+    base = lora.get("base") if isinstance(lora.get("base"), dict) else {}
+    if os.path.isfile(os.path.join(own, "config.json")) or not lora.get("adapter_only") or not base.get("path"):
+        return own
+    return base["path"] if base.get("kind") == "hf" else os.path.join(base["path"], "huggingface")
+
+
+def _adapter_only(model: ModelDir) -> bool:
+    lora = model.meta.get("lora")
+    return isinstance(lora, dict) and bool(lora.get("adapter_only"))
 
 
 def _model_args(hf_dir: str) -> ModelArgs:
@@ -420,6 +430,12 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
         fp8, dtype = fp8 or BlockFp8(), None
     model = open_model_dir(local_dir, verify)
     try:
+        if _adapter_only(model):
+            if fp8 is not None or dtype is not None:
+                raise MergeError(f"{local_dir} holds LoRA adapters: its merge writes the base's dtype; drop --dtype.")
+            from mcore_rl.conversion.merge_lora import merge_adapter_step  # it builds on this module
+
+            return merge_adapter_step(model, target_dir, overwrite, verify)
         return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype, fp8)
     finally:
         model.reader.close()
@@ -467,6 +483,9 @@ def compare(local_dir: str, test_hf_dir: str, verify: bool = True) -> tuple[dict
 
     model = open_model_dir(local_dir, verify)
     try:
+        if _adapter_only(model):
+            raise MergeError(f"{local_dir} holds LoRA adapters only: merge it with its base first "
+                             "(mcore_to_hf.py merge), then compare the merged directory.")
         return _compare_open(model, SafetensorsReader(test_hf_dir), test_hf_dir)
     finally:
         model.reader.close()

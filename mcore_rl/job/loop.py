@@ -67,33 +67,39 @@ def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
     return model_args_from_hf(model.config), dict(revert_weight_conversion(model, state))
 
 
-def build_options(cfg: JobConfig) -> BuildOptions:
+def build_options(cfg: JobConfig, role: str = "actor") -> BuildOptions:
     """Numerics of every model in the job: parameter dtype, dropout, MoE options and the pad
-    token's embedding gradient."""
+    token's embedding gradient; ``role``'s LoRA adapters (``actor.lora`` / ``critic.lora``)."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[cfg.model.dtype]
     return BuildOptions(params_dtype=dtype, hidden_dropout=cfg.model.hidden_dropout, moe=cfg.model.moe,
-                        pad_embedding_grad=cfg.model.pad_embedding_grad)
+                        pad_embedding_grad=cfg.model.pad_embedding_grad, lora=getattr(cfg, role).lora)
+
+
+def uses_reference(cfg: JobConfig) -> bool:
+    """Whether a KL term needs reference log-probs (KL loss or KL penalty in the reward)."""
+    return cfg.actor.use_kl_loss or cfg.algorithm.kl_in_reward_coeff > 0
 
 
 def build(cfg: JobConfig, platform: Platform,
           begin: tuple[Start, Start | None] | None = None) -> tuple[Actor, Critic | None]:
-    """Actor (with a frozen reference when a KL term is on) and, for PPO, a critic, from
-    ``begin`` = ``starts(cfg)`` (computed when not given)."""
+    """Actor (with a frozen reference when a KL term is on; with LoRA the reference is the
+    actor's own frozen base, adapters off, and no second model is built) and, for PPO, a
+    critic, from ``begin`` = ``starts(cfg)`` (computed when not given)."""
     layout = cfg.layout
     initialize_parallel_state(layout, seed=cfg.seed)
     start, critic_from = begin or starts(cfg)
-    options = build_options(cfg)
+    options = build_options(cfg, "actor")
     policy = ModelEngine(start.args, layout, "actor", platform, options, cfg.actor_optim, start.hf)
     start.load_into(policy)
     ref = None
-    if cfg.actor.use_kl_loss or cfg.algorithm.kl_in_reward_coeff > 0:
+    if uses_reference(cfg) and not cfg.actor.lora.enabled:
         ref = ModelEngine(start.args, layout, "actor", platform, options, None, start.hf)
         start.load_into(ref)
     # log-probs at the temperature the rollout samples with
     actor = Actor(policy, replace(cfg.actor, temperature=cfg.rollout.temperature), ref)
     if critic_from is None:
         return actor, None
-    value = ModelEngine(critic_from.args, layout, "critic", platform, options, cfg.critic_optim,
+    value = ModelEngine(critic_from.args, layout, "critic", platform, build_options(cfg, "critic"), cfg.critic_optim,
                         critic_from.hf, init_value_head=critic_from.init_value_head and critic_from.hf is not None)
     critic_from.load_into(value)
     return actor, Critic(value, cfg.critic)
@@ -148,7 +154,7 @@ def rollout(cfg: JobConfig, actor: Actor, task: Task, rollouts: RolloutGroup, st
     batch["old_log_probs"] = computed["log_probs"]
     if ROUTED_EXPERTS in computed:  # router replay R2: the update routes as the old policy did
         batch[ROUTED_EXPERTS] = computed[ROUTED_EXPERTS]
-    if actor.ref is not None:
+    if uses_reference(cfg):  # a reference engine, or a LoRA actor's frozen base (adapters off)
         batch["ref_log_prob"] = actor.compute_ref_log_prob(batch)
     times["old_log_prob"] = time.perf_counter() - clock
     mismatch = {}

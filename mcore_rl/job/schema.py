@@ -17,6 +17,7 @@ import yaml
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.config_loader import load_config, to_dict
 from mcore_rl.job.task import TaskConfig
+from mcore_rl.models.lora_config import LoraConfig
 from mcore_rl.models.moe import MoEOptions
 from mcore_rl.models.padding_idx import PadEmbeddingGrad
 from mcore_rl.parallel.layout import ParallelLayout
@@ -191,6 +192,30 @@ class AlgorithmConfig:
     kl_in_reward_coeff: float = 0.0
 
 
+def _lora_field() -> LoraConfig:
+    return field(default_factory=LoraConfig)
+
+
+@dataclass(frozen=True)
+class JobActorConfig(ActorConfig):
+    """The actor's batching and loss (``ActorConfig``) and ``lora``: LoRA adapters on the
+    frozen base (``LoraConfig``'s keys, verl's ``model.lora`` names; ``rank`` 0: full
+    fine-tuning). With LoRA the reference policy (a KL term) is the same model with its adapters
+    off, so no reference model is built, and the rollout engines take merged weights
+    (W + alpha/rank * B A) whatever ``lora.merge`` says (``merge`` is verl's choice between
+    merged and adapter-only sync)."""
+
+    lora: LoraConfig = _lora_field()
+
+
+@dataclass(frozen=True)
+class JobCriticConfig(CriticConfig):
+    """The critic's batching and value loss (``CriticConfig``) and ``lora``: LoRA adapters on
+    its frozen trunk; the value head is new and stays fully trainable."""
+
+    lora: LoraConfig = _lora_field()
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """The whole job. ``layout``: every parallel size of actor, reference and critic (DP is
@@ -207,9 +232,9 @@ class JobConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
+    actor: JobActorConfig = field(default_factory=JobActorConfig)
     actor_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
-    critic: CriticConfig = field(default_factory=CriticConfig)
+    critic: JobCriticConfig = field(default_factory=JobCriticConfig)
     critic_optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
@@ -227,6 +252,9 @@ class JobConfig:
                 f"actor.router_replay=R3 replays the rollout's routing, which rollout.engine="
                 f"{self.rollout.engine} does not report; use rollout.engine=builtin or router_replay=R2"
             )
+        if self.critic.lora.enabled and self.algorithm.name != "ppo":
+            raise ValueError(f"critic.lora.rank={self.critic.lora.rank} with algorithm.name="
+                             f"{self.algorithm.name!r}, which has no critic: drop critic.lora or use ppo")
         for section in ("actor", "critic"):
             if getattr(self, section).dispatch != "global":
                 raise ValueError(

@@ -79,7 +79,10 @@ class LoraAdapter(torch.nn.Module):
         self.A = torch.nn.Parameter(torch.zeros(rank, in_local, dtype=dtype, device=device))
         self.B = torch.nn.Parameter(torch.zeros(out_local, rank, dtype=dtype, device=device))
         self.register_buffer("mask", None if mask is None else mask.to(device, dtype), persistent=False)
-        self.split, self.scaling, self.enabled = split, scaling, True
+        self.split, self.enabled = split, True
+        # s = alpha / r of this adapter (an imported PEFT adapter's may differ per linear): a
+        # checkpointed buffer, so an offline merge of an adapter-only step knows it
+        self.register_buffer("scale", torch.tensor([scaling], dtype=torch.float32, device=device))
         self.tp_group = getattr(base, "tp_group", None)
         self.explicit = bool(getattr(base, "explicit_expert_comm", False))
         # expert factors never take the dense TP sum (they reduce over the expert-DP group)
@@ -132,7 +135,7 @@ class LoraAdapter(torch.nn.Module):
 
     def delta_weight(self) -> Tensor:
         """s * B A [out_local, in_local]: what merging adds to the local weight shard."""
-        return self.scaling * (self.weight_B @ self.A)
+        return (self.weight_B @ self.A) * self.scale.to(self.A.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
@@ -150,7 +153,7 @@ class LoraAdapter(torch.nn.Module):
         z = self._communicate(z)
         if self.dropout is not None and self.dropout_position == "post":
             z = self.dropout(z)
-        return (F.linear(z, b) * self.scaling).to(dtype)
+        return (F.linear(z, b) * self.scale.to(b.dtype)).to(dtype)
 
     def _communicate(self, z: Tensor) -> Tensor:
         if self.split is None or self.explicit:

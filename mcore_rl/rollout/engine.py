@@ -73,11 +73,15 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
 
 def sync_weights(engine: RolloutEngine | None, chunks: list, args, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> int:
     """Collective: the actor's weights into ``engine`` (None on ranks without one), bucket by
-    bucket from ``export_hf_buckets``; returns the tensors the engine took (0 without one)."""
+    bucket from ``export_hf_buckets``; returns the tensors the engine took (0 without one).
+    A LoRA actor sends merged weights, W + alpha/rank * B A, each computed on its own shard as
+    it is exported (one extra weight shard in transit, no merged copy of the model)."""
     from mcore_rl.models.hf_weights import export_hf_buckets
+    from mcore_rl.models.lora import merged_tensor_of
 
     taken = 0
-    for bucket in export_hf_buckets(chunks, args, "actor", bucket_bytes):
+    merged = merged_tensor_of(chunks)  # every parameter as it is without adapters
+    for bucket in export_hf_buckets(chunks, args, "actor", bucket_bytes, tensor_of=merged):
         if engine is not None:
             taken += engine.update_weights(bucket)
         del bucket  # freed before the next bucket fills: one bucket alive, not two

@@ -17,7 +17,8 @@ class TransformersRollout:
     override the generation config's (e.g. the tokenizer's end-of-turn token); the attention kernel is
 ``attn_implementation`` whatever the source's config names (e.g. verl's flash-attention default). Sampling is plain
     softmax(logits / T): top-k, top-p, min-p and repetition penalties are switched off, and
-    the rollout log-probs are computed from the raw logits at T (not the processed scores)."""
+    the rollout log-probs are computed from the raw logits at T (not the processed scores).
+    A LoRA trainer's sync hands it merged weights (``engine.sync_weights``): plain HF tensors."""
 
     collective = False  # one engine per model replica, on the replica's first rank
 

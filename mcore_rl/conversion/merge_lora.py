@@ -1,0 +1,167 @@
+"""Merging an adapter-only LoRA step with its base into a HF model (``mcore_to_hf.py merge``).
+
+The step's ``mcore_rl.json`` names its base (a HF directory or a model directory) and that
+base's identity (fileio/base_identity.py): the base is found there and checked, then every HF
+tensor of the model is written as the base's, plus ``s B A`` for each adapted linear (the step's
+full factors and its ``scale`` buffer, through the weight's transform into the HF pieces), and a
+tensor the step itself holds (a critic's trained value head, a router's moved bias) replaces the
+base's. One mapping-table row in memory at a time; written into a staging directory and renamed
+into place as any merge.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Iterator, Mapping
+
+import torch
+
+from mcore_rl.checkpoint import model_record
+from mcore_rl.conversion.merge import (
+    _WEIGHT_FILE, MergeError, MergeSummary, ModelDir, _hf_config, _locate, canonical_rules, check_target, hf_class,
+    open_model_dir, plan_units,
+)
+from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.base_identity import describe, differences, hf_dir_identity, model_dir_identity
+from mcore_rl.fileio.files import peak_rss_mb
+from mcore_rl.fileio.output_dir import write_export_record
+from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.safetensors_write import write_bucket_shards
+from mcore_rl.fileio.staging import Staging
+from mcore_rl.mapping.hf_io import SafetensorsReader
+from mcore_rl.mapping.transforms import Dims
+
+Tensor = torch.Tensor
+BUCKET_BYTES = 1 << 30
+
+
+def adapter_only(meta: dict) -> bool:
+    lora = meta.get("lora")
+    return isinstance(lora, dict) and bool(lora.get("adapter_only"))
+
+
+def _base_source(step: ModelDir, verify: bool) -> tuple[Mapping[str, Tensor], str, object]:
+    """(HF name -> tensor of the base, its directory of side files, something to close)."""
+    base = step.meta["lora"].get("base") or {}
+    kind, path = base.get("kind"), base.get("path")
+    if kind not in ("hf", "mcore") or not path:
+        raise MergeError(f"{step.path} holds LoRA adapters trained on {describe(base)}: no base directory to merge "
+                         "them into; export merged weights from the live engine (models/lora_io.py).")
+    if not os.path.isdir(path):
+        raise MergeError(f"{step.path}: its base {path} does not exist here; copy the base there (or merge where it "
+                         "is).")
+    if kind == "hf":
+        current = hf_dir_identity(path)
+    else:
+        try:
+            record = model_record.find_record(path)
+            current = model_dir_identity(path, record.source, record.files)
+        except CheckpointError:
+            current = model_dir_identity(path, None, None)
+    changed = differences(base, current)
+    if changed:
+        raise MergeError(f"{step.path}: its base {path} is not the one the adapters were trained on "
+                         f"({'; '.join(changed[:4])}); merge with the original base.")
+    if kind == "hf":
+        return SafetensorsReader(path), path, None
+    model = open_model_dir(path, verify)
+    return _UnitReader(model), model.hf_dir, model.reader
+
+
+class _UnitReader(Mapping[str, Tensor]):
+    """HF tensors of a model directory by name, read one mapping row at a time (cached)."""
+
+    def __init__(self, model: ModelDir) -> None:
+        self.model = model
+        self.units, self.dims = plan_units(model)
+        self.of = {spec.name: u for u in self.units for spec in u.specs}
+        self.cached: tuple[str, dict[str, Tensor]] | None = None
+
+    def __getitem__(self, name: str) -> Tensor:
+        unit = self.of[name]
+        if self.cached is None or self.cached[0] != unit.canonical:
+            part = self.model.reader.read(unit.key, unit.index)
+            self.cached = (unit.canonical, {s.name: t for s, t in zip(unit.specs, unit.transform.to_hf(part, self.dims))})
+        return self.cached[1][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.of)
+
+    def __len__(self) -> int:
+        return len(self.of)
+
+
+def _step_tensor(step: ModelDir, canonical: str) -> Tensor | None:
+    found = _locate(step.reader, canonical)
+    return None if found is None else step.reader.read(*found)
+
+
+def _merged_rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, merged tensor) for every row of the model's table, in file order."""
+    for canonical, hf_names, transform in canonical_rules(step.args, step.role):
+        own = _step_tensor(step, canonical)  # trained in full (value head) or a moved buffer
+        if own is not None:
+            yield from zip(hf_names, transform.to_hf(own, dims))
+            continue
+        pieces = [base[n] for n in hf_names]
+        linear = canonical.removesuffix(".weight")
+        a = _step_tensor(step, linear + ".lora.A") if linear != canonical else None
+        if a is not None:
+            b, scale = _step_tensor(step, linear + ".lora.B"), _step_tensor(step, linear + ".lora.scale")
+            if b is None or scale is None:
+                raise MergeError(f"{step.path}: {linear} has lora.A but no lora.B or lora.scale; the step is damaged.")
+            delta = (b.double() @ a.double()) * float(scale.reshape(-1)[0])
+            pieces = [(p.double() + d).to(p.dtype) for p, d in zip(pieces, transform.to_hf(delta, dims))]
+        yield from zip(hf_names, pieces)
+
+
+def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify: bool) -> MergeSummary:
+    """Writes base + adapters of the adapter-only step ``step`` as a HF model in ``target_dir``."""
+    start = time.monotonic()
+    check_target(target_dir, step.path, overwrite)
+    base, side_dir, closer = _base_source(step, verify)
+    try:
+        config = _hf_config(step, hf_class(step, "auto"))
+        dims = step.args.mapping_dims(step.args.vocab_size)
+        stage = Staging.create(target_dir)
+        try:
+            counts = {"tensors": 0, "bytes": 0}
+            files = write_bucket_shards(stage.path, _buckets(_merged_rows(step, base, dims), counts))
+            dtypes = {str(t).removeprefix("torch.") for t in counts.get("dtypes", ())}
+            config["dtype"] = config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
+            with open(os.path.join(stage.path, "config.json"), "w") as f:
+                json.dump(config, f, indent=2, sort_keys=True)
+            for name in sorted(os.listdir(side_dir)):
+                src = contained(side_dir, name, f"the listing of {side_dir}")
+                if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name != "config.json" \
+                        and not name.endswith(".safetensors"):
+                    shutil.copyfile(src, os.path.join(stage.path, name))
+            write_export_record(stage.path, "mcore_to_hf merge (LoRA adapters + base)")
+            stage.commit()
+        except BaseException:
+            stage.discard()
+            raise
+    finally:
+        if closer is not None:
+            closer.close()
+    return MergeSummary(counts["tensors"], counts["bytes"], len(files), time.monotonic() - start, peak_rss_mb(),
+                        config["dtype"])
+
+
+def _buckets(rows: Iterator[tuple[str, Tensor]], counts: dict) -> Iterator[list[tuple[str, Tensor]]]:
+    bucket, filled = [], 0
+    counts["dtypes"] = set()
+    for name, tensor in rows:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and filled + nbytes > BUCKET_BYTES:
+            yield bucket
+            bucket, filled = [], 0
+        bucket.append((name, tensor))
+        filled += nbytes
+        counts["tensors"] += 1
+        counts["bytes"] += nbytes
+        counts["dtypes"].add(tensor.dtype)
+    if bucket:
+        yield bucket
