@@ -98,11 +98,16 @@ def sync_plan(engine, device: torch.device) -> SyncPlan:
 
     modules = list(lora_modules(engine.model))
     local = torch.tensor([max((_peft_rank(m.lora) for m in modules), default=0),
-                          max((m.lora.scaling for m in modules), default=0.0),
+                          max((_scaling(m.lora) for m in modules), default=0.0),
                           float(any(m.lora.is_expert for m in modules))], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(local, op=torch.distributed.ReduceOp.MAX)
     rank, scaling, experts = local.tolist()
     return SyncPlan(int(rank), scaling, bool(experts))
+
+
+def _scaling(adapter) -> float:
+    """The adapter's own s = alpha / r (its checkpointed ``scale`` buffer)."""
+    return float(adapter.scale)
 
 
 def _peft_rank(adapter) -> int:
@@ -130,8 +135,8 @@ def adapter_tensors(engine, plan: SyncPlan) -> Iterator[tuple[str, Tensor]]:
     from mcore_rl.models.lora import lora_modules
     from mcore_rl.models.lora_build import adapter_sites
 
-    fold = {id(m.lora.B): m.lora.scaling / plan.scaling for m in lora_modules(engine.model)
-            if m.lora.scaling != plan.scaling}
+    fold = {id(m.lora.B): _scaling(m.lora) / plan.scaling for m in lora_modules(engine.model)
+            if _scaling(m.lora) != plan.scaling}
 
     def tensor_of(param: Tensor) -> Tensor:
         ratio = fold.get(id(param))
