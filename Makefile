@@ -10,7 +10,7 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: test install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-deepseek demo-smollm2 demo-verl-smollm2 clean
+.PHONY: test install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-deepseek demo-smollm2 demo-smollm2-lora demo-verl-smollm2 clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -63,6 +63,9 @@ demo-deepseek: $(STAMP)
 # about 25 minutes on 2 cores
 demo-smollm2: prepare-smollm2
 	launch/run.sh 2 configs/grpo_smollm2.yaml model.hf_dir=$${MCORE_RL_CACHE:-$$HOME/.cache/mcore_rl}/smollm2/hf
+
+demo-smollm2-lora: prepare-smollm2
+	launch/run.sh 2 configs/grpo_smollm2_lora.yaml model.hf_dir=$${MCORE_RL_CACHE:-$$HOME/.cache/mcore_rl}/smollm2/hf
 
 # The same GRPO through verl's own RL entry point (python -m verl.trainer.main_ppo, Ray): the actor on
 # mcore_rl, the rollout on mcore_rl's CPU server (README "verl")
