@@ -148,3 +148,25 @@ def assert_equal_to_one_rank(results: list[dict], one: dict, tol: float) -> None
             assert worst[0] <= tol, f"rank {rank}: {key} {worst[1]} differs by {worst[0]:.3g}"
         norm, want = got["metrics"]["actor/grad_norm"], one["metrics"]["actor/grad_norm"]
         assert abs(norm - want) <= tol * want, f"rank {rank}: grad norm {norm} != {want}"
+
+
+def assert_matches_peft_step(hf, hf_dir: str, batch: dict, lora: dict, ours: dict, tol: float) -> None:
+    """``ours`` (a ``lora_update`` result) against peft's step from the same adapters: adapters
+    after the step (PEFT names, within ``tol``), the grad norm (relative ``tol``), the step moved
+    them, and every base tensor (HF names as the file stores them) bit-identical."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from tests.test_actor_update import reference_update
+
+    diff = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
+    model = peft_model(hf, lora, ours["peft_before"])
+    ref = reference_update(model, batch)
+    want = peft_state(model)
+    assert set(want) == set(ours["peft_after"])
+    worst = max((diff(ours["peft_after"][k], v), k) for k, v in want.items())
+    assert worst[0] <= tol, f"{worst[1]} differs from peft's step by {worst[0]:.3g}"
+    assert max(diff(ours["peft_after"][k], v) for k, v in ours["peft_before"].items()) > 1e-3  # it moved
+    got_norm, want_norm = ours["metrics"]["actor/grad_norm"], ref["metrics"]["actor/grad_norm"]
+    assert abs(got_norm - want_norm) <= tol * want_norm
+    base = SafetensorsReader(hf_dir)
+    assert set(base) == set(ours["base_after"])
+    assert all(torch.equal(ours["base_after"][k], base[k]) for k in base)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
-from tests.lora_bodies import assert_equal_to_one_rank, lora_update, peft_model, peft_state
-from tests.test_actor_update import ACTOR, make_batch, reference_update
+from tests.lora_bodies import assert_equal_to_one_rank, assert_matches_peft_step, lora_update, peft_model
+from tests.test_actor_update import ACTOR, make_batch
 from tests.tiny import hf_log_probs, tiny_config, tiny_hf_model
 
 TOL = 1e-5
@@ -59,20 +59,8 @@ def test_log_probs_and_reference_match_peft(kind, dense):
 
 
 def test_update_matches_peft_step(dense):
-    _, hf, batch, results = dense
-    ours = results["canonical_lora"]
-    model = peft_model(hf, LORA, ours["peft_before"])
-    ref = reference_update(model, batch)
-    want = peft_state(model)
-    assert set(want) == set(ours["peft_after"])
-    worst = max((_max_diff(ours["peft_after"][k], v), k) for k, v in want.items())
-    assert worst[0] <= TOL, f"{worst[1]} differs from peft's step by {worst[0]:.3g}"
-    moved = max(_max_diff(ours["peft_after"][k], v) for k, v in ours["peft_before"].items())
-    assert moved > 1e-3  # the step changed the adapters
-    got_norm, want_norm = ours["metrics"]["actor/grad_norm"], ref["metrics"]["actor/grad_norm"]
-    assert abs(got_norm - want_norm) <= 1e-5 * want_norm
-    base = hf.state_dict()
-    assert all(torch.equal(ours["base_after"][k], base[k]) for k in ours["base_after"])
+    d, hf, batch, results = dense
+    assert_matches_peft_step(hf, d, batch, LORA, results["canonical_lora"], TOL)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

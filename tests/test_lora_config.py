@@ -55,3 +55,21 @@ def test_bad_values_are_refused_by_name(values, needle):
 
 def test_rank_zero_is_off_and_verl_defaults_pass():
     assert not lora_config_from_dict({"rank": 0, "type": "lora", "merge": False, "a2a_experimental": False}).enabled
+
+
+def test_peft_export_refuses_targets_peft_would_rewrite_even_without_experts():
+    """A deepseek_v3 adapter on its dense first layer's MLP only: peft 0.21 would turn the
+    gate_proj/up_proj/down_proj targets into expert parameters; refused, a llama's pass."""
+    from types import SimpleNamespace
+
+    from mcore_rl.mapping.peft_experts import PeftExpertsError
+    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.models.lora_io import peft_adapter_config
+
+    ranks = {"model.layers.0.mlp.gate_proj": (4, 2.0), "model.layers.0.self_attn.o_proj": (4, 2.0)}
+    cfg = LoraConfig(rank=4, alpha=8.0)
+    with pytest.raises(PeftExpertsError, match="gate_proj"):
+        peft_adapter_config(dict(ranks), cfg, SimpleNamespace(arch=SimpleNamespace(model_type="deepseek_v3")),
+                            "actor", None)
+    out = peft_adapter_config(dict(ranks), cfg, SimpleNamespace(arch=SimpleNamespace(model_type="llama")), "actor", None)
+    assert out["target_modules"] == ["gate_proj", "o_proj"] and out["r"] == 4 and out["lora_alpha"] == 8.0

@@ -101,21 +101,30 @@ def peft_keys(layer_prefix: str, model_type: str, parts: Sequence[str]) -> dict[
     return keys
 
 
+def check_peft_targets(model_type: str, target_modules: Sequence[str]) -> None:
+    """Refuses ``target_modules`` names that peft 0.21 rewrites into expert ``target_parameters``
+    for ``model_type`` (then gate_up's rank is doubled and dense-MLP / shared-expert LoRA
+    dropped), with or without expert adapters; model types without fused experts pass."""
+    if isinstance(target_modules, str):
+        raise PeftExpertsError(f"PEFT expert LoRA: target_modules must be a list of names, got {target_modules!r}")
+    entry = MODEL_TYPES.get(model_type)
+    rewritten = entry.rewritten_targets if entry else ()
+    bad = [t for t in target_modules for n in rewritten if t == n or t.endswith(f".{n}")]
+    if bad:
+        raise PeftExpertsError(
+            f"PEFT expert LoRA: target_modules {bad} of a {model_type} adapter would be rewritten by peft "
+            f"into expert target_parameters (gate_up rank doubled, dense-MLP and shared-expert LoRA dropped); "
+            f"names {list(rewritten)} cannot be exported: drop them or export merged weights."
+        )
+
+
 def peft_config_entries(model_type: str, parts: Sequence[str] = ("gate_up", "down"),
                         target_modules: Sequence[str] = ()) -> dict[str, object]:
     """The adapter_config.json entries the experts need: ``target_parameters``, ``lora_dropout``
     0 (peft's ParamWrapper refuses anything else) and ``target_modules`` (the caller's non-expert
     targets, checked: names peft would rewrite for this model type are refused)."""
     entry = _entry(model_type)
-    if isinstance(target_modules, str):
-        raise PeftExpertsError(f"PEFT expert LoRA: target_modules must be a list of names, got {target_modules!r}")
-    bad = [t for t in target_modules for n in entry.rewritten_targets if t == n or t.endswith(f".{n}")]
-    if bad:
-        raise PeftExpertsError(
-            f"PEFT expert LoRA: target_modules {bad} of a {model_type} adapter would be rewritten by peft "
-            f"into expert target_parameters (gate_up rank doubled, dense-MLP and shared-expert LoRA dropped); "
-            f"names {list(entry.rewritten_targets)} cannot be exported: drop them or export merged weights."
-        )
+    check_peft_targets(model_type, target_modules)
     layout = entry.layout
     names = dict(layout.params)
     params = [f"{layout.experts_module}.{names[p]}" for p in _check_parts(layout, parts)]

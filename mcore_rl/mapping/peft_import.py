@@ -23,7 +23,7 @@ import torch
 
 from mcore_rl.errors import McoreRLError
 from mcore_rl.mapping.hf_io import SafetensorsReader
-from mcore_rl.mapping.peft import PEFT_PREFIX, peft_name
+from mcore_rl.mapping.peft import peft_name
 from mcore_rl.mapping.peft_experts import experts_from_peft
 from mcore_rl.mapping.weights import WeightMap
 

@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from mcore_rl.fileio.safetensors_write import write_bucket_shards
 from mcore_rl.fileio.staging import Staging
 from mcore_rl.mapping.peft import AdapterMap, to_peft_tensors
-from mcore_rl.mapping.peft_experts import peft_config_entries
+from mcore_rl.mapping.peft_experts import check_peft_targets, peft_config_entries
 from mcore_rl.mapping.weights import export_hf_weights, iter_hf_buckets
 from mcore_rl.models.builder import Role
 from mcore_rl.models.hf_config import ModelArgs
@@ -75,6 +75,7 @@ def peft_adapter_config(ranks: dict[str, tuple[int, float]], config: LoraConfig,
            "use_rslora": False, "use_dora": False, "target_modules": targets, "inference_mode": True,
            "rank_pattern": {m: v[0] for m, v in ranks.items() if v[0] != r},
            "alpha_pattern": {m: v[1] * v[0] for m, v in ranks.items() if v != (r, scaling)}}
+    check_peft_targets(args.arch.model_type, targets)  # also without expert adapters
     if experts is not None:
         out.update(peft_config_entries(args.arch.model_type, ("gate_up", "down"), targets))
         out["target_modules"] = sorted(out["target_modules"]) if out["target_modules"] else targets
