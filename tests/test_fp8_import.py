@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from mcore_rl.mapping.fp8_dequant import QuantizationError
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from tests.dist import run_ranks
 from tests.steps import outputs_of_models
-from tests.test_convert import _convert_all, _raw_tensors
+from tests.test_convert import _raw_tensors
 from tests.tiny import padded_batch, tiny_config, tiny_hf_model
 
 E4M3_MAX = 448.0

@@ -10,7 +10,6 @@ import os
 import shutil
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM
 
 from tests.dist import run_ranks

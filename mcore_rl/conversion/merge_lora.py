@@ -37,11 +37,6 @@ Tensor = torch.Tensor
 BUCKET_BYTES = 1 << 30
 
 
-def adapter_only(meta: dict) -> bool:
-    lora = meta.get("lora")
-    return isinstance(lora, dict) and bool(lora.get("adapter_only"))
-
-
 def _base_source(step: ModelDir, verify: bool) -> tuple[Mapping[str, Tensor], str, object]:
     """(HF name -> tensor of the base, its directory of side files, something to close)."""
     base = step.meta["lora"].get("base") or {}
