@@ -185,7 +185,7 @@ EXPECT = {
     "metadata_absolute": "abs.distcp', which leaves",
     "symlinked_shard": "(a symlink leaves the directory)",
     "marker_names_outside": "names the file '../../outside.txt', which leaves",
-    "same_size_other_bytes": "holds other bytes than were saved: actor/dist_ckpt/__0_0.distcp (CRC-32",
+    "same_size_other_bytes": "holds other bytes than were saved: actor/dist_ckpt/__0_0.distcp (checksum",
     "missing_shard_with_marker": "critic/dist_ckpt/__0_0.distcp missing",
     "critic_planted_pickle": "UnsafeCheckpointError: refused to load ShardedObject payload 'rng_state/shard_0_1' in",
     "critic_numpy_payload": "it needs the Python global 'numpy",

@@ -116,7 +116,9 @@ def test_each_rank_fsyncs_what_it_wrote_once(tmp_path):
     root = str(tmp_path / "ckpt")
     r0, r1 = (r["seen"] for r in run_ranks(2, _fsyncs, hf_dir, root, daemon=False))
     rel1 = [os.path.relpath(p, root) for p in r1]
-    assert len(rel1) == 1 and rel1[0].startswith("global_step_1/actor/dist_ckpt/__1_"), rel1  # its shard
+    shard = [r for r in rel1 if r.endswith(".distcp")]  # its shard and the shard's item checksums
+    assert len(shard) == 1 and shard[0].startswith("global_step_1/actor/dist_ckpt/__1_"), rel1
+    assert sorted(rel1) == sorted(shard + [shard[0] + ".sums.json"]), rel1
     assert len(r0 + r1) == len(set(r0 + r1)), sorted(r0 + r1)  # no file fsynced twice
     names = {os.path.basename(p) for p in r0}
     assert {"common.pt", ".metadata", "metadata.json"} <= names, names  # megatron's own files too

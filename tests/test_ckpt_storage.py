@@ -173,7 +173,7 @@ def test_check_files_names_truncated_and_missing_shards(saved_ckpt, tmp_path):
 def _shared_root_two_nodes(root: str, nodes: list[tuple[int, int]]) -> dict:
     """Rank r plays (node, local rank) ``nodes[r]`` on one shared file system: detect + sync must
     see 'shared' and move nothing."""
-    from mcore_rl.fileio.files import file_crc32
+    from mcore_rl.fileio.checksum import file_checksum
 
     rank = torch.distributed.get_rank()
     os.environ.update(GROUP_RANK=str(nodes[rank][0]), LOCAL_RANK=str(nodes[rank][1]))
@@ -181,7 +181,7 @@ def _shared_root_two_nodes(root: str, nodes: list[tuple[int, int]]) -> dict:
     step = os.path.join(root, "global_step_1")
     rel = f"from_node{rank}/state.json"
     write_json_atomic(os.path.join(step, rel), {"node": rank})
-    manifest = gather_manifest({rel: file_crc32(os.path.join(step, rel))}, step)
+    manifest = gather_manifest({rel: file_checksum(os.path.join(step, rel))}, step)
     before = {rel: os.stat(os.path.join(step, rel)).st_ino for rel in _on_disk(step)}
     sync_step_to_all_nodes(step, manifest, chunk_bytes=7)
     after = {rel: os.stat(os.path.join(step, rel)).st_ino for rel in _on_disk(step)}

@@ -79,7 +79,7 @@ def main() -> None:
     import torch
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.fileio.files import file_crc32
+    from mcore_rl.fileio.checksum import file_checksum
     from mcore_rl.checkpoint.integrity import gather_manifest
     from mcore_rl.checkpoint.peer_sync import sync_step_to_all_nodes
     from mcore_rl.checkpoint.storage import detect_storage, node_id, node_leader, write_json_atomic
@@ -115,7 +115,7 @@ def main() -> None:
     before = _check(ckpt_dir)
     manifests = []
     for d in (step, step2):  # each node's leader records what its node wrote
-        written = {rel: file_crc32(os.path.join(d, rel)) for rel in file_digests(d)} if node_leader() else {}
+        written = {rel: file_checksum(os.path.join(d, rel)) for rel in file_digests(d)} if node_leader() else {}
         manifests.append(gather_manifest(written, d))
     stale = os.path.join(ckpt_dir, "__0_0.distcp")  # rank 0's shard: node 1 gets a stale copy of it
     planted = node_leader() and node_id() == 1 and not os.path.exists(stale)

@@ -1,12 +1,15 @@
-"""Content records of a step: which rank wrote which file, its size and CRC-32 (the manifest a
-marker holds), and the checks that a node's copy is that content.
+"""Content records of a step: which rank wrote which file, its size and checksum (the manifest
+a marker holds), and the checks that a node's copy is that content.
 
-The CRC-32 of a shard is computed by its writer while writing (``files.Crc32Stream``); rank 0's
-small files (megatron's ``.metadata``/``common.pt``/``metadata.json``, JSON, HF files) are
-fsynced and read back once. A load re-reads every file it will read and compares: a shard cut
-short, replaced by other bytes of the same size, or missing is a clear error before any engine
-state is touched. CRC-32 detects damage and stale files; it does not authenticate (whoever can
-rewrite a shard can rewrite the marker): planted pickles are refused by ``safe_load``.
+The checksum (``fileio/checksum.py``: XXH3-128; CRC-32 in steps written before it) of a shard
+and of each of its items is computed by its writer while writing (``files.ChecksumStream``,
+``fileio/item_sums.py``); rank 0's small files (megatron's ``.metadata``/``common.pt``/
+``metadata.json``, JSON, HF files) are fsynced and read back once. A load checks each shard item
+in the same pass as it reads it (``verified_read.py``) and re-reads only the small files and the
+shards of older steps (``check_content``): a shard cut short, replaced by other bytes of the same
+size, or missing is a clear error before any engine state is touched. Checksums detect damage and
+stale files; they do not authenticate (whoever can rewrite a shard can rewrite the marker):
+planted pickles are refused by ``safe_load``.
 """
 from __future__ import annotations
 
@@ -17,13 +20,14 @@ from dataclasses import dataclass
 from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import all_gather_bytes, distributed
 from mcore_rl.errors import CheckpointError
-from mcore_rl.fileio.files import file_crc32
+from mcore_rl.fileio.checksum import file_checksum
 from mcore_rl.fileio.paths import contained
 
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One file of a step: size, CRC-32 (hex; None in markers written before checksums) and
+    """One file of a step: size, checksum (``fileio/checksum.py``; None in markers written before
+    checksums) and
     the node whose rank wrote it."""
 
     size: int
@@ -35,14 +39,14 @@ Manifest = dict[str, FileEntry]  # path relative to the step dir -> entry
 
 
 def digest_files(base: str, rels: list[str], fsync: bool = True) -> dict[str, tuple[int, str]]:
-    """rel -> (size, CRC-32) of files this rank wrote through other code (read back once);
+    """rel -> (size, checksum) of files this rank wrote through other code (read back once);
     ``fsync``: make each durable first (megatron and shutil do not)."""
     out = {}
     for rel in rels:
         path = os.path.join(base, rel)
         if fsync:
             storage.fsync_path(path)
-        out[rel] = file_crc32(path)
+        out[rel] = file_checksum(path)
     return out
 
 
@@ -97,16 +101,16 @@ def share(files: list[str], sizes: dict[str, int], index: int, count: int) -> li
 
 
 def check_content(step_dir: str, files: dict[str, tuple[int, str | None]], rels: list[str]) -> None:
-    """Re-reads each file of ``rels`` and compares its CRC-32 with the record; an error names
+    """Re-reads each file of ``rels`` and compares its checksum with the record; an error names
     every file whose bytes differ (e.g. a stale or damaged shard of the right size)."""
     bad = []
     for rel in rels:
         size, crc = files[rel]
         if crc is None:
             continue
-        actual_size, actual = file_crc32(contained(step_dir, rel, os.path.join(step_dir, "COMPLETE")))
+        actual_size, actual = file_checksum(contained(step_dir, rel, os.path.join(step_dir, "COMPLETE")), like=crc)
         if (actual_size, actual) != (size, crc):
-            bad.append(f"{rel} (CRC-32 {actual}, the marker records {crc})")
+            bad.append(f"{rel} (checksum {actual}, the marker records {crc})")
     if bad:
         raise CheckpointError(f"checkpoint {step_dir} holds other bytes than were saved: {'; '.join(bad[:8])}; "
                               "the files are damaged or stale: restore them from another node or copy, "

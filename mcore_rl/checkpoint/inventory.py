@@ -19,7 +19,6 @@ import json
 import os
 import re
 import stat
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,14 +26,14 @@ from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import all_gather_bytes, distributed
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import io_fault
-from mcore_rl.fileio.files import crc32_hex
+from mcore_rl.fileio.checksum import checksum, recorded_checksum
 
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
 TRAINER_STATE = "trainer_state.json"
 PART = "PART"  # a role part's record (role_parts.py): <step>/<role>/PART
 PARTS_KIND = "parts"  # a marker that seals a step of role parts (role_parts.py)
-MARKER_FORMAT = 2  # 1: files with sizes; 2: + CRC-32 per file and the completion order
+MARKER_FORMAT = 3  # 1: files with sizes; 2: + CRC-32 per file and the completion order; 3: XXH3-128
 _STEP_DIR = re.compile(r"^global_step_(\d{1,18})$")
 _SIDE_DIR = re.compile(r"^\.global_step_(\d{1,18})\.(incoming|outgoing)$")
 _TRACKER_TEXT = re.compile(rb"^[0-9]{1,18}$")  # ASCII digits only; at most 18 fit in int64
@@ -70,7 +69,7 @@ def side_dir(name: str) -> tuple[int, str] | None:
 @dataclass(frozen=True)
 class Marker:
     """A step's completion marker: its roles, completion order and every file it holds with the
-    size (and, from format 2, the CRC-32) recorded when it was written. ``kind``: None for a step
+    size and checksum recorded when it was written (format 1: sizes only; 2: CRC-32; 3: XXH3-128). ``kind``: None for a step
     one manager wrote whole; ``"parts"`` for a step of role parts sealed later (role_parts.py)."""
 
     step: int
@@ -81,7 +80,7 @@ class Marker:
 
     def payload(self) -> dict[str, Any]:
         out = {"format": MARKER_FORMAT, "step": self.step, "roles": list(self.roles), "completed": self.order,
-               "files": {rel: {"size": size, "crc32": crc} for rel, (size, crc) in sorted(self.files.items())}}
+               "files": {rel: {"size": size, "checksum": crc} for rel, (size, crc) in sorted(self.files.items())}}
         if self.kind is not None:
             out["kind"] = self.kind
         return out
@@ -109,7 +108,7 @@ def _marker_from(data: Any, path: str) -> Marker:
             if isinstance(entry, int):  # format 1: the size only
                 files[str(rel)] = (entry, None)
             else:
-                files[str(rel)] = (int(entry["size"]), str(entry["crc32"]))
+                files[str(rel)] = (int(entry["size"]), recorded_checksum(entry))
         order = data.get("completed")
         if order is not None and (not isinstance(order, int) or isinstance(order, bool) or order < 0):
             raise ValueError(f"completed={order!r}")
@@ -226,7 +225,7 @@ def _marker_state(path: str, step: int | None) -> dict[str, Any]:
     if step is not None and marker.step != step:
         return {"marker": "bad", "order": None, "crc": None,
                 "why": f"its {MARKER} marker records step {marker.step}, not {step} (a copied or renamed step)"}
-    return {"marker": "ok", "order": marker.order, "crc": crc32_hex(zlib.crc32(raw)),  # nodes may hold other versions
+    return {"marker": "ok", "order": marker.order, "crc": checksum(raw),  # nodes may hold other versions
             "roles": list(marker.roles), "kind": marker.kind}
 
 
@@ -241,7 +240,7 @@ def _contents(step_dir: str) -> dict[str, Any]:
         record = os.path.join(step_dir, name, PART)
         rec = lstat(record)
         if rec is not None and stat.S_ISREG(rec.st_mode):
-            parts[name] = crc32_hex(zlib.crc32(_read(record)))
+            parts[name] = checksum(_read(record))
     return {"entries": entries, "parts": parts}
 
 

@@ -26,10 +26,13 @@ from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import fault_point
-from mcore_rl.fileio.files import META, copy_hf_files, file_crc32
+from mcore_rl.fileio import item_sums
+from mcore_rl.fileio.checksum import file_checksum
+from mcore_rl.fileio.files import META, copy_hf_files
 from mcore_rl.checkpoint.inventory import MARKER, TRACKER, TRAINER_STATE, Marker
 from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
 from mcore_rl.checkpoint.model_dir import load_planned
+from mcore_rl.checkpoint.verified_read import has_item_sums
 from mcore_rl.fileio.safetensors_write import parse_size, write_bucket_shards
 from mcore_rl.checkpoint.state import build_metadata, sharded_state
 from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
@@ -371,28 +374,39 @@ class CheckpointManager:
         checked = agreed(partial(check_step, step_dir, engines, tuple(contents), self._choices),
                          f"checking {step_dir}")
         plans, trainer_state, marker = checked
-        self._verify_content(step_dir, marker, list(engines))
+        in_read = self._verify_content(step_dir, marker, list(engines))
         preread_pickles(step_dir, list(engines))
         for role, engine in engines.items():
-            load_planned(os.path.join(step_dir, role), engine, plans[role])
+            load_planned(os.path.join(step_dir, role), engine, plans[role], verified=in_read.get(role))
         return trainer_state
 
-    def _verify_content(self, step_dir: str, marker: Marker, roles: list[str]) -> None:
+    def _verify_content(self, step_dir: str, marker: Marker, roles: list[str]) -> dict[str, tuple]:
         """Every node holds the same marker, and (``cfg.verify_content``) every node's copy of the
-        files the load reads has the recorded CRC-32, the work split by size over the ranks that
-        share a disk."""
-        crcs = {raw for raw in all_gather_bytes(file_crc32(os.path.join(step_dir, MARKER))[1].encode())}
+        files the load reads has the recorded checksum. Shards with item checksums are checked
+        while the load reads them: returns, per role, its ``load_planned(verified=...)``. The
+        other files (small ones; every file of a step written before item checksums) are read
+        here, the work split by size over the ranks that share a disk."""
+        crcs = {raw for raw in all_gather_bytes(file_checksum(os.path.join(step_dir, MARKER))[1].encode())}
         if len(crcs) > 1:
             raise CheckpointError(f"the nodes hold different versions of {step_dir} (their {MARKER} markers "
                                   "differ); resume another step with checkpoint.resume_mode=path.")
         if not self.cfg.verify_content:
-            return
+            return {}
         files = {rel: v for rel, v in marker.files.items()
                  if rel == TRAINER_STATE or (rel.split("/")[0] in roles and rel.split("/")[1] != "huggingface")}
         if all(crc is None for _, crc in files.values()):
             if torch.distributed.get_rank() == 0:
                 log.warning("%s was written before checkpoints recorded checksums: sizes checked, content not", step_dir)
-            return
+            return {}
+        in_read = {}
+        for role in roles:
+            prefix = f"{role}/dist_ckpt/"
+            recorded = {rel[len(prefix):]: v for rel, v in files.items() if rel.startswith(prefix)}
+            shards = [name for name in recorded if name.endswith(".distcp")]
+            if has_item_sums(recorded, shards):
+                in_read[role] = (recorded, step_dir, f"{role}/dist_ckpt")
+                for name in shards:
+                    del files[prefix + name], files[prefix + item_sums.sums_name(name)]
         parent = os.path.dirname(step_dir)
         mode = self._mode if parent == self.root and self._mode else \
             storage.detect_storage(parent, announce=False, required=False)
@@ -400,6 +414,7 @@ class CheckpointManager:
         mine = integrity.share(sorted(files), {r: files[r][0] for r in files},
                                group.index(torch.distributed.get_rank()), len(group))
         agreed(partial(integrity.check_content, step_dir, files, mine), f"verifying the content of {step_dir}")
+        return in_read
 
     def _choices(self) -> str:
         """This node's complete steps and how to pick one (for error messages)."""
@@ -444,7 +459,8 @@ def _digest_rank0_files(write_dir: str, scope: tuple[str, ...] = ()) -> dict[str
     for dirpath, _, names in (walked for top in tops for walked in os.walk(top)):
         for name in names:
             path = os.path.join(dirpath, name)
-            if not name.endswith(".distcp") and not name.endswith(storage.TMP_SUFFIX) and not os.path.islink(path):
+            written_by_writers = name.endswith(".distcp") or item_sums.is_sums_file(name)
+            if not written_by_writers and not name.endswith(storage.TMP_SUFFIX) and not os.path.islink(path):
                 rels.append(os.path.relpath(path, write_dir))
     return integrity.digest_files(write_dir, sorted(rels))
 

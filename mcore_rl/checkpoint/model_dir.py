@@ -14,6 +14,7 @@ from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.base_identity import model_dir_identity
 from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.state import LoadPlan, _safe_loading, apply_loaded, plan_load, sharded_state
+from mcore_rl.checkpoint.verified_read import Recorded, VerifiedLoadStrategy
 from mcore_rl.mapping.weights import unwrap
 
 
@@ -72,9 +73,12 @@ def _identity(path: str) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None = None) -> None:
+def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None = None,
+                 verified: tuple[Recorded, str, str] | None = None) -> None:
     """Reads ``plan.contents`` from ``model_dir/dist_ckpt`` into ``engine`` (collective).
-    Model keys starting with ``keep_prefix`` are not read: those parameters keep their values."""
+    Model keys starting with ``keep_prefix`` are not read: those parameters keep their values.
+    ``verified``: (the record of the dist dir's files, the step dir and the dist dir's name in it): every shard item is
+    checked against its recorded checksum while it is read (``verified_read``)."""
     dist_dir = os.path.join(model_dir, "dist_ckpt")
     agreed(lambda: storage.check_files(dist_dir, storage.expected_files(dist_dir)),  # every file there, none
            f"checking {dist_dir}")                                                   # outside it, on every node
@@ -82,7 +86,8 @@ def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None
                           part=plan.model_part)
     kept = _split_off(engine, state, keep_prefix) if keep_prefix else {}
     with _safe_loading():
-        loaded = dist_checkpointing.load(state, dist_dir, sharded_strategy=("torch_dist", 1))
+        strategy = VerifiedLoadStrategy(*verified) if verified is not None else ("torch_dist", 1)
+        loaded = dist_checkpointing.load(state, dist_dir, sharded_strategy=strategy)
     for key, tensors in kept.items():
         loaded[key].update(tensors)
     apply_loaded(engine, loaded, plan, model_dir)

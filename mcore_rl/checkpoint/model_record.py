@@ -24,7 +24,7 @@ from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, parse_step_n
 from mcore_rl.checkpoint.role_parts import read_part
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import io_fault
-from mcore_rl.fileio.files import file_crc32
+from mcore_rl.fileio.checksum import file_checksum, recorded_checksum
 from mcore_rl.fileio.paths import contained
 
 RECORD = "RECORD"  # a converter output's record: <model dir>/RECORD
@@ -67,9 +67,9 @@ def write_record(model_dir: str, role: str) -> DirRecord:
         for name in sorted(names):
             rel = os.path.relpath(os.path.join(base, name), model_dir)
             if rel != RECORD:
-                files[rel] = file_crc32(os.path.join(base, name))
+                files[rel] = file_checksum(os.path.join(base, name))
     payload = {"format": RECORD_FORMAT, "role": role,
-               "files": {rel: {"size": s, "crc32": c} for rel, (s, c) in sorted(files.items())}}
+               "files": {rel: {"size": s, "checksum": c} for rel, (s, c) in sorted(files.items())}}
     storage.write_json_atomic(os.path.join(model_dir, RECORD), payload)
     return DirRecord(model_dir, os.path.join(model_dir, RECORD), files)
 
@@ -77,7 +77,7 @@ def write_record(model_dir: str, role: str) -> DirRecord:
 def _read_record(path: str, model_dir: str) -> DirRecord:
     data = _guarded(storage.read_json, path)
     try:
-        files = {str(rel): (int(e["size"]), str(e["crc32"])) for rel, e in data["files"].items()}
+        files = {str(rel): (int(e["size"]), recorded_checksum(e)) for rel, e in data["files"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path} is not a valid model directory record ({type(e).__name__}: {e}); "
                               f"the directory is damaged: convert the model again, {SKIP_HINT}.") from None
@@ -141,16 +141,16 @@ def _from_part(path: str, step: int, role: str, model_dir: str) -> DirRecord:
     return DirRecord(model_dir, path, {rel[len(prefix):]: v for rel, v in part.files.items() if rel.startswith(prefix)})
 
 
-def verify(record: DirRecord, needed: list[str], crc_of: Callable[[str], tuple[int, str]] | None = None) -> None:
-    """Every recorded file has its recorded size and CRC-32 (read once; ``crc_of(rel)`` may read
-    it through a handle the caller holds), and every file of ``needed`` (those the reader will
+def verify(record: DirRecord, needed: list[str], crc_of: Callable[[str, str | None], tuple[int, str]] | None = None) -> None:
+    """Every recorded file has its recorded size and checksum (read once; ``crc_of(rel, recorded)``
+    may read it through a handle the caller holds), and every file of ``needed`` (those the reader will
     read) is recorded; one CheckpointError lists every file that is not."""
     bad = [f"{rel} is not in the record" for rel in sorted(set(needed) - set(record.files))]
     for rel, (size, crc) in sorted(record.files.items()):
         path = contained(record.path, rel, record.source)
         try:
             io_fault("open", path)
-            got_size, got = crc_of(rel) if crc_of is not None else file_crc32(path)
+            got_size, got = crc_of(rel, crc) if crc_of is not None else file_checksum(path, like=crc)
         except FileNotFoundError:
             bad.append(f"{rel} is missing")
             continue
@@ -160,7 +160,7 @@ def verify(record: DirRecord, needed: list[str], crc_of: Callable[[str], tuple[i
         if got_size != size:
             bad.append(f"{rel} has {got_size} bytes, the record says {size}")
         elif crc is not None and got != crc:
-            bad.append(f"{rel} has CRC-32 {got}, the record says {crc}")
+            bad.append(f"{rel} has checksum {got}, the record says {crc}")
     if bad:
         raise CheckpointError(f"{record.path} is damaged (checked against {record.source}): {'; '.join(bad[:8])}"
                               f"{f' (+{len(bad) - 8} more)' if len(bad) > 8 else ''}; restore the files or use "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import zlib
 from typing import Iterator
 
 import torch
@@ -22,7 +21,7 @@ from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import (agreed, all_gather_bytes, comm_device, distributed, gather_errors,
                                             raise_if_any)
 from mcore_rl.errors import CheckpointError
-from mcore_rl.fileio.files import crc32_hex, file_crc32
+from mcore_rl.fileio.checksum import Hasher, algorithm_of, file_checksum
 from mcore_rl.checkpoint.integrity import Manifest
 from mcore_rl.fileio.paths import contained
 
@@ -41,7 +40,7 @@ def _needs(step_dir: str, manifest: Manifest, me: int) -> list[str]:
         path = contained(step_dir, rel, "the step's manifest")
         if not os.path.isfile(path) or os.path.islink(path):
             out.append(rel)
-        elif entry.crc32 is None or file_crc32(path) != (entry.size, entry.crc32):
+        elif entry.crc32 is None or file_checksum(path, like=entry.crc32) != (entry.size, entry.crc32):
             logger.warning("%s differs from the copy written on node %d: replacing it", path, entry.node)
             out.append(rel)
     return out
@@ -92,19 +91,19 @@ def _send_file(path: str, size: int, dst_ranks: list[int], chunk_bytes: int) -> 
 def _recv_file(path: str, size: int, crc: str | None, src_rank: int, chunk_bytes: int) -> str | None:
     """Receives ``size`` bytes from ``src_rank`` into ``path`` (atomic, fsynced, dirs made
     here); an error text (and the old file kept) when writing failed or the bytes do not have
-    the recorded CRC-32. Every chunk is received whatever happens: the sender goes on."""
-    dev, state = comm_device(), {"crc": 0}
+    the recorded checksum. Every chunk is received whatever happens: the sender goes on."""
+    dev, hasher = comm_device(), Hasher(algorithm_of(crc))
 
     def chunks() -> Iterator[bytes]:
         for start in range(0, size, chunk_bytes):
             tensor = torch.empty(min(chunk_bytes, size - start), dtype=torch.uint8, device=dev)
             torch.distributed.recv(tensor, src_rank)
             data = tensor.cpu().numpy().tobytes()
-            state["crc"] = zlib.crc32(data, state["crc"])
+            hasher.update(data)
             yield data
 
     def matches() -> bool:
-        return crc is None or crc32_hex(state["crc"]) == crc
+        return crc is None or hasher.value() == crc
 
     received = chunks()
     try:
@@ -114,7 +113,7 @@ def _recv_file(path: str, size: int, crc: str | None, src_rank: int, chunk_bytes
             pass
         return f"writing {path}: {type(e).__name__}: {e}"
     if not matches():
-        return f"{path} arrived with CRC-32 {crc32_hex(state['crc'])}, the manifest records {crc}"
+        return f"{path} arrived with checksum {hasher.value()}, the manifest records {crc}"
     return None
 
 

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from mcore_rl.checkpoint import integrity, inventory, storage, step_dirs
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import fault_point, io_fault
-from mcore_rl.fileio.files import META, file_crc32
+from mcore_rl.fileio.checksum import file_checksum, recorded_checksum
+from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, Survey, step_name
 from mcore_rl.fileio.paths import is_real_dir
 
@@ -57,14 +58,14 @@ class PartRecord:
 
     def payload(self) -> dict:
         return {"format": PART_FORMAT, "step": self.step, "role": self.role, "written": self.written,
-                "files": {rel: {"size": s, "crc32": c} for rel, (s, c) in sorted(self.files.items())}}
+                "files": {rel: {"size": s, "checksum": c} for rel, (s, c) in sorted(self.files.items())}}
 
 
 def read_part(path: str) -> PartRecord:
     """The record at ``path``; a CheckpointError naming it when it is damaged."""
     data = storage.read_json(path)
     try:
-        files = {str(rel): (int(e["size"]), str(e["crc32"])) for rel, e in data["files"].items()}
+        files = {str(rel): (int(e["size"]), recorded_checksum(e)) for rel, e in data["files"].items()}
         return PartRecord(int(data["step"]), str(data["role"]), float(data["written"]), files)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path} is not a valid part record ({type(e).__name__}: {e}); the part is "
@@ -92,7 +93,7 @@ def node_view(step_dir: str, step: int, roles: list[str]) -> dict:
         if any(rel.split("/")[0] != role for rel in record.files):
             raise CheckpointError(f"{path} lists files outside {role}/")
         integrity.check_sizes(step_dir, record.files)
-        parts[role] = [record.payload(), list(file_crc32(path))]
+        parts[role] = [record.payload(), list(file_checksum(path))]
     return {"parts": parts, "others": trainer_files(step_dir, roles)}
 
 
@@ -127,7 +128,7 @@ def seal_files(views: list[dict], step_dir: str) -> dict[str, tuple[int, str]]:
                                   "completed: resume another step.")
     files: dict[str, tuple[int, str]] = {}
     for role, (payload, (size, crc)) in first.items():
-        files.update({rel: (e["size"], e["crc32"]) for rel, e in payload["files"].items()})
+        files.update({rel: (e["size"], recorded_checksum(e)) for rel, e in payload["files"].items()})
         files[f"{role}/{PART}"] = (size, crc)
     return files
 

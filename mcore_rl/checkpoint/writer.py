@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.utils import _get_failure_dict
 from mcore_rl.checkpoint.collective import agreed, gather_errors, raise_if_any
 
 from mcore_rl.fileio.faults import hold_point, io_fault
-from mcore_rl.fileio.files import Crc32Stream, Writeback, crc32_hex
+from mcore_rl.fileio import item_sums
+from mcore_rl.fileio.files import ChecksumStream, Writeback
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ERROR_BYTES = 4096
@@ -63,28 +64,34 @@ class LazyResolver(Protocol):
 
 
 class _SharedResults:
-    """Per-item (offset, length) of the written bytes, the file's size and CRC-32, a status word
-    and an error text, in an anonymous shared mapping: a forked writer fills it, the rank reads
-    it (nothing unpickled)."""
+    """Per-item (offset, length) of the written bytes, the sizes and checksums of the shard and
+    of its item-checksum file, a status word and an error text, in an anonymous shared mapping:
+    a forked writer fills it, the rank reads it (nothing unpickled)."""
 
-    _HEAD = 3  # status, file size, file crc32
+    _HEAD = 3  # status, shard size, item-checksum file size
+    _TEXT = 64  # bytes per recorded checksum string
 
     def __init__(self, n_items: int) -> None:
         self.n_items = n_items
         self._words = self._HEAD + 2 * n_items
-        self._buf = mmap.mmap(-1, 8 * self._words + _ERROR_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
+        self._text_at = 8 * self._words + _ERROR_BYTES
+        self._buf = mmap.mmap(-1, self._text_at + 2 * self._TEXT)  # MAP_SHARED | MAP_ANONYMOUS
         self.words = np.frombuffer(self._buf, dtype=np.int64, count=self._words)
 
     def record(self, i: int, offset: int, length: int) -> None:
         at = self._HEAD + 2 * i
         self.words[at: at + 2] = (offset, length)
 
-    def finish(self, error: str | None, size: int = 0, crc: int = 0) -> None:
+    def finish(self, error: str | None, shard: tuple[int, str] = (0, ""), sums: tuple[int, str] = (0, "")) -> None:
         if error is not None:
             raw = error.encode()[: _ERROR_BYTES - 1]
             start = 8 * self._words
             self._buf[start: start + len(raw)] = raw
-        self.words[1:3] = (size, crc)
+        for slot, (_, value) in enumerate((shard, sums)):
+            raw = value.encode()[: self._TEXT]
+            at = self._text_at + slot * self._TEXT
+            self._buf[at: at + len(raw)] = raw
+        self.words[1:3] = (shard[0], sums[0])
         self.words[0] = _DONE if error is None else _FAILED
 
     def status(self) -> tuple[int, str]:
@@ -92,9 +99,11 @@ class _SharedResults:
         text = bytes(self._buf[start: start + _ERROR_BYTES]).split(b"\0", 1)[0].decode(errors="replace")
         return int(self.words[0]), text
 
-    def digest(self) -> tuple[int, int]:
-        """(size, crc32) of the written file."""
-        return int(self.words[1]), int(self.words[2])
+    def digests(self) -> tuple[tuple[int, str], tuple[int, str]]:
+        """((size, checksum) of the shard, (size, checksum) of its item-checksum file)."""
+        text = [bytes(self._buf[self._text_at + k * self._TEXT: self._text_at + (k + 1) * self._TEXT])
+                .split(b"\0", 1)[0].decode() for k in (0, 1)]
+        return (int(self.words[1]), text[0]), (int(self.words[2]), text[1])
 
     def span(self, i: int) -> tuple[int, int]:
         at = self._HEAD + 2 * i
@@ -129,31 +138,36 @@ def write_rank_file(parent_pid: int, transforms, rank: int, buckets: list, resul
         _die_with_parent(parent_pid)
         gc.disable()  # a collection here could free the parent's device tensors (CUDA after fork)
         torch.set_num_threads(1)  # the parent's OpenMP pool does not exist in a forked child
-    error, size, crc = None, 0, 0
+    error, shard, sums = None, (0, ""), (0, "")
     try:
         hold_point("writer")
         (path, storage_key, items), = buckets
+        spans: dict[int, tuple[int, str]] = {}
         with open(path, "wb") as raw:
-            stream, writeback = Crc32Stream(raw), Writeback(raw)
+            stream, writeback = ChecksumStream(raw), Writeback(raw)
             try:
                 for i, (item, data) in enumerate(items):
                     if i:
                         io_fault("write", path)  # test-only: a disk that fills up mid-file
                     if item.type != WriteItemType.BYTE_IO:
                         data = _host_copy(resolve(data) if resolve is not None else data)
+                    stream.begin_item()
                     result = _write_item(transforms, stream, data, item, storage_key,
                                          serialization_format=SerializationFormat.TORCH_SAVE)
-                    results.record(i, result.storage_data.offset, result.storage_data.length)
+                    offset, length = result.storage_data.offset, result.storage_data.length
+                    spans[offset] = (length, stream.end_item())
+                    results.record(i, offset, length)
                     del data
                     writeback.poke()
             except BaseException:
                 writeback.stop()
                 raise
             writeback.close()  # flush + fsync; raises if any background flush failed
-            size, crc = stream.size, stream.crc
+            shard = (stream.size, stream.checksum())
+        sums = item_sums.write(item_sums.sums_name(path), item_sums.ItemSums(storage_key, stream.size, spans))
     except BaseException as e:  # reported to the rank at finalize, which raises it
         error = f"rank {rank} writer: {type(e).__name__}: {e}"
-    results.finish(error, size, crc)
+    results.finish(error, shard, sums)
     if forked:
         os._exit(0 if error is None else 1)
 
@@ -211,11 +225,13 @@ class ItemWriter(FileSystemWriterAsync):
         return out
 
     def written_files(self) -> dict[str, tuple[int, str]]:
-        """File name -> (size, CRC-32 hex) of what this rank's writer wrote (after it finished)."""
+        """File name -> (size, checksum) of what this rank's writer wrote (after it finished):
+        its shard and the shard's item-checksum file."""
         if not self.write_buckets or self.results.status()[0] != _DONE:
             return {}
-        size, crc = self.results.digest()
-        return {self.write_buckets[0][1]: (size, crc32_hex(crc))}
+        shard, sums = self.results.digests()
+        name = self.write_buckets[0][1]
+        return {name: shard, item_sums.sums_name(name): sums}
 
 
 class ItemSaveStrategy(TorchDistSaveShardedStrategy):

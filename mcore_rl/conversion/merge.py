@@ -26,7 +26,8 @@ import torch
 from mcore_rl.checkpoint import model_record, storage
 from mcore_rl.conversion.convert_input import HF_DTYPE_NAMES
 from mcore_rl.errors import CheckpointError, McoreRLError
-from mcore_rl.fileio.files import META, file_crc32, peak_rss_mb
+from mcore_rl.fileio.checksum import file_checksum
+from mcore_rl.fileio.files import META, peak_rss_mb
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec
 from mcore_rl.fileio.output_dir import (check_replaceable, input_overlap, refuse_file, settle_output,
@@ -155,12 +156,12 @@ def _model_args(hf_dir: str) -> ModelArgs:
 
 
 def _verify_all(record: model_record.DirRecord, reader: TorchDistReader) -> None:
-    """Every recorded file's size and CRC-32; ``dist_ckpt/`` files read through ``reader``'s handle
+    """Every recorded file's size and checksum; ``dist_ckpt/`` files read through ``reader``'s handle
     (the bytes it will read), before its ``.metadata`` is parsed."""
-    def crc_of(rel: str) -> tuple[int, str]:
+    def crc_of(rel: str, like: str | None) -> tuple[int, str]:
         if rel.startswith("dist_ckpt/"):
-            return reader.crc32(rel[len("dist_ckpt/"):])
-        return file_crc32(os.path.join(record.path, rel))
+            return reader.checksum(rel[len("dist_ckpt/"):], like)
+        return file_checksum(os.path.join(record.path, rel), like)
 
     model_record.verify(record, [], crc_of)
 

@@ -2,14 +2,13 @@
 merge share (no megatron import: the merge must run without it)."""
 from __future__ import annotations
 
-import concurrent.futures
 import fnmatch
 import os
 import resource
 import shutil
 import threading
-import zlib
 
+from mcore_rl.fileio.checksum import Hasher
 from mcore_rl.fileio.faults import io_fault
 from mcore_rl.fileio.paths import contained
 
@@ -117,22 +116,35 @@ class Writeback:
         os.fsync(self._file.fileno())
 
 
-class Crc32Stream:
-    """A binary file wrapper that keeps the CRC-32 and size of everything written through it
-    (the content checksum a checkpoint's marker records; computed while writing, never by
-    reading the file back)."""
+class ChecksumStream:
+    """A binary file wrapper that keeps the size and checksum (``checksum.Hasher``) of everything
+    written through it, and of each item between ``begin_item()`` and ``end_item()`` (the
+    checksums a checkpoint records; computed while writing, never by reading the file back)."""
 
     def __init__(self, fileobj) -> None:
         self._file = fileobj
-        self.crc = 0
+        self._whole, self._item = Hasher(), None
         self.size = 0
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         n = self._file.write(view)
-        self.crc = zlib.crc32(view, self.crc)
+        self._whole.update(view)
+        if self._item is not None:
+            self._item.update(view)
         self.size += len(view)
         return n
+
+    def begin_item(self) -> None:
+        self._item = Hasher()
+
+    def end_item(self) -> str:
+        """The checksum of what was written since ``begin_item()``."""
+        value, self._item = self._item.value(), None
+        return value
+
+    def checksum(self) -> str:
+        return self._whole.value()
 
     def tell(self) -> int:
         return self._file.tell()
@@ -146,37 +158,6 @@ class Crc32Stream:
     @property
     def name(self) -> str:
         return self._file.name
-
-
-def crc32_hex(crc: int) -> str:
-    """The checksum as recorded in markers: 8 lower-case hex digits."""
-    return f"{crc & 0xFFFFFFFF:08x}"
-
-
-def file_crc32(path: str, chunk_bytes: int = 8 << 20) -> tuple[int, str]:
-    """(size, CRC-32 hex) of the file at ``path``. A thread reads the next chunk while this one
-    is summed (both release the GIL), so a file on disk is checked at about read speed."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size <= chunk_bytes:  # small files: one read, no thread
-            data = f.read()
-            return len(data), crc32_hex(zlib.crc32(data))
-        return _pipelined_crc32(f, chunk_bytes)
-
-
-def _pipelined_crc32(f, chunk_bytes: int) -> tuple[int, str]:
-    with concurrent.futures.ThreadPoolExecutor(1) as reader:
-        bufs = [bytearray(chunk_bytes), bytearray(chunk_bytes)]
-        crc, size, turn = 0, 0, 0
-        pending = reader.submit(f.readinto, bufs[0])
-        while True:
-            n = pending.result()
-            if not n:
-                break
-            turn ^= 1
-            pending = reader.submit(f.readinto, bufs[turn])  # the other buffer: not being summed
-            crc = zlib.crc32(memoryview(bufs[turn ^ 1])[:n], crc)
-            size += n
-    return size, crc32_hex(crc)
 
 
 def process_age_s() -> float:

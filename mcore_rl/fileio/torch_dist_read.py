@@ -15,7 +15,6 @@ import io
 import math
 import os
 import pickle
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,7 +22,7 @@ import torch
 
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import io_fault
-from mcore_rl.fileio.files import crc32_hex
+from mcore_rl.fileio.checksum import fileobj_checksum
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safe_load import load_payload, restricted_pickle_load
 
@@ -58,7 +57,7 @@ class TorchDistReader:
     def __init__(self, dist_dir: str | os.PathLike,
                  before_parse: Callable[["TorchDistReader"], None] | None = None) -> None:
         """``before_parse(self)`` runs once the directory is open, before ``.metadata`` is
-        unpickled (e.g. to check every file's checksum through ``crc32``)."""
+        unpickled (e.g. to check every file's checksum through ``checksum``)."""
         self.path = os.fspath(dist_dir)
         meta_path = os.path.join(self.path, METADATA_FILE)
         try:  # every file is opened relative to this handle: a step renamed away (replaced) stays ours
@@ -134,9 +133,12 @@ class TorchDistReader:
         st = os.fstat(self._dir_fd)
         return st.st_dev, st.st_ino
 
-    def crc32(self, rel: str) -> tuple[int, str]:
-        """(size, CRC-32 hex) of the file ``rel`` of this directory, read through the reader's handle."""
-        return _fd_crc32(self._file(rel))
+    def checksum(self, rel: str, like: str | None = None) -> tuple[int, str]:
+        """(size, checksum in the algorithm of the recorded ``like``) of the file ``rel`` of this
+        directory, read through the reader's handle."""
+        f = self._file(rel)
+        f.seek(0)
+        return fileobj_checksum(f, like)
 
     def close(self) -> None:
         """Closes the directory handle and every open file."""
@@ -342,17 +344,6 @@ def _ints(values) -> tuple[int, ...]:
 
 def _short(error: BaseException) -> str:
     return " ".join(str(error).split())[:200]
-
-
-def _fd_crc32(f, chunk_bytes: int = 8 << 20) -> tuple[int, str]:
-    """(size, CRC-32 hex) of the open file ``f`` from its start."""
-    f.seek(0)
-    crc, size, buf = 0, 0, bytearray(max(1, min(chunk_bytes, os.fstat(f.fileno()).st_size + 1)))
-    view = memoryview(buf)
-    while n := f.readinto(buf):
-        crc = zlib.crc32(view[:n], crc)
-        size += n
-    return size, crc32_hex(crc)
 
 
 def _first_clash(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], part: tuple[int, ...]):
