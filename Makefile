@@ -31,7 +31,7 @@ $(VERL_STAMP): setup.py constraints-cpu.txt Makefile
 	$(VERL_PY) -m pip install --quiet torch==2.13.0
 	PIP_CONSTRAINT=$(CURDIR)/constraints-cpu.txt $(VERL_PY) -m pip install --quiet 'verl==0.9.1' \
 		'transformers>=5.5.3,<5.11,!=5.6.0' uvicorn fastapi megatron-core==0.16.1 safetensors pyyaml \
-		psutil tqdm matplotlib pytest 'TransferQueue==0.1.11' pyzmq msgspec cachetools 'tensordict==0.10.0'
+		psutil 'xxhash>=3.4' tqdm matplotlib pytest 'TransferQueue==0.1.11' pyzmq msgspec cachetools 'tensordict==0.10.0'
 	$(VERL_PY) -m pip install --quiet --no-deps -e .
 	touch $(VERL_STAMP)
 

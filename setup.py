@@ -18,6 +18,7 @@ setup(
         "pyyaml",
         "omegaconf>=2.4",  # structured configs with Literal / tuple / Union annotations
         "psutil",  # megatron's async checkpoint writer needs it
+        "xxhash>=3.4",  # checkpoint checksums (XXH3-128), computed while writing and while reading
         "tqdm",
         "matplotlib",
     ],

@@ -34,6 +34,7 @@ from mcore_rl.fileio import item_sums
 from mcore_rl.fileio.checksum import checksum
 from mcore_rl.fileio.faults import io_fault
 from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.saved_tensor import tensor_view
 
 Recorded = dict[str, tuple[int, str | None]]  # file name in the dist dir -> (size, checksum)
 
@@ -62,15 +63,17 @@ class VerifyingReader(FileSystemReader):
         return item_sums.read(contained(str(self.path), name, os.path.join(str(self.path), ".metadata")),
                               self.recorded[name])
 
-    def _read_item(self, f, shard: str, sums: item_sums.ItemSums, offset: int, length: int) -> bytes:
+    def _read_item(self, f, shard: str, sums: item_sums.ItemSums, offset: int, length: int) -> torch.Tensor:
+        """The item's bytes (uint8 [length], not zero-filled first), checked against its record."""
         f.seek(offset)
-        data = f.read(length)
+        data = torch.empty(length, dtype=torch.uint8)
+        n = f.readinto(memoryview(data.numpy()))
         recorded = sums.items.get(offset)
-        if recorded is None or recorded[0] != length or len(data) != length:
+        if recorded is None or recorded[0] != length or n != length:
             raise CheckpointError(f"checkpoint {self.step} is damaged: {self.label}/{shard} has no item of {length} bytes at "
                                   f"byte {offset} (its item checksums record {recorded}); restore the files, or "
                                   "resume another step with checkpoint.resume_mode=path.")
-        got = checksum(data, like=recorded[1])
+        got = checksum(memoryview(data.numpy()), like=recorded[1])
         if got != recorded[1]:
             raise CheckpointError(f"checkpoint {self.step} holds other bytes than were saved: {self.label}/{shard} "
                                   f"(checksum {got} of the item at byte {offset}, its writer recorded "
@@ -99,12 +102,24 @@ class VerifyingReader(FileSystemReader):
                     if last[0] != info.offset:
                         data = self._read_item(f, shard, sums, info.offset, info.length)
                         last = (info.offset, data if req.type == LoadItemType.BYTE_IO else
-                                torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+                                self._tensor(data, req, planner))
                     self._deliver(req, last[1], planner)
+
+    @staticmethod
+    def _tensor(data: torch.Tensor, req, planner) -> torch.Tensor:
+        """The stored tensor: a view of ``data`` when DCP's metadata gives its dtype and shape
+        (``saved_tensor``), else ``torch.load`` (weights only)."""
+        meta = planner.metadata.state_dict_metadata.get(req.storage_index.fqn)
+        chunk = next((c for c in getattr(meta, "chunks", ()) if tuple(c.offsets) == tuple(req.storage_index.offset)), None)
+        if chunk is not None:
+            view = tensor_view(data, meta.properties.dtype, tuple(chunk.sizes))
+            if view is not None:
+                return view
+        return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
 
     def _deliver(self, req, value, planner) -> None:
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(value))
+            planner.load_bytes(req, io.BytesIO(value.numpy().tobytes()))
             return
         value = narrow_tensor_by_index(value, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
