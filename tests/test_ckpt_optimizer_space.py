@@ -71,3 +71,21 @@ def test_param_pieces_place_a_swiglu_factory_by_offset():
     assert full[3:6].reshape(-1)[5:].tolist() == gate[5:].tolist()  # rank 1's gate rows, from element 5
     assert full[9:12].reshape(-1)[:7].tolist() == up[:7].tolist()  # its up rows, to element 19
     assert int((full >= 0).sum()) == 14 and len(pieces) == 4
+
+
+def test_param_pieces_refuse_a_factory_that_copies_or_repeats():
+    """A factory whose tensors are copies, or that yields the same part twice, cannot be placed
+    in the parameter: a CheckpointError names the key and the fix."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from mcore_rl.errors import CheckpointError
+
+    param = torch.zeros(4, 3)
+    for build, why in ((lambda t: [t.clone()], "not a contiguous view"), (lambda t: [t[:2], t[:2]], "once each")):
+        def build_fn(key, t, replica_id, flattened_range, build=build):
+            return [ShardedTensor.from_rank_offsets(key, part, replica_id=replica_id) for part in build(t)]
+
+        factory = ShardedTensorFactory("w", param, build_fn, torch.cat, (0, 0, 0))
+        with pytest.raises(CheckpointError, match=f"w\\): .*{why}.*optimizer_sharding=fully_reshardable"):
+            param_pieces(factory, param, 0, 12, instance=0, name="layer.w")

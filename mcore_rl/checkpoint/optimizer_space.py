@@ -139,7 +139,12 @@ def param_pieces(model_sh, param: torch.Tensor, start: int, stop: int, instance:
             at = offset + _flat_index(shape, box_offset) - start
             pieces.append(Piece(sub.key, tuple(sub.global_shape), global_offset, (1,) * pre + box_shape,
                                 (*sub.replica_id[:2], instance), at))
-    return sorted(pieces, key=lambda p: p.at)
+    pieces.sort(key=lambda p: p.at)
+    ends = [p.at + math.prod(p.shape) for p in pieces]
+    if [p.at for p in pieces] != [0, *ends[:-1]] or (ends[-1] if ends else 0) != stop - start:
+        raise CheckpointError(f"{name} ({model_sh.key}): the tensors of its sharded state do not cover the parameter "
+                              "once each; save with optimizer_sharding=fully_reshardable.")
+    return pieces
 
 
 def _model_entries(model_state: dict) -> dict[int, Any]:
