@@ -1,6 +1,6 @@
 """CheckpointManager save/load vs plain torch.save/torch.load + fsync of the same bytes per rank,
 disk throughput, time an async save blocks the caller and peak extra memory of a save, for
-dp_reshardable and fully_reshardable; megatron's own dist_checkpointing.save beside them.
+dp_reshardable, model_space and fully_reshardable; megatron's own dist_checkpointing.save beside them.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/ckpt_save_load.py [--root DIR] [--reps 3]
 
@@ -363,6 +363,9 @@ def profile_save(engine, root: str, sharding: str, step: int) -> None:
                                for ln in lines))
 
 
+SHARDINGS = ("dp_reshardable", "model_space", "fully_reshardable")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default="/tmp/mcore_rl_ckpt_bench")
@@ -376,10 +379,10 @@ def main() -> None:
     torch.distributed.barrier()
     try:
         checksum_throughput()
-        for n, sharding in enumerate(("dp_reshardable", "fully_reshardable")):
+        for n, sharding in enumerate(SHARDINGS):
             bench_sharding(engine, root, sharding, opts.reps, step0=100 * (n + 1))
         if opts.profile:
-            for n, sharding in enumerate(("dp_reshardable", "fully_reshardable")):
+            for n, sharding in enumerate(SHARDINGS):
                 profile_save(engine, root, sharding, step=1000 + n)
     finally:
         torch.distributed.barrier()

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from tests.ckpt_bodies import manager, opt_state_hf, train
+from tests.ckpt_bodies import manager, opt_state_hf, optimizer_fingerprint, train
 from tests.steps import EXACT_MOE
 from tests.tiny import tiny_config, tiny_hf_model
 
@@ -67,6 +67,29 @@ def snapshot(engine) -> dict:
     return out
 
 
+def space_stats(engine) -> dict[str, int]:
+    """Where model_space's mechanisms act on this rank (optimizer_space.param_pieces): params
+    whose DP range is a part of the local shard (``cut``), boxes shorter than a row of their
+    tensor (``partial_rows``), boxes of TP replicas this rank does not write (``tp_replicas``),
+    params saved through a factory (``factories``: swiglu fc1), boxes of experts."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from mcore_rl.checkpoint import optimizer_space as space
+    from mcore_rl.checkpoint.state import model_state
+
+    entries = space._model_entries(model_state(engine))
+    stats = dict(cut=0, partial_rows=0, tp_replicas=0, factories=0, experts=0)
+    for opt in space._distributed(engine.optimizer):
+        for param, start, stop in space._ranges(opt):
+            pieces = space.param_pieces(entries[id(param)], param, start, stop, 0, "")
+            stats["cut"] += stop - start < param.numel()
+            stats["partial_rows"] += sum(param.dim() > 1 and p.shape[-param.dim() + 1:] != tuple(param.shape[1:]) for p in pieces)
+            stats["tp_replicas"] += sum(p.replica_id[1] != 0 for p in pieces)
+            stats["factories"] += isinstance(entries[id(param)], ShardedTensorFactory)
+            stats["experts"] += sum(".experts." in p.key for p in pieces)
+    return stats
+
+
 def tied_copy_gap(engine) -> float | None:
     """Tied embeddings with PP > 1: max |first stage's embedding - last stage's output copy|
     (the copy has its own optimizer state, skipped by the HF export); None otherwise."""
@@ -98,7 +121,7 @@ def save_both(hf: str, layout_kwargs: dict, roots: dict[str, str]) -> dict:
     train(actor, range(SAVED_STEPS))
     for sharding, root in roots.items():
         manager(root, optimizer_sharding=sharding).save(SAVED_STEPS, {"actor": engine}, {"step": SAVED_STEPS})
-    out = {"at_save": snapshot(engine)}
+    out = {"at_save": snapshot(engine), "space": space_stats(engine)}
     out["next_metrics"] = train(actor, range(SAVED_STEPS, SAVED_STEPS + 1))[0]
     after = snapshot(engine)
     out.update(next_model=after["model"], next_adam_steps=after["adam_steps"])
@@ -121,7 +144,8 @@ def load_and_step(hf: str, layout_kwargs: dict, root: str) -> dict:
         state = manager(root).resume({"actor": engine})
     out = {"trainer_state": state, "warnings": [str(w.message) for w in caught],
            "rng_restored": not torch.equal(rng_before, torch.get_rng_state()),
-           "loaded": snapshot(engine), "tied_gap_loaded": tied_copy_gap(engine)}
+           "loaded": snapshot(engine), "tied_gap_loaded": tied_copy_gap(engine),
+           "local": optimizer_fingerprint(engine), "space": space_stats(engine)}
     out["next_metrics"] = train(actor, range(SAVED_STEPS, SAVED_STEPS + 1))[0]
     after = snapshot(engine)
     out.update(next_model=after["model"], next_adam_steps=after["adam_steps"], adam_params=after["adam_params"],

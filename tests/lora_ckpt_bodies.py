@@ -100,13 +100,15 @@ def state_of(engine) -> dict:
     return out
 
 
-def save_run(hf_dir: str, layout: dict, root: str) -> dict:
-    """1 update (2 optimizer steps), a save (fully reshardable), 1 more update: the reference
-    of every resume."""
+def save_run(hf_dir: str, layout: dict, root: str, space_root: str | None = None) -> dict:
+    """1 update (2 optimizer steps), a save (fully reshardable; also model_space under
+    ``space_root``), 1 more update: the reference of every resume."""
     engine, actor = build(hf_dir, layout, seed=1)
     train(actor, range(1))
     at_save = {"opt": optimizer_fingerprint(engine), **state_of(engine)}
     manager(root, optimizer_sharding=FULLY).save(1, {"actor": engine}, {"step": 1})
+    if space_root:
+        manager(space_root, optimizer_sharding="model_space").save(1, {"actor": engine}, {"step": 1})
     metrics = train(actor, range(1, 2))
     out = {"at_save": at_save, "metrics": metrics, "adapters_after": adapters_full(engine),
            "base_after": base_full(engine)}
@@ -114,9 +116,9 @@ def save_run(hf_dir: str, layout: dict, root: str) -> dict:
     return out
 
 
-def resume_run(hf_dir: str, layout: dict, root: str, reshard_layouts: list[dict]) -> dict:
-    """A fresh world (other init seed): resume at the saving layout, 1 update; then each of
-    ``reshard_layouts``: resume, the loaded state and the warnings."""
+def resume_run(hf_dir: str, layout: dict, root: str, reshards: list[tuple[dict, str]]) -> dict:
+    """A fresh world (other init seed): resume ``root`` at the saving layout, 1 update; then each
+    of ``reshards`` (layout, root): resume, the loaded state and the warnings."""
     engine, actor = build(hf_dir, layout, seed=77)
     out = {"opt_fresh": optimizer_fingerprint(engine)}
     out["state"] = manager(root).resume({"actor": engine})
@@ -125,11 +127,11 @@ def resume_run(hf_dir: str, layout: dict, root: str, reshard_layouts: list[dict]
     out["adapters_after"], out["base_after"] = adapters_full(engine), base_full(engine)
     destroy()
     out["resharded"] = []
-    for other in reshard_layouts:
+    for other, reshard_root in reshards:
         engine, _ = build(hf_dir, other, seed=78)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            manager(root).resume({"actor": engine})
+            manager(reshard_root).resume({"actor": engine})
         out["resharded"].append({"loaded": state_of(engine), "warnings": [str(w.message) for w in caught]})
         destroy()
     return out

@@ -20,11 +20,14 @@ TP2 = dict(tp=2, sequence_parallel=True)
 
 def test_resume_bit_exact_and_reshard(tmp_path):
     """Saved at TP=2+SP; resumed there (bit-exact after one more update) and at PP=2 and DP=2
-    (every adapter and optimizer tensor loaded exactly)."""
+    (every adapter and optimizer tensor loaded exactly), also at PP=2 from a model_space save
+    (whose optimizer holds only the adapters)."""
     hf = hf_dir(str(tmp_path), "llama")  # 2 layers
-    root = str(tmp_path / "ckpt")
-    ref = run_ranks(2, save_run, hf, TP2, root, daemon=False)
-    res = run_ranks(2, resume_run, hf, TP2, root, [dict(pp=2), dict()], daemon=False)
+    root, space = str(tmp_path / "ckpt"), str(tmp_path / "ckpt_space")
+    ref = run_ranks(2, save_run, hf, TP2, root, space, daemon=False)
+    res = run_ranks(2, resume_run, hf, TP2, root, [(dict(pp=2), root), (dict(), root), (dict(pp=2), space)],
+                    daemon=False)
+    assert len(res[0]["resharded"]) == 3
     for r in range(2):
         a, b = ref[r], res[r]
         assert b["state"] == {"step": 1}

@@ -8,7 +8,7 @@ from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.safetensors_write import parse_size
 
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
-SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable", "model_space")
 RESUME_MODES = ("auto", "path", "disable")
 
 
@@ -21,7 +21,10 @@ class CheckpointConfig:
     when > 0). max_ckpt_to_keep: complete steps kept (None = all). resume_mode: ``auto`` (newest
     complete step), ``path`` (``resume_path``, a ``global_step_<N>`` dir) or ``disable``.
     save_contents / load_contents: subsets of model, optimizer, extra (RNG + LR scheduler),
-    hf_model (HF safetensors, save only). optimizer_sharding: DistributedOptimizer format.
+    hf_model (HF safetensors, save only). optimizer_sharding: DistributedOptimizer format:
+    ``dp_reshardable`` (no gather; resumes at another DP/CP only), ``model_space`` (no gather;
+    resumes at any TP/PP/EP/DP: ``optimizer_space.py``), ``fully_reshardable`` (megatron's:
+    gathers the state over DP at each save; resumes at any layout).
     hf_max_shard_size: largest hf_model shard (e.g. "5GB", "500MiB"; a larger tensor is a shard of
     its own), also the most HF weights a rank holds at once while writing them.
     verify_content: a load re-reads every file it loads and compares its CRC-32 with the marker
@@ -38,7 +41,7 @@ class CheckpointConfig:
     resume_path: str | None = None
     save_contents: tuple[str, ...] = ("model", "optimizer", "extra")
     load_contents: tuple[str, ...] = ("model", "optimizer", "extra")
-    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable", "model_space"] = "dp_reshardable"
     hf_max_shard_size: str = "5GB"
     verify_content: bool = True
 

@@ -15,8 +15,9 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing import ShardedObject
 
-from mcore_rl.checkpoint import adapters
+from mcore_rl.checkpoint import adapters, optimizer_space
 from mcore_rl.checkpoint.adapters import ModelPart
+from mcore_rl.checkpoint.config import SHARDING_TYPES
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.safe_load import restricted_unpickling
 from mcore_rl.mapping.weights import unwrap
@@ -123,12 +124,17 @@ def plan_load(meta: dict, engine, role: str, contents: tuple[str, ...], where: s
     old, new = meta["layout"], layout_facts(engine)
     sharding = meta.get("optimizer_sharding")
     changed = [k for k in _DP_RESHARDABLE_FIXED if old.get(k) != new[k]]
+    if "optimizer" in contents and sharding not in SHARDING_TYPES:
+        raise CheckpointError(f"{where}: optimizer_sharding={sharding!r} is not one this build reads "
+                              f"{list(SHARDING_TYPES)}; load it with the mcore_rl version that wrote it, or drop "
+                              "'optimizer' from checkpoint.load_contents (fresh optimizer).")
     if "optimizer" in contents and sharding == "dp_reshardable" and changed:
         raise CheckpointError(
             f"{where}: the optimizer state is dp_reshardable, which reshards over DP only, but "
             f"{', '.join(f'{k} {old.get(k)} -> {new[k]}' for k in changed)}; resume with the saved "
             f"{', '.join(f'{k}={old.get(k)}' for k in changed)}, or drop 'optimizer' from "
-            "checkpoint.load_contents (fresh optimizer), or save with optimizer_sharding=fully_reshardable.")
+            "checkpoint.load_contents (fresh optimizer), or save with optimizer_sharding=model_space (or "
+            "fully_reshardable).")
     part = adapters.plan_part(meta, engine, where, base_load)
     same = old == new
     if "extra" in contents and not same:
@@ -200,8 +206,11 @@ def sharded_state(engine, contents: tuple[str, ...], sharding: str | None, is_lo
         if engine.optimizer is None:
             raise CheckpointError("'optimizer' in contents for an engine without an optimizer.")
         with torch.no_grad():  # loading re-initialises state in place on leaf params
-            state["optimizer"] = engine.optimizer.sharded_state_dict(
-                models, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding})
+            if sharding == optimizer_space.SHARDING:
+                state["optimizer"] = optimizer_space.sharded_state_dict(engine.optimizer, models, is_loading)
+            else:
+                state["optimizer"] = engine.optimizer.sharded_state_dict(
+                    models, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding})
     if "extra" in contents:
         world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
         if rng:
@@ -218,8 +227,11 @@ def apply_loaded(engine, loaded: dict, plan: LoadPlan, where: str) -> None:
         for i, chunk in enumerate(engine.model):
             adapters.load_chunk(unwrap(chunk), loaded[f"model{i}"], plan.model_part, where)
     if "optimizer" in plan.contents:
+        optimizer = loaded["optimizer"]
+        if plan.sharding == optimizer_space.SHARDING:
+            optimizer = optimizer_space.loaded_state_dict(engine.optimizer, optimizer)
         with torch.no_grad():
-            engine.optimizer.load_state_dict(loaded["optimizer"])
+            engine.optimizer.load_state_dict(optimizer)
     elif "model" in plan.contents:
         engine.refresh_optimizer_params()  # fp32 main copies follow the loaded weights
     if "extra" in plan.contents:

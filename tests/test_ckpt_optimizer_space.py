@@ -1,0 +1,91 @@
+"""optimizer_space's geometry, single process: ``flat_range_boxes`` against brute force (the
+boxes cover exactly the flat range, in flat order, each contiguous, within the bound on their
+count) and ``param_pieces`` on a swiglu factory (each piece's data is the param's elements at
+its global offset)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from mcore_rl.checkpoint.optimizer_space import flat_range_boxes, param_pieces
+
+
+def _covered(shape: tuple[int, ...], boxes) -> list[list[int]]:
+    """The flat indices of each box, in the box's own row-major order."""
+    index = torch.arange(math.prod(shape)).view(shape) if shape else torch.arange(1).view(())
+    out = []
+    for offset, size in boxes:
+        assert all(s > 0 for s in size) and len(offset) == len(shape) == len(size), (offset, size)
+        part = index[tuple(slice(o, o + s) for o, s in zip(offset, size))]
+        out.append(part.reshape(-1).tolist())
+    return out
+
+
+CASES = [((7,), 0, 7), ((7,), 2, 5), ((7,), 3, 3), ((4, 5), 0, 20), ((4, 5), 3, 17), ((4, 5), 5, 15),
+         ((4, 5), 6, 8), ((3, 4, 5), 7, 53), ((3, 4, 5), 0, 60), ((3, 4, 5), 21, 22), ((2, 3, 4, 5), 1, 119),
+         ((), 0, 1), ((6, 1), 1, 5), ((1, 9), 2, 8)]
+
+
+def test_flat_range_boxes_against_brute_force():
+    rng = random.Random(0)
+    cases = list(CASES)
+    for _ in range(400):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        numel = math.prod(shape)
+        start = rng.randint(0, numel)
+        cases.append((shape, start, rng.randint(start, numel)))
+    kinds = set()
+    for shape, start, stop in cases:
+        boxes = flat_range_boxes(shape, start, stop)
+        flat = _covered(shape, boxes)
+        assert [i for box in flat for i in box] == list(range(start, stop)), (shape, start, stop, boxes)
+        assert all(box == list(range(box[0], box[0] + len(box))) for box in flat)  # contiguous in flat order
+        assert len(boxes) <= max(1, 2 * (len(shape) - 1) + 1), (shape, start, stop, boxes)
+        kinds.add(len(boxes))
+    assert {0, 1, 2, 3, 4, 5} <= kinds  # empty, whole, partial rows at either end, nested partial rows
+    with pytest.raises(ValueError, match="outside a tensor of shape"):
+        flat_range_boxes((4, 5), 3, 21)
+
+
+def test_param_pieces_place_a_swiglu_factory_by_offset():
+    """fc1 of TP rank 1 of 2 (local [gate; up] = 2 x [3, 4]) as megatron's swiglu factory splits
+    it: the DP range [5, 19) crosses the gate/up boundary mid-row; each piece's elements sit
+    at the global offset it names, up rows after all TP ranks' gate rows."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+    param = torch.arange(24, dtype=torch.float32).view(6, 4)
+    sh = ShardedTensor.from_rank_offsets("fc1", param, (0, 1, 2), replica_id=(0, 0, 1))
+    factory = apply_swiglu_sharded_factory(sh, ())
+    pieces = param_pieces(factory, param, 5, 19, instance=0, name="fc1")
+    full = torch.full((12, 4), -1.0)  # global [gate0; gate1; up0; up1], each [3, 4]
+    flat = param.view(-1)[5:19]
+    for p in pieces:
+        t = p.tensor("exp_avg", flat)
+        assert t.replica_id == (0, 0, 0) and t.key == "optimizer.state.exp_avg.fc1"
+        full[tuple(slice(o, o + s) for o, s in zip(t.global_offset, t.local_shape))] = t.data
+    gate, up = param[:3].reshape(-1), param[3:].reshape(-1)
+    assert full[3:6].reshape(-1)[5:].tolist() == gate[5:].tolist()  # rank 1's gate rows, from element 5
+    assert full[9:12].reshape(-1)[:7].tolist() == up[:7].tolist()  # its up rows, to element 19
+    assert int((full >= 0).sum()) == 14 and len(pieces) == 4
+
+
+def test_param_pieces_refuse_a_factory_that_copies_or_repeats():
+    """A factory whose tensors are copies, or that yields the same part twice, cannot be placed
+    in the parameter: a CheckpointError names the key and the fix."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from mcore_rl.errors import CheckpointError
+
+    param = torch.zeros(4, 3)
+    for build, why in ((lambda t: [t.clone()], "not a contiguous view"), (lambda t: [t[:2], t[:2]], "once each")):
+        def build_fn(key, t, replica_id, flattened_range, build=build):
+            return [ShardedTensor.from_rank_offsets(key, part, replica_id=replica_id) for part in build(t)]
+
+        factory = ShardedTensorFactory("w", param, build_fn, torch.cat, (0, 0, 0))
+        with pytest.raises(CheckpointError, match=f"w\\): .*{why}.*optimizer_sharding=fully_reshardable"):
+            param_pieces(factory, param, 0, 12, instance=0, name="layer.w")
