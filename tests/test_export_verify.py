@@ -1,6 +1,6 @@
 """The export path trusts nothing it did not verify (issue #29): ``mcore_to_hf.py merge`` and
 ``test`` check a model dir against its record first (a step's COMPLETE marker, a converter's
-RECORD: size and CRC-32 of every file) and refuse a flipped byte, a torn step, a copy without a
+RECORD: size and checksum of every file) and refuse a flipped byte, a torn step, a copy without a
 record and a step copied under another number, each as one ``error:`` line, exit 2
 (``--skip_verify`` reads it anyway and says so); a step replaced while it is merged is an error,
 never a mix of two saves; damaged files behind ``--skip_verify`` are still one error line each."""
@@ -56,10 +56,10 @@ def test_flipped_byte_in_a_shard_is_refused_naming_it(dirs, tmp_path, kind):
     local = str(local)
     flip_in_up_proj(local)
     code, _, err = cli("merge", "--local_dir", local, "--target_dir", str(tmp_path / "out"))
-    one_error(code, err, "dist_ckpt/__0_0.distcp has CRC-32", "COMPLETE" if kind == "step" else "RECORD")
+    one_error(code, err, "dist_ckpt/__0_0.distcp has checksum", "COMPLETE" if kind == "step" else "RECORD")
     assert not os.path.exists(tmp_path / "out")
     code, _, err = cli("test", "--local_dir", local, "--test_hf_dir", dirs["hf"])
-    one_error(code, err, "dist_ckpt/__0_0.distcp has CRC-32")
+    one_error(code, err, "dist_ckpt/__0_0.distcp has checksum")
     code, out, err = cli("merge", "--local_dir", local, "--target_dir", str(tmp_path / "out"), "--skip_verify")
     assert code == 0 and "WITHOUT checking" in out, (out, err)
     from mcore_rl.mapping.hf_io import SafetensorsReader
@@ -207,13 +207,13 @@ def test_damaged_reference_is_one_error_line(dirs, tmp_path, what):
 
 def test_unsealed_role_part_is_vouched_for_by_its_part_record(dirs, tmp_path):
     """verl's newest step stays unsealed (no COMPLETE) until the next save: its role part's PART
-    record (files with CRC-32) vouches for it; a PART of another step or role does not."""
+    record (files with checksums) vouches for it; a PART of another step or role does not."""
     from mcore_rl.checkpoint.role_parts import PartRecord, read_part, write_part
 
     local = _step_copy(dirs, tmp_path, "global_step_3")
     step = os.path.dirname(local)
     marker = json.load(open(os.path.join(step, "COMPLETE")))
-    files = {rel: (e["size"], e["crc32"]) for rel, e in marker["files"].items() if rel.startswith("actor/")}
+    files = {rel: (e["size"], e["checksum"]) for rel, e in marker["files"].items() if rel.startswith("actor/")}
     os.remove(os.path.join(step, "COMPLETE"))
     write_part(os.path.join(local, "PART"), PartRecord(3, "actor", 1.0, files))
     code, _, err = cli("merge", "--local_dir", local, "--target_dir", str(tmp_path / "ok"))
@@ -229,7 +229,7 @@ def test_load_model_dir_verifies_the_record_first(dirs):
     loaded the converter output, a copy with a flipped byte and a step without its marker."""
     out = dirs["load_model_dir"]
     assert out["good"] == "loaded"
-    assert "CheckpointError" in out["flipped"] and "dist_ckpt/__0_0.distcp has CRC-32" in out["flipped"], out
+    assert "CheckpointError" in out["flipped"] and "dist_ckpt/__0_0.distcp has checksum" in out["flipped"], out
     assert "CheckpointError" in out["torn"] and "it has no COMPLETE marker" in out["torn"], out
 
 

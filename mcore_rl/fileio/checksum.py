@@ -30,10 +30,11 @@ def algorithm_of(recorded: str | None) -> str:
     return LEGACY
 
 
-def recorded_checksum(entry: dict) -> str:
-    """The checksum of a JSON file entry: ``checksum`` (this version) or ``crc32`` (before it)."""
+def recorded_checksum(entry: dict) -> str | None:
+    """The checksum of a JSON file entry: ``checksum`` (this version) or ``crc32`` (before it);
+    None where none was recorded."""
     value = entry["checksum"] if "checksum" in entry else entry["crc32"]
-    if not isinstance(value, str):
+    if value is not None and not isinstance(value, str):
         raise TypeError(f"checksum {value!r} is not a string")
     return value
 
