@@ -78,7 +78,7 @@ class PendingMax:
 def host_group():
     """A process group over every rank that reduces host tensors: the default group when its
     backend has gloo, else a new gloo group (collective, the same order on every rank)."""
-    if "gloo" in str(torch.distributed.get_backend()):
+    if not distributed() or "gloo" in str(torch.distributed.get_backend()):
         return None
     return torch.distributed.new_group(backend="gloo")
 
