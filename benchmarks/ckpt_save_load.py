@@ -206,13 +206,14 @@ def touch_state(engine) -> None:
         t.add_(0.0 if t.dtype == torch.int64 else 1e-7)
 
 
-def async_save(manager, engine, step: int) -> tuple[float, float]:
-    """(seconds the caller is blocked: the save call plus the poll that finalizes, seconds until
-    the step is complete). Training is stood in for by ``touch_state`` between polls."""
+def async_save(manager, engine, step: int) -> tuple[float, float, tuple[float, float, float]]:
+    """(seconds the caller is blocked: the save call plus every poll, seconds until the step is
+    complete, the blocked time's parts: save call, polls before the last, the last poll).
+    Training is stood in for by ``touch_state`` between polls."""
     torch.distributed.barrier()
     t0 = time.perf_counter()
     manager.save(step, {"actor": engine}, {"step": step})
-    blocked = time.perf_counter() - t0
+    blocked = call = time.perf_counter() - t0
     touch_state(engine)
     while True:
         # a training step ends with collectives: ranks reach the poll together (a rank waiting
@@ -220,9 +221,10 @@ def async_save(manager, engine, step: int) -> tuple[float, float]:
         torch.distributed.barrier()
         t = time.perf_counter()
         done = manager.poll()
-        blocked += time.perf_counter() - t
+        last = time.perf_counter() - t
+        blocked += last
         if done is not None:
-            return blocked, time.perf_counter() - t0
+            return blocked, time.perf_counter() - t0, (call, blocked - call - last, last)
         time.sleep(0.05)  # the training loop's next step
 
 
@@ -252,7 +254,7 @@ def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> N
     plain_dir = os.path.join(root, f"plain_{sharding}")
     state, mine = rank_state(engine), state_bytes(engine)
     sizes_only = make("sync", verify_content=False)  # loads without the content (CRC-32) pass
-    r = {k: [] for k in ("ms", "ps", "ml", "mu", "pl", "mm", "pm", "ab", "at", "am", "gs", "gm")}
+    r = {k: [] for k in ("ms", "ps", "ml", "mu", "pl", "mm", "pm", "ab", "at", "am", "gs", "gm", "ac", "ap", "af")}
     written = {}
     for i in range(reps):
         step = 2 * (step0 + i)  # even: timed saves; odd: the same saves with the memory sampler
@@ -260,9 +262,11 @@ def bench_sharding(engine, root: str, sharding: str, reps: int, step0: int) -> N
         r["ms"].append(timed(lambda: manager.save(step, {"actor": engine}, {"step": step})))
         r["ps"].append(timed(lambda: plain_save(state, plain_dir)))
         r["gs"].append(timed(lambda: megatron_save(engine, megatron_dir, sharding)))
-        blocked, total = async_save(pending, engine, step)
+        blocked, total, parts = async_save(pending, engine, step)
         r["ab"].append(max_over_ranks(blocked))
         r["at"].append(max_over_ranks(total))
+        for key, part in zip(("ac", "ap", "af"), parts):
+            r[key].append(max_over_ranks(part))
         # PSS sampling reads /proc/<pid>/smaps, which contends with fork and page faults for the
         # process's memory map lock: memory is measured in separate runs of the same saves
         sm, sp, sa, sg = PssSampler(), PssSampler(), PssSampler(), PssSampler()
@@ -310,6 +314,9 @@ def report(sharding: str, reps: int, mine: int, written: dict, r: dict) -> None:
                 f"manager at {m_bytes / 2**20 / med['ms'] / FDATASYNC_CEILING_MB_S:.0%} of it")
     rank0_print(f"  async save: training blocked {med['ab']:.3f} s = {med['ab'] / med['ms']:.1%} of the sync save "
                 f"(goal <= 5%); complete after {med['at']:.2f} s   all runs blocked {fmt(r['ab'])}")
+    rank0_print(f"    blocked in (medians, max over ranks): the save call {med['ac']:.3f} s, the polls before "
+                f"the last {med['ap']:.3f} s, the last poll (finalize) {med['af']:.3f} s   all runs save call "
+                f"{fmt(r['ac'], 3)} polls {fmt(r['ap'], 3)} last poll {fmt(r['af'], 3)}")
     rank0_print(f"  peak extra memory during save (max over ranks, PSS incl. children / state bytes): "
                 f"manager sync {med['mm']:.2f}x (goal <= 0.25x), async {med['am']:.2f}x with every state "
                 f"page rewritten during the write (goal <= 1.1x); plain {med['pm']:.2f}x, megatron {med['gm']:.2f}x")
@@ -338,8 +345,8 @@ def checksum_throughput() -> None:
                 f"{rates[LEGACY]:.2f} GB/s; memcpy {rates['memcpy']:.2f} GB/s), one 256 MiB buffer, best of 3")
 
 
-def fmt(values: list[float]) -> str:
-    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
+def fmt(values: list[float], digits: int = 2) -> str:
+    return "[" + ", ".join(f"{v:.{digits}f}" for v in values) + "]"
 
 
 def profile_save(engine, root: str, sharding: str, step: int) -> None:
@@ -371,6 +378,8 @@ def main() -> None:
     parser.add_argument("--root", default="/tmp/mcore_rl_ckpt_bench")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="profile one extra manager save")
+    parser.add_argument("--formats", default=",".join(SHARDINGS),
+                        help="comma-separated optimizer_sharding formats to measure")
     opts = parser.parse_args()
     engine = build_engine()
     root = os.path.abspath(opts.root)
@@ -379,10 +388,14 @@ def main() -> None:
     torch.distributed.barrier()
     try:
         checksum_throughput()
-        for n, sharding in enumerate(SHARDINGS):
+        formats = [f for f in opts.formats.split(",") if f]
+        unknown = [f for f in formats if f not in SHARDINGS]
+        if unknown:
+            raise SystemExit(f"--formats {opts.formats!r}: unknown {unknown}; use any of {', '.join(SHARDINGS)}")
+        for n, sharding in enumerate(formats):
             bench_sharding(engine, root, sharding, opts.reps, step0=100 * (n + 1))
         if opts.profile:
-            for n, sharding in enumerate(SHARDINGS):
+            for n, sharding in enumerate(formats):
                 profile_save(engine, root, sharding, step=1000 + n)
     finally:
         torch.distributed.barrier()

@@ -185,3 +185,88 @@ def test_async_save_copies_weights_in_shared_memory(tmp_path):
     out = run_ranks(1, _shared_memory_snapshot, hf_dir, root, hold, daemon=False)[0]
     assert out["shared"], "the weights were not in shared memory: the test would prove nothing"
     assert all(out["equal"]), "the checkpoint holds values written after its save call"
+
+
+def _slow_writer_and_background_retention(hf_dir: str, root: str, hold: str) -> dict:
+    """max_ckpt_to_keep=1. Step 2: rank 1's writer is held after rank 0's finished: no poll
+    finalizes on either rank until it is released, then one poll does on both; retention deletes
+    step 1 on a thread (its rmtree blocks until the poll has returned). Step 3: the deletion
+    fails on rank 0; the next call raises it on every rank."""
+    import shutil
+    import threading
+
+    from mcore_rl.errors import CheckpointError
+
+    rank, real_rmtree, gate = torch.distributed.get_rank(), shutil.rmtree, threading.Event()
+    engine, model = build_engine(hf_dir, {}, "actor", False, seed=1)
+    train(model, range(1))
+    mgr, out = manager(root, async_save=True, max_ckpt_to_keep=1), {}
+    mgr.save(1, {"actor": engine}, {"step": 1})
+    mgr.wait()
+
+    def held_rmtree(path, *args, **kwargs):  # the writer's deletion waits for the test
+        out["rmtree_released"] = gate.wait(timeout=30)
+        real_rmtree(path, *args, **kwargs)
+
+    shutil.rmtree = held_rmtree
+    if rank == 1:
+        os.environ[HOLD_ENV] = hold
+    mgr.save(2, {"actor": engine}, {"step": 2})
+    os.environ.pop(HOLD_ENV, None)
+    deadline = time.time() + 30
+    while rank == 0 and mgr._async.writers_running() and time.time() < deadline:
+        time.sleep(0.01)
+    out["rank0_writer_done"] = rank != 0 or not mgr._async.writers_running()
+    out["held_polls"] = []
+    for _ in range(5):
+        torch.distributed.barrier()
+        out["held_polls"].append(mgr.poll())
+        time.sleep(0.05)
+    if rank == 1:
+        open(os.path.join(hold, "release"), "w").close()
+    for n in range(1000):
+        torch.distributed.barrier()
+        if mgr.poll() is not None:
+            out["finalized_at_poll"] = n
+            break
+        time.sleep(0.02)
+    gate.set()  # only now may the deletion of step 1 go on
+    out["after_2"] = mgr.complete_steps()  # joins the deletion
+    out["dirs_2"] = sorted(d for d in os.listdir(root) if d.startswith("global_step_"))
+
+    def failing_rmtree(path, *args, **kwargs):
+        raise OSError(f"disk gone while removing {path}")
+
+    shutil.rmtree = failing_rmtree
+    try:
+        mgr.save(3, {"actor": engine}, {"step": 3})
+        out["poll_3"] = None
+        while out["poll_3"] is None:  # the deletion fails behind the poll, which does not raise it
+            torch.distributed.barrier()
+            out["poll_3"] = mgr.poll()
+            time.sleep(0.02)
+        try:
+            mgr.complete_steps()
+            out["raised"] = None
+        except CheckpointError as e:
+            out["raised"] = str(e)
+    finally:
+        shutil.rmtree = real_rmtree
+    out["after_3"] = (mgr.complete_steps(), mgr.incomplete_steps())
+    mgr.close()
+    return out
+
+
+def test_poll_finalizes_after_the_slowest_writer_and_retention_runs_behind(tmp_path):
+    hf_dir = hf_dir_for(str(tmp_path), "llama", "actor")
+    root, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
+    os.makedirs(hold)
+    out = run_ranks(2, _slow_writer_and_background_retention, hf_dir, root, hold, daemon=False, timeout_s=240)
+    assert out[0]["rank0_writer_done"], "rank 0's writer still ran: the held polls would prove nothing"
+    for r in out:
+        assert r["held_polls"] == [None] * 5  # rank 1's writer held: nobody finalizes
+        assert r["after_2"] == [2] and r["dirs_2"] == ["global_step_2"], r
+        assert r["poll_3"] == 3 and "removing old checkpoints" in r["raised"] and "disk gone" in r["raised"], r
+        assert r["after_3"] == ([3], [2])  # step 2 lost its marker first: debris, never "complete"
+    assert out[0]["finalized_at_poll"] == out[1]["finalized_at_poll"]  # the same poll on both ranks
+    assert out[0]["rmtree_released"], "the poll waited for retention's deletion"

@@ -58,6 +58,31 @@ def any_rank(flags: list[int]) -> list[int]:
     return [int(v) for v in t.cpu()]
 
 
+class PendingMax:
+    """Collective, non-blocking: the element-wise max of ``flags`` over the ranks of ``group``
+    (a gloo group: the flags stay in host memory, no device stream waits), sent at construction,
+    read by ``result()``, which waits only for ranks that have not sent theirs yet."""
+
+    def __init__(self, flags: list[int], group=None) -> None:
+        self._flags = torch.tensor(flags, dtype=torch.int64)
+        self._work = (torch.distributed.all_reduce(self._flags, op=torch.distributed.ReduceOp.MAX,
+                                                   group=group, async_op=True) if distributed() else None)
+
+    def result(self) -> list[int]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return [int(v) for v in self._flags]
+
+
+def host_group():
+    """A process group over every rank that reduces host tensors: the default group when its
+    backend has gloo, else a new gloo group (collective, the same order on every rank)."""
+    if not distributed() or "gloo" in str(torch.distributed.get_backend()):
+        return None
+    return torch.distributed.new_group(backend="gloo")
+
+
 def all_ranks_ok(ok: bool) -> bool:
     """Collective: True when ``ok`` holds on every rank."""
     return any_rank([0 if ok else 1]) == [0]

@@ -22,6 +22,7 @@ import torch
 
 from mcore_rl.checkpoint import integrity, inventory, peer_sync, recovery, step_dirs, storage
 from mcore_rl.checkpoint.adapters import is_lora, save_part
+from mcore_rl.checkpoint.async_saves import AsyncSaves
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.errors import CheckpointError
@@ -34,6 +35,7 @@ from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
 from mcore_rl.checkpoint.model_dir import load_planned
 from mcore_rl.checkpoint.verified_read import has_item_sums
 from mcore_rl.fileio.safetensors_write import parse_size, write_bucket_shards
+from mcore_rl.checkpoint.save_plan import SaveStructure
 from mcore_rl.checkpoint.state import build_metadata, sharded_state
 from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
 
@@ -67,7 +69,8 @@ class CheckpointManager:
         if not chosen:
             raise CheckpointError("checkpoint.root is not set; set checkpoint.root=/path/to/checkpoints.")
         self.cfg, self.root, self.hf_sources = cfg, os.path.abspath(chosen), dict(hf_sources or {})
-        self._queue, self._in_flight = None, None  # megatron's async calls queue, step being written
+        self._async = AsyncSaves()  # the save in flight and the retention behind it
+        self._structures: dict[str, SaveStructure] = {}  # per role: the last validated plan (save_plan)
         self._mode: storage.Mode | None = None  # shared / node_local, found by the last save or resume
         roots = [raw.decode() for raw in all_gather_bytes(self.root.encode())]
         if len(set(roots)) > 1:
@@ -82,10 +85,12 @@ class CheckpointManager:
 
     def complete_steps(self) -> list[int]:
         """Steps complete on every node, ascending (collective)."""
+        self._async.join_cleaning()
         return inventory.survey(self.root).in_state("complete")
 
     def incomplete_steps(self) -> list[int]:
         """Step dirs without a marker on every node, ascending (collective)."""
+        self._async.join_cleaning()
         found = inventory.survey(self.root)
         return sorted(found.in_state("torn") + found.in_state("partial"))
 
@@ -114,57 +119,23 @@ class CheckpointManager:
                 engine.before_state_moves.append(self.wait)
         fault_point("shards")
         requests[-1].add_finalize_fn(finish)  # the queue finalizes requests in order
-        for request in requests:
-            self._async_queue().schedule_async_request(request)
-        self._in_flight = step
+        self._async.start(requests, step, pending.final_dir)
         return pending.final_dir
-
-    def _async_queue(self):
-        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-        if self._queue is None:
-            self._queue = AsyncCallsQueue(persistent=False)  # forks a writer per save
-        return self._queue
 
     def poll(self) -> int | None:
         """Collective, non-blocking: finalizes an async save whose writers all finished;
-        returns its step (else None). The job calls it after every training step."""
-        return self._settle(blocking=False)
+        returns its step (else None). The job calls it after every training step; a poll that
+        does not finalize waits for no other rank (``async_saves``)."""
+        return self._async.poll()
 
     def wait(self) -> int | None:
-        """Collective: blocks until the async save in flight (if any) is complete; returns its step."""
-        return self._settle(blocking=True)
+        """Collective: blocks until the async save in flight (if any) is complete and its
+        retention done; returns its step."""
+        return self._async.wait()
 
     def close(self) -> None:
         """Finishes the save in flight; call before the process group is destroyed."""
         self.wait()
-        self._queue = None
-
-    def _settle(self, blocking: bool) -> int | None:
-        if self._in_flight is None:
-            return None
-        step = self._in_flight
-        try:
-            self._queue.maybe_finalize_async_calls(blocking=blocking)
-        except Exception as e:  # the failure is agreed: every rank is here
-            self._in_flight = None
-            self._abandon_queue()
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"async save of {self.step_dir(step)} failed: {e}; the step is not "
-                                  "marked complete and resume skips it.") from e
-        if self._queue.get_num_unfinalized_calls():
-            return None
-        self._in_flight = None
-        return step
-
-    def _abandon_queue(self) -> None:
-        """After a failed finalize: the save's other requests (another role's writer) are waited
-        for but never finalized (their last finalize would mark the step complete)."""
-        for call in list(self._queue.async_calls):
-            call.async_caller.is_current_async_call_done(blocking=True)
-        self._queue.async_calls.clear()
-        self._queue = None
 
     def _prepare(self, step: int) -> _Pending:
         """Mode, interrupted replacements finished, the agreed survey; removes a torn or partial
@@ -244,7 +215,8 @@ class CheckpointManager:
             role_dir = os.path.join(p.write_dir, role)
             dist_dir = os.path.join(role_dir, "dist_ckpt")
             agreed(partial(os.makedirs, dist_dir, exist_ok=True), f"creating {dist_dir}")  # each writer its own
-            strategy = ItemSaveStrategy(stage_device_tensors=self.cfg.async_save)
+            strategy = ItemSaveStrategy(stage_device_tensors=self.cfg.async_save,
+                                        structure=self._structures.setdefault(role, SaveStructure()))
             request = plan_item_save(state, dist_dir, strategy)
             request.finalize_fns.insert(0, lambda: fault_point("metadata"))  # after every rank's shards
             p.roles.append(role)
@@ -337,15 +309,19 @@ class CheckpointManager:
                 log.warning("removing crash debris %s (incomplete, numbered below step %d)", self.step_dir(step), p.step)
             for step in old:
                 log.info("retention: removing %s (max_ckpt_to_keep=%s)", self.step_dir(step), self.cfg.max_ckpt_to_keep)
-        dirs = [self.step_dir(s) for s in debris + old]
-        finish = partial(recovery.apply, self.root, recovery.plan(found))
-        agreed(partial(step_dirs.clean, self.root, dirs, finish) if writer else None,
-               f"removing old checkpoints under {self.root} (step {p.step} is complete and tracked)")
+        dirs, fixes = [self.step_dir(s) for s in debris + old], recovery.plan(found)
+        finish = partial(recovery.apply, self.root, fixes)
+        what = f"removing old checkpoints under {self.root} (step {p.step} is complete and tracked)"
+        if self.cfg.async_save and (dirs or fixes):  # joined by the next save, load, listing or close
+            self._async.clean_behind(self.root, dirs, finish, writer, what)
+            return
+        agreed(partial(step_dirs.clean, self.root, dirs, finish) if writer else None, what)
 
     # ---- resume / load ---------------------------------------------------------------------
     def resume(self, engines: dict[str, Any]) -> dict | None:
         """Loads by ``resume_mode``; returns the trainer state, or None when starting fresh.
         ``auto``: the step the tracker names when complete, else the step completed last."""
+        self.wait()
         mode = self.cfg.resume_mode
         if mode == "disable":
             return None

@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 from typing import Callable
 
 from mcore_rl.checkpoint import inventory, storage
@@ -104,3 +105,26 @@ def clean(root: str, dirs: list[str], finish: Callable[[], None] | None = None) 
         remove_step_dir(path)
     if finish is not None:
         finish()
+
+
+class BackgroundClean:
+    """``clean`` on a thread of this writer (an async save's retention, started once the tracker
+    names the new step, so training goes on while old steps are deleted); ``join`` waits and
+    raises what it raised. A crash part-way leaves what ``clean`` leaves: debris, marker first."""
+
+    def __init__(self, root: str, dirs: list[str], finish: Callable[[], None] | None = None) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(root, dirs, finish),
+                                        name="mcore_rl-checkpoint-retention", daemon=True)
+        self._thread.start()
+
+    def _run(self, root: str, dirs: list[str], finish: Callable[[], None] | None) -> None:
+        try:
+            clean(root, dirs, finish)
+        except BaseException as e:  # noqa: BLE001 - raised by join, on the caller's thread
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error

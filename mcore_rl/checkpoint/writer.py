@@ -30,10 +30,7 @@ from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
-from megatron.core.dist_checkpointing.strategies.torch import (
-    MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
-    mcore_to_pyt_state_dict)
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo, _write_item
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -41,6 +38,8 @@ from torch.distributed.checkpoint.api import _wrap_exception
 from torch.distributed.checkpoint.utils import _get_failure_dict
 
 from mcore_rl.checkpoint.collective import agreed, gather_errors, raise_if_any
+from mcore_rl.checkpoint.save_plan import (LocalPlan, SaveStructure, clean_common, local_plan, plan_save,
+                                           unchanged_everywhere, validate)
 
 from mcore_rl.fileio.faults import hold_point, io_fault
 from mcore_rl.fileio import item_sums
@@ -239,20 +238,21 @@ class ItemSaveStrategy(TorchDistSaveShardedStrategy):
     ``resolve``: a ``LazyResolver`` that supplies tensor data at write time (run the request with
     ``execute_sync``: the resolver's state lives in this process)."""
 
-    def __init__(self, stage_device_tensors: bool = False, resolve: LazyResolver | None = None) -> None:
+    def __init__(self, stage_device_tensors: bool = False, resolve: LazyResolver | None = None,
+                 structure: SaveStructure | None = None) -> None:
         super().__init__("torch_dist", 1, thread_count=1)
-        self.stage, self.resolve = stage_device_tensors, resolve
+        self.stage, self.resolve, self.structure = stage_device_tensors, resolve, structure
         self.writer: ItemWriter | None = None
 
     def async_save(self, sharded_state_dict, checkpoint_dir: Path) -> AsyncRequest:
-        state, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+        """megatron's entry point (plans afresh; ``plan_item_save`` reuses an unchanged structure)."""
+        return self.planned_save(local_plan(sharded_state_dict, self.keep_only_main_replica), checkpoint_dir, False)
+
+    def planned_save(self, local: LocalPlan, checkpoint_dir: Path, reuse: bool) -> AsyncRequest:
+        """The request of ``local``'s save (``reuse``: ``self.structure``'s plan, see ``save_plan``)."""
         writer = ItemWriter(checkpoint_dir, self.stage, self.resolve)
         self.writer = writer  # what it wrote (file digests) is read after the request ran
-        planner = MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                   flatten_state_dict=False)
-        planned = save_state_dict_async_plan(mcore_to_pyt_state_dict(state, False), writer, None, 0,
-                                             planner=planner)
-        return self._get_save_and_finalize_callbacks(writer, planned[0])
+        return self._get_save_and_finalize_callbacks(writer, plan_save(local, writer, self.structure, reuse))
 
     def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
         save_fn, preload_fn, save_args = writer.get_save_function_and_args()
@@ -282,13 +282,20 @@ def plan_item_save(state: dict, checkpoint_dir: str, strategy: ItemSaveStrategy)
     """megatron's ``dist_checkpointing.save(..., async_sharded_save=True)`` for an
     ``ItemSaveStrategy``, with every step that runs on rank 0 alone (``common.pt``,
     ``.metadata``, ``metadata.json``) agreed: a failure there fails the save on every rank
-    instead of leaving the others waiting. Returns the unscheduled request (plan done,
-    ``common.pt`` written); its finalize writes the metadata files."""
-    sharded, common = save_preprocess(state, True, None)
+    instead of leaving the others waiting. The sharding is validated and the save planned
+    afresh unless ``strategy.structure`` holds this structure on every rank (``save_plan``).
+    Returns the unscheduled request (plan done, ``common.pt`` written); its finalize writes the
+    metadata files."""
+    sharded, common = save_preprocess(state, False, None)
+    clean_common(common)
+    local = local_plan(sharded, strategy.keep_only_main_replica)
+    reuse = unchanged_everywhere(local, strategy.structure)
+    if not reuse:
+        validate(local, common)
     rank0 = torch.distributed.get_rank() == 0
     common_path = os.path.join(checkpoint_dir, COMMON_STATE_FNAME)
     agreed((lambda: torch.save(common, common_path)) if rank0 else None, f"writing {common_path}")
-    request = strategy.async_save(sharded, Path(checkpoint_dir))
+    request = strategy.planned_save(local, Path(checkpoint_dir), reuse)
     config = CheckpointingConfig(strategy.backend, strategy.version)
     request.finalize_fns.append(lambda: agreed((lambda: save_config(config, checkpoint_dir)) if rank0 else None,
                                                f"writing {checkpoint_dir}/metadata.json"))
