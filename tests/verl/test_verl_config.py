@@ -364,8 +364,8 @@ REFUSED_KEYS = {
         "actor_rollout_ref.actor.megatron.use_dist_checkpointing",
     "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/ckpt/mcore":
         "actor_rollout_ref.actor.megatron.dist_checkpointing_path",
-    "actor_rollout_ref.actor.megatron.dist_ckpt_optim_fully_reshardable=True":
-        "actor_rollout_ref.actor.megatron.dist_ckpt_optim_fully_reshardable",
+    "actor_rollout_ref.actor.megatron.distrib_optim_fully_reshardable_mem_efficient=True":
+        "actor_rollout_ref.actor.megatron.distrib_optim_fully_reshardable_mem_efficient",
     "+actor_rollout_ref.actor.megatron.override_mcore_model_config.rotary_base=5":
         "actor_rollout_ref.actor.megatron.override_mcore_model_config.rotary_base",
     "actor_rollout_ref.actor.megatron.dynamic_context_parallel=True":
@@ -401,6 +401,20 @@ def test_megatron_keys_without_meaning_here_are_refused(script, override):
         _engines(_with(script, override))
 
 
+def test_fully_reshardable_optimizer_checkpoints_select_model_space(script):
+    """verl's ``dist_ckpt_optim_fully_reshardable=True`` (resume at any layout) selects mcore_rl's
+    gather-free any-layout format; the default stays dp_reshardable; a conflict with the
+    mcore_rl key is an error naming both."""
+    default = _engines(script)["actor"]
+    assert default.optimizer_sharding == "dp_reshardable"
+    chosen = _engines(_with(script, "actor_rollout_ref.actor.megatron.dist_ckpt_optim_fully_reshardable=True"))
+    assert chosen["actor"].optimizer_sharding == "model_space"
+    both = _with(_with(script, "actor_rollout_ref.actor.megatron.dist_ckpt_optim_fully_reshardable=True"),
+                 "actor_rollout_ref.actor.mcore_rl.optimizer_sharding=fully_reshardable")
+    with config_error("actor_rollout_ref.actor.megatron.dist_ckpt_optim_fully_reshardable"):
+        _engines(both)
+
+
 def test_every_megatron_key_is_classified():
     """Each field of verl's McoreEngineConfig and each key of its megatron.yaml is in exactly one
     of megatron_keys' tables (a key verl adds shows up here)."""
@@ -408,7 +422,7 @@ def test_every_megatron_key_is_classified():
 
     from mcore_rl.integrations.verl import megatron_keys as M
 
-    tables = [set(M.MAPPED), set(M.SET_BY_VERL), set(M.INERT)]
+    tables = [set(M.MAPPED), set(M.SET_BY_VERL), set(M.INERT), set(M.CONVERTED)]
     keys = {f.name for f in dataclasses.fields(McoreEngineConfig)} | set(M.verl_defaults())
     for key in keys:
         assert sum(key in t for t in tables) == 1, key

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from verl.workers.config import ActorConfig, CriticConfig, McoreEngineConfig
 from verl.workers.config.engine import EngineConfig
 
+from mcore_rl.checkpoint.config import SHARDING_TYPES
 from mcore_rl.errors import McoreRLError
 from mcore_rl.integrations.verl import registry
 
@@ -30,8 +31,12 @@ class McoreRLEngineConfig(EngineConfig):
     """Parallel layout, dtype and checkpoint options of the mcore_rl engine.
 
     dtype: parameter dtype, 'bfloat16' (fp32 main weights in the optimizer) or 'float32'.
-    verify_content: a load re-reads every checkpoint file and checks its CRC-32 (mcore_rl's
-    ``checkpoint.verify_content``).
+    verify_content: a load checks the content of every checkpoint file it reads against its
+    recorded checksum (mcore_rl's ``checkpoint.verify_content``).
+    optimizer_sharding: the distributed optimizer's checkpoint format (mcore_rl's
+    ``checkpoint.optimizer_sharding``): dp_reshardable, model_space (resumes at any layout, no
+    gather; verl's ``megatron.dist_ckpt_optim_fully_reshardable=True`` selects it) or
+    fully_reshardable.
     recompute_granularity: activation recomputation, 'full' (whole layers, uniform) or
     'selective' (core attention); null follows ``model.enable_gradient_checkpointing`` (full).
     recompute_num_layers: layers per recomputed block with 'full' (null: 1).
@@ -49,6 +54,7 @@ class McoreRLEngineConfig(EngineConfig):
     sequence_parallel: bool = True
     use_distributed_optimizer: bool = True
     verify_content: bool = True
+    optimizer_sharding: str = "dp_reshardable"
     recompute_granularity: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     strategy: str = "mcore_rl"
@@ -68,6 +74,9 @@ class McoreRLEngineConfig(EngineConfig):
         if self.use_fused_kernels:
             raise VerlConfigError("engine.use_fused_kernels=True: mcore_rl has no fused LM-head kernels; "
                                   "set model.use_fused_kernels=False.")
+        if self.optimizer_sharding not in SHARDING_TYPES:
+            raise VerlConfigError(f"engine.optimizer_sharding={self.optimizer_sharding!r}; use one of "
+                                  f"{list(SHARDING_TYPES)}.")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise VerlConfigError(f"engine.recompute_granularity={self.recompute_granularity!r}; choose full, "
                                   "selective or null.")

@@ -5,6 +5,10 @@ Megatron script runs with ``model_engine=mcore_rl`` and its overrides unchanged.
 Every field of verl's ``McoreEngineConfig`` is in exactly one table below:
 - ``MAPPED``: same meaning in ``McoreRLEngineConfig`` (same name); merged.
 - ``RECOMPUTE``: ``override_transformer_config.recompute_*``, read into mcore_rl's recompute.
+- ``CONVERTED``: a verl key read into another mcore_rl field: ``dist_ckpt_optim_fully_reshardable``
+  (an optimizer checkpoint that resumes at any layout) selects ``optimizer_sharding=model_space``,
+  mcore_rl's gather-free format with that property (megatron's ``fully_reshardable`` gathers the
+  data-parallel group's optimizer state at every save).
 - ``SET_BY_VERL``: verl's worker overwrites them from the actor / ref / critic config (as for
   verl's own engine): accepted whatever they say.
 - ``INERT``: no meaning in mcore_rl; verl's default is accepted, another value refused (naming
@@ -40,8 +44,9 @@ INERT = {
     "vanilla_mbridge": "the mcore_rl engine converts HF weights itself",
     "use_megatron_fsdp": "the mcore_rl engine runs megatron's DDP with its distributed optimizer",
     "use_dist_checkpointing": _CHECKPOINT, "dist_checkpointing_path": _CHECKPOINT,
-    "dist_checkpointing_prefix": _CHECKPOINT, "dist_ckpt_optim_fully_reshardable": _CHECKPOINT,
-    "distrib_optim_fully_reshardable_mem_efficient": _CHECKPOINT,
+    "dist_checkpointing_prefix": _CHECKPOINT,
+    "distrib_optim_fully_reshardable_mem_efficient": "mcore_rl's any-layout optimizer checkpoints (model_space) "
+                                                     "gather nothing",
     "dynamic_context_parallel": "dynamic context parallelism is not implemented in mcore_rl",
     "max_seqlen_per_dp_cp_rank": "dynamic context parallelism is not implemented in mcore_rl",
     "entropy_from_logits_with_chunking": "mcore_rl computes the entropy its own way",
@@ -55,6 +60,8 @@ INERT = {
     "qat": "quantization-aware training is not implemented in mcore_rl",
     "full_determinism": "not implemented in mcore_rl",
 }
+# verl key -> (mcore_rl engine field, value per verl value)
+CONVERTED = {"dist_ckpt_optim_fully_reshardable": ("optimizer_sharding", {True: "model_space", False: "dp_reshardable"})}
 # under router_replay: verl 0.9.1 reads neither (accepted whatever they say, as there)
 ROUTER_REPLAY_UNREAD = ("record_file", "replay_file")
 
@@ -151,6 +158,9 @@ def _requested(megatron, where: str) -> dict[str, Any]:
                 raise _refusal(key, value, where)
         elif top == "override_transformer_config" and sub in RECOMPUTE:
             continue  # below, all four together
+        elif top in CONVERTED:
+            field, values = CONVERTED[top]
+            asked[field] = values[bool(value)]
         elif top in INERT:
             raise _refusal(key, value, where)
         elif top not in SET_BY_VERL:
@@ -188,8 +198,10 @@ def merge(engine: McoreRLEngineConfig, megatron, where: str) -> McoreRLEngineCon
         same = mine.mode == value.mode if key == "router_replay" else mine == value
         if not same and not _unset(engine, key):
             shown = (lambda v: v.mode) if key == "router_replay" else (lambda v: v)
-            raise VerlConfigError(f"{where}.mcore_rl.{key}={shown(mine)!r} and {where}.megatron.{key}="
-                                  f"{shown(value)!r} disagree; set one of them (the megatron keys are read for "
+            verl_key = next((k for k, (f, _) in CONVERTED.items() if f == key), None)
+            theirs = f"{where}.megatron.{key}={shown(value)!r}" if verl_key is None else \
+                f"{where}.megatron.{verl_key} (-> {shown(value)!r})"
+            raise VerlConfigError(f"{where}.mcore_rl.{key}={shown(mine)!r} and {theirs} disagree; set one of them (the megatron keys are read for "
                                   "scripts written for verl's Megatron engine).")
         updates[key] = value
     if not updates:

@@ -92,7 +92,8 @@ def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> 
     if engine.engine.optimizer is None:  # a frozen model (forward_only): weights only
         save, load = ("model",), ("model",)
     cfg = CheckpointConfig(root=root, max_ckpt_to_keep=max_ckpt_to_keep or None, save_contents=save,
-                           load_contents=load, verify_content=engine.engine_config.verify_content)
+                           load_contents=load, verify_content=engine.engine_config.verify_content,
+                           optimizer_sharding=engine.engine_config.optimizer_sharding)
     return RoleStepManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None)
 
 
