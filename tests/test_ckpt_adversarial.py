@@ -96,6 +96,8 @@ def _mutations(base: str) -> dict:
         "symlinked_shard": (symlinked_shard, True),
         "marker_names_outside": (marker_path, False),
         "same_size_other_bytes": (lambda r: _flip_middle(_shard(r, ACTOR)), False),
+        # the last role's damage: found while the actor (read first) waits in host buffers
+        "critic_same_size_other_bytes": (lambda r: _flip_middle(_shard(r, CRITIC)), False),
         "missing_shard_with_marker": (lambda r: os.remove(_shard(r, CRITIC)), False),
         "critic_planted_pickle": (lambda r: replace_rng_payloads(os.path.join(r, CRITIC), [_Run(f"touch {base}/ran")]), True),
         "critic_numpy_payload": (lambda r: replace_rng_payloads(os.path.join(r, CRITIC), [np.zeros(2)]), True),
@@ -186,6 +188,7 @@ EXPECT = {
     "symlinked_shard": "(a symlink leaves the directory)",
     "marker_names_outside": "names the file '../../outside.txt', which leaves",
     "same_size_other_bytes": "holds other bytes than were saved: actor/dist_ckpt/__0_0.distcp (checksum",
+    "critic_same_size_other_bytes": "holds other bytes than were saved: critic/dist_ckpt/__0_0.distcp (checksum",
     "missing_shard_with_marker": "critic/dist_ckpt/__0_0.distcp missing",
     "critic_planted_pickle": "UnsafeCheckpointError: refused to load ShardedObject payload 'rng_state/shard_0_1' in",
     "critic_numpy_payload": "it needs the Python global 'numpy",

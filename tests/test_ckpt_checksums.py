@@ -65,10 +65,11 @@ def _to_legacy(step_dir: str) -> None:
 
 
 def _flip_item_byte(dist_dir: str) -> None:
-    """One byte in the middle of the largest item of the first shard, same size."""
+    """One byte in the middle of the last item of the first shard, same size (read last: every
+    other item was read, and found intact, before it)."""
     sums = _independent_item_sums(dist_dir)
     shard = sorted(sums)[0]
-    offset, (length, _) = max(sums[shard].items(), key=lambda kv: kv[1][0])
+    offset, (length, _) = max(sums[shard].items())
     with open(os.path.join(dist_dir, shard), "r+b") as f:
         f.seek(offset + length // 2)
         byte = f.read(1)

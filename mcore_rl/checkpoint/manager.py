@@ -352,8 +352,11 @@ class CheckpointManager:
         plans, trainer_state, marker = checked
         in_read = self._verify_content(step_dir, marker, list(engines))
         preread_pickles(step_dir, list(engines))
-        for role, engine in engines.items():
-            load_planned(os.path.join(step_dir, role), engine, plans[role], verified=in_read.get(role))
+        roles = list(engines)
+        pending = [load_planned(os.path.join(step_dir, role), engines[role], plans[role], verified=in_read.get(role),
+                                later=role != roles[-1]) for role in roles]  # the last role checked, all apply
+        for apply in pending:
+            apply()
         return trainer_state
 
     def _verify_content(self, step_dir: str, marker: Marker, roles: list[str]) -> dict[str, tuple]:

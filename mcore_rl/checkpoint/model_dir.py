@@ -3,6 +3,8 @@ CheckpointManager step, or a converter's output) into an engine at any layout.""
 from __future__ import annotations
 
 import os
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -74,11 +76,14 @@ def _identity(path: str) -> tuple[int, int]:
 
 
 def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None = None,
-                 verified: tuple[Recorded, str, str] | None = None) -> None:
+                 verified: tuple[Recorded, str, str] | None = None, later: bool = False) -> Callable[[], None]:
     """Reads ``plan.contents`` from ``model_dir/dist_ckpt`` into ``engine`` (collective).
     Model keys starting with ``keep_prefix`` are not read: those parameters keep their values.
-    ``verified``: (the record of the dist dir's files, the step dir and the dist dir's name in it): every shard item is
-    checked against its recorded checksum while it is read (``verified_read``)."""
+    ``verified``: (the record of the dist dir's files, the step dir and the dist dir's name in
+    it): every shard item is checked against its recorded checksum while it is read
+    (``verified_read``). ``later``: read (when ``verified``) into fresh host buffers and return the function that
+    applies them to the engine (else applied before this returns; the returned function then
+    does nothing)."""
     dist_dir = os.path.join(model_dir, "dist_ckpt")
     agreed(lambda: storage.check_files(dist_dir, storage.expected_files(dist_dir)),  # every file there, none
            f"checking {dist_dir}")                                                   # outside it, on every node
@@ -86,11 +91,15 @@ def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None
                           part=plan.model_part)
     kept = _split_off(engine, state, keep_prefix) if keep_prefix else {}
     with _safe_loading():
-        strategy = VerifiedLoadStrategy(*verified) if verified is not None else ("torch_dist", 1)
+        strategy = VerifiedLoadStrategy(*verified, fresh=later) if verified is not None else ("torch_dist", 1)
         loaded = dist_checkpointing.load(state, dist_dir, sharded_strategy=strategy)
     for key, tensors in kept.items():
         loaded[key].update(tensors)
-    apply_loaded(engine, loaded, plan, model_dir)
+    apply = partial(apply_loaded, engine, loaded, plan, model_dir)
+    if later:
+        return apply
+    apply()
+    return lambda: None
 
 
 def _split_off(engine, state: dict, prefix: str) -> dict[str, dict]:

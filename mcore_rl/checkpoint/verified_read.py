@@ -2,12 +2,14 @@
 
 ``VerifiedLoadStrategy`` is megatron's ``TorchDistLoadShardedStrategy`` with its own reader:
 ``VerifyingReader`` reads each stored item once, compares its checksum with the one its writer
-recorded (``fileio/item_sums.py``; the item-checksum file itself is checked against the marker),
-deserializes it and copies it into its target. The targets are fresh host buffers, not the
-engine's tensors (the caller copies the loaded state into the engine afterwards, as megatron's
-own load does), and every rank reports what it found (one collective: DCP calls ``read_data``
-once on every rank). So a damaged, torn or stale shard is refused on every rank, for every role
-of a step, with no engine tensor changed, and no file is read twice.
+recorded (``fileio/item_sums.py``; the item-checksum file itself is checked against the marker)
+and views it as its tensor, and every rank reports what it found (one collective: DCP calls
+``read_data`` once on every rank). Then either (``fresh=False``) the items, held until every
+rank found every item intact, are copied into their targets — the engine's own tensors, as in
+megatron's load — or (``fresh=True``) the targets are fresh host buffers the caller applies to
+the engine later (a step of several roles: all but the last role are read that way, so no role
+changes before every role's items are checked). So a damaged, torn or stale shard is refused on
+every rank with no engine tensor changed, and no file is read twice.
 """
 from __future__ import annotations
 
@@ -51,10 +53,11 @@ class VerifyingReader(FileSystemReader):
     ``recorded``: the marker's (size, checksum) of the dist dir's files; ``step``, ``label``: the
     step directory and the dist dir relative to it, as error messages name them."""
 
-    def __init__(self, path: str, recorded: Recorded, step: str, label: str) -> None:
+    def __init__(self, path: str, recorded: Recorded, step: str, label: str, hold: bool) -> None:
         super().__init__(path)
-        self.recorded, self.step, self.label = recorded, step, label
+        self.recorded, self.step, self.label, self.hold = recorded, step, label, hold
         self.failure: str | None = None
+        self._held: list[tuple[Any, Any]] = []  # (read item, value) while ``hold``
 
     def _sums(self, shard: str) -> item_sums.ItemSums:
         name = item_sums.sums_name(shard)
@@ -103,7 +106,10 @@ class VerifyingReader(FileSystemReader):
                         data = self._read_item(f, shard, sums, info.offset, info.length)
                         last = (info.offset, data if req.type == LoadItemType.BYTE_IO else
                                 self._tensor(data, req, planner))
-                    self._deliver(req, last[1], planner)
+                    if self.hold:
+                        self._held.append((req, last[1]))
+                    else:
+                        self._deliver(req, last[1], planner)
 
     @staticmethod
     def _tensor(data: torch.Tensor, req, planner) -> torch.Tensor:
@@ -138,9 +144,12 @@ class VerifyingReader(FileSystemReader):
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             error = f"reading {self.step}/{self.label}: {type(e).__name__}: {e}"
         failures = gather_errors(error)  # DCP calls read_data once on every rank
+        held, self._held = self._held, []
         if failures:
             self.failure = "; ".join(f"rank {r}: {text}" for r, text in sorted(failures.items()))
             raise CheckpointError(self.failure)
+        for req, value in held:  # every rank found every item intact
+            self._deliver(req, value, planner)
         done: Future = Future()
         done.set_result(None)
         return done
@@ -149,9 +158,9 @@ class VerifyingReader(FileSystemReader):
 class VerifiedLoadStrategy(TorchDistLoadShardedStrategy):
     """megatron's torch_dist load through ``VerifyingReader`` (same planner, same key handling)."""
 
-    def __init__(self, recorded: Recorded, step: str, label: str) -> None:
+    def __init__(self, recorded: Recorded, step: str, label: str, fresh: bool = False) -> None:
         super().__init__()
-        self.recorded, self.step, self.label = recorded, step, label
+        self.recorded, self.step, self.label, self.fresh = recorded, step, label, fresh
 
     def load(self, sharded_state_dict, checkpoint_dir) -> dict:
         strict_shapes = [t for t in nested_values(sharded_state_dict)
@@ -159,12 +168,13 @@ class VerifiedLoadStrategy(TorchDistLoadShardedStrategy):
         loose_shapes = {t.key: t for t in nested_values(sharded_state_dict)
                         if isinstance(t, ShardedTensor) and t.allow_shape_mismatch}
         original = sharded_state_dict
-        for t in nested_values(sharded_state_dict):  # fresh host buffers: a refused load leaves the
-            if isinstance(t, ShardedTensor) and t.data is not None:  # engine's tensors as they were
+        for t in nested_values(sharded_state_dict):  # fresh host buffers: the engine's tensors stay as
+            # they are (megatron zeroes a shape-mismatch tensor before reading it: never the engine's)
+            if isinstance(t, ShardedTensor) and t.data is not None and (self.fresh or t.allow_shape_mismatch):
                 t.data = torch.empty(t.data.shape, dtype=t.data.dtype, device="cpu")
         keyed, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
         pyt_state = mcore_to_pyt_state_dict(keyed, True)
-        reader = VerifyingReader(str(checkpoint_dir), self.recorded, self.step, self.label)
+        reader = VerifyingReader(str(checkpoint_dir), self.recorded, self.step, self.label, hold=not self.fresh)
         planner = MCoreLoadPlanner(shapes_validation_sharded_tensors=strict_shapes,
                                    allow_shape_mismatch_sharded_tensors=loose_shapes)
         try:
