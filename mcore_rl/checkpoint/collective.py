@@ -64,7 +64,7 @@ class PendingMax:
     read by ``result()``, which waits only for ranks that have not sent theirs yet."""
 
     def __init__(self, flags: list[int], group=None) -> None:
-        self._flags = torch.tensor(flags, dtype=torch.int64)
+        self._flags = torch.tensor(flags, dtype=torch.int64)  # host: reduced on the gloo host group
         self._work = (torch.distributed.all_reduce(self._flags, op=torch.distributed.ReduceOp.MAX,
                                                    group=group, async_op=True) if distributed() else None)
 

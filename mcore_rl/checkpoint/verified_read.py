@@ -69,7 +69,7 @@ class VerifyingReader(FileSystemReader):
     def _read_item(self, f, shard: str, sums: item_sums.ItemSums, offset: int, length: int) -> torch.Tensor:
         """The item's bytes (uint8 [length], not zero-filled first), checked against its record."""
         f.seek(offset)
-        data = torch.empty(length, dtype=torch.uint8)
+        data = torch.empty(length, dtype=torch.uint8)  # host: the file's bytes, read into host memory
         n = f.readinto(memoryview(data.numpy()))
         recorded = sums.items.get(offset)
         if recorded is None or recorded[0] != length or n != length:

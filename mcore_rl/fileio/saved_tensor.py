@@ -55,10 +55,10 @@ def tensor_view(payload: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
     of it; None when the payload is not one compact uncompressed storage of exactly that size."""
     record = _storage_record(memoryview(payload.numpy()))
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if record is None or record[1] != nbytes:
         return None
     if numel == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device=payload.device)
     start = record[0]
     return payload[start: start + nbytes].view(dtype).view(shape)
