@@ -27,10 +27,9 @@ class CheckpointConfig:
     gathers the state over DP at each save; resumes at any layout).
     hf_max_shard_size: largest hf_model shard (e.g. "5GB", "500MiB"; a larger tensor is a shard of
     its own), also the most HF weights a rank holds at once while writing them.
-    verify_content: a load re-reads every file it loads and compares its CRC-32 with the marker
-    (a shard damaged or replaced by other bytes of the same size is refused before any state
-    moves); False checks sizes only, saving one read of the checkpoint when its pages are not
-    in the page cache.
+    verify_content: a load checks every file it loads against its recorded checksum, each shard
+    item in the same pass as it reads it (a shard damaged or replaced by other bytes of the same
+    size is refused before any engine state moves); False checks sizes only.
     """
 
     root: str | None = None
