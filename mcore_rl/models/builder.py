@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -13,19 +12,18 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
+from mcore_rl.models.hf_weights import weight_map
 from mcore_rl.models.layers import ValueHead
 from mcore_rl.models.lora_build import attach_adapters, keep_input_grad
 from mcore_rl.models.lora_config import LoraConfig
 from mcore_rl.models.mla import mla_config_kwargs
+from mcore_rl.models.model_types import Role, padded_vocab_size
 from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
 from mcore_rl.models.padding_idx import PadEmbeddingGrad, hold_pad_row
 from mcore_rl.models.rope import inv_freq
 from mcore_rl.models.specs import block_spec
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 from mcore_rl.platform import Platform
-
-Role = Literal["actor", "critic"]
-VOCAB_MULTIPLE = 128
 
 
 @dataclass(frozen=True)
@@ -49,13 +47,6 @@ class BuildOptions:
     pad_embedding_grad: PadEmbeddingGrad = "transformers"
     # LoRA adapters on a frozen base (rank 0: off); models/lora_config.py
     lora: LoraConfig = LoraConfig()
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """Vocab rounded up to lcm(128, tp): for power-of-two TP the padded size does not depend on
-    TP, so a checkpoint keeps its embedding shape across TP layouts."""
-    multiple = math.lcm(VOCAB_MULTIPLE, tp)
-    return -(-vocab_size // multiple) * multiple
 
 
 def check_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
@@ -279,8 +270,6 @@ def _add_adapters(chunks: list[GPTModel], args: ModelArgs, layout: ParallelLayou
     if options.meta_device:
         raise ConfigError("lora with meta_device=True: a converter's target model has no adapters; "
                           "build without lora.")
-    from mcore_rl.models.hf_weights import weight_map  # hf_weights imports this module
-
     attach_adapters(chunks, options.lora, weight_map(args, role, layout.tp), options.params_dtype)
     if role == "critic":
         for chunk in chunks:

@@ -9,8 +9,8 @@ import torch
 from mcore_rl.mapping.fp8_quant import BlockFp8
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
-from mcore_rl.models.builder import Role, padded_vocab_size
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
+from mcore_rl.models.model_types import Role, padded_vocab_size
 
 
 def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> WeightMap:

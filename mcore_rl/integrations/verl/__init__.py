@@ -6,7 +6,8 @@ The only package that imports verl. ``import mcore_rl`` never reaches it.
 - ``config``: ``McoreRLEngineConfig`` (verl's ``EngineConfig`` with ``strategy='mcore_rl'``) and
   the actor / critic configs of verl's PPO trainer (``model_engine=mcore_rl``); ``megatron_keys``
   reads a verl Megatron script's ``megatron.*`` keys into them; ``verl_optim`` maps verl's
-  optimizer config.
+  optimizer config. ``engine_config``: the engine's fields and checks and ``VerlConfigError``,
+  below every other module here (the engine reads it, never ``config``, which registers).
 - ``engine``: the engines; ``rollout_server`` / ``rollout_replica``: the CPU rollout backend
   (``rollout.name=mcore_rl``); ``registry``: both registered in verl's registries in every
   process verl looks them up (see there).

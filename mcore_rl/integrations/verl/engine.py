@@ -26,7 +26,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepa
 
 from mcore_rl.errors import McoreRLError
 from mcore_rl.integrations.verl import ray_nodes, verl_batches, verl_checkpoints, verl_lora, verl_optim, verl_routing
-from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError
+from mcore_rl.integrations.verl.engine_config import McoreRLEngineSettings, VerlConfigError
 from mcore_rl.models.builder import BuildOptions, Role
 from mcore_rl.models.forward import run_schedule
 from mcore_rl.models.micro_batch import MicroBatch
@@ -53,10 +53,10 @@ class McoreRLEngine(BaseEngine):
 
     role: Role = "actor"
 
-    def __init__(self, model_config, engine_config: McoreRLEngineConfig, optimizer_config, checkpoint_config,
+    def __init__(self, model_config, engine_config: McoreRLEngineSettings, optimizer_config, checkpoint_config,
                  **_kwargs: Any) -> None:
         super().__init__()
-        if not isinstance(engine_config, McoreRLEngineConfig):
+        if not isinstance(engine_config, McoreRLEngineSettings):
             raise VerlConfigError(f"the mcore_rl engine needs engine=mcore_rl (McoreRLEngineConfig), got "
                                   f"{type(engine_config).__name__}.")
         # model.lora.* (verl's Megatron keys); FSDP-only LoRA keys refused before any process group use

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from verl.workers.config import McoreEngineConfig
 
-from mcore_rl.integrations.verl.config import McoreRLEngineConfig, VerlConfigError
+from mcore_rl.integrations.verl.engine_config import McoreRLEngineSettings, VerlConfigError
 
 
 MAPPED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -173,10 +173,10 @@ def _requested(megatron, where: str) -> dict[str, Any]:
     return {**asked, **_recompute(otc, where)}
 
 
-def _unset(engine: McoreRLEngineConfig, key: str) -> bool:
+def _unset(engine: McoreRLEngineSettings, key: str) -> bool:
     """The mcore_rl side leaves ``key`` at its default (sequence parallelism switched off because
     TP is 1 counts as the default)."""
-    field = {f.name: f for f in dataclasses.fields(McoreRLEngineConfig)}[key]
+    field = {f.name: f for f in dataclasses.fields(McoreRLEngineSettings)}[key]
     default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
     value = getattr(engine, key)
     if key == "router_replay":
@@ -186,7 +186,7 @@ def _unset(engine: McoreRLEngineConfig, key: str) -> bool:
     return value == default
 
 
-def merge(engine: McoreRLEngineConfig, megatron, where: str) -> McoreRLEngineConfig:
+def merge(engine: McoreRLEngineSettings, megatron, where: str) -> McoreRLEngineSettings:
     """``engine`` with the values the megatron section sets (see the module doc); errors name
     ``<where>.megatron.<key>`` (and ``<where>.mcore_rl.<key>`` for a conflict)."""
     if megatron is None:

@@ -25,7 +25,7 @@ from mcore_rl.conversion.convert_input import role_from_config
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.role_steps import RoleStepManager
-from mcore_rl.integrations.verl.config import VerlConfigError
+from mcore_rl.integrations.verl.engine_config import VerlConfigError
 
 log = logging.getLogger("mcore_rl.integrations.verl")
 STEP = re.compile(r"global_step_(\d+)")

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from mcore_rl.integrations.verl.config import VerlConfigError
+from mcore_rl.integrations.verl.engine_config import VerlConfigError
 from mcore_rl.models.lora_config import LoraConfig, LoraConfigError, lora_config_from_dict
 
 Tensor = torch.Tensor

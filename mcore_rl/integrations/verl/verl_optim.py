@@ -14,7 +14,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from mcore_rl.integrations.verl.config import VerlConfigError
+from mcore_rl.integrations.verl.engine_config import VerlConfigError
 from mcore_rl.rl.engine import OptimConfig
 
 log = logging.getLogger("mcore_rl.integrations.verl")
