@@ -44,12 +44,16 @@ prepare-smollm2: $(STAMP)
 	PY=$(PY) launch/prepare_smollm2.sh
 
 # The documentation site (mkdocs.yml, docs/) into the ignored site/: --strict turns a broken link, a
-# page missing from the nav or a docstring mkdocstrings cannot read into an error. It takes seconds
+# page missing from the nav or a docstring mkdocstrings cannot read into an error; then the README's
+# docs/ links must name files and the README stay <= 250 lines. It takes seconds
 # and is test's first prerequisite, so a docs break fails before the long steps start. (No --quiet:
 # it hides the warnings, and --strict then no longer counts them.)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(CURDIR)/site
-	$(PY) -c "import re, pathlib, sys; bad = [l for l in re.findall(r'\]\((docs/[^)#]+)', pathlib.Path('README.md').read_text()) if not pathlib.Path(l).is_file()]; sys.exit(f'README.md links to missing {bad}' if bad else 0)"
+	$(PY) -c "import re, pathlib, sys; text = pathlib.Path('README.md').read_text(); \
+		bad = [l for l in re.findall(r'\]\((docs/[^)#]+)', text) if not pathlib.Path(l).is_file()]; \
+		n = len(text.splitlines()); \
+		sys.exit(f'README.md links to missing {bad}' if bad else f'README.md has {n} lines; keep it <= 250 (the reference goes in docs/)' if n > 250 else 0)"
 
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
