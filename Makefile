@@ -10,14 +10,14 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: test install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-deepseek demo-smollm2 demo-smollm2-lora demo-verl-smollm2 clean
+.PHONY: test docs docs-serve install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-deepseek demo-smollm2 demo-smollm2-lora demo-verl-smollm2 clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, exactly the CPU wheel; the constraints keep every later step from replacing it.
 	$(PY) -m pip install --quiet torch==2.13.0
-	PIP_CONSTRAINT=$(CURDIR)/constraints-cpu.txt $(PY) -m pip install --quiet -e '.[test]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints-cpu.txt $(PY) -m pip install --quiet -e '.[test,docs]'
 	touch $(STAMP)
 
 # mcore_rl without its own dependency list (omegaconf >= 2.4 is the main job's; hydra pins < 2.4):
@@ -43,7 +43,22 @@ install-verl: $(VERL_STAMP)
 prepare-smollm2: $(STAMP)
 	PY=$(PY) launch/prepare_smollm2.sh
 
-test: $(STAMP) $(VERL_STAMP) prepare-smollm2
+# The documentation site (mkdocs.yml, docs/) into the ignored site/: --strict turns a broken link, a
+# page missing from the nav or a docstring mkdocstrings cannot read into an error; then the README's
+# docs/ links must name files and the README stay <= 250 lines. It takes seconds
+# and is test's first prerequisite, so a docs break fails before the long steps start. (No --quiet:
+# it hides the warnings, and --strict then no longer counts them.)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(CURDIR)/site
+	$(PY) -c "import re, pathlib, sys; text = pathlib.Path('README.md').read_text(); \
+		bad = [l for l in re.findall(r'\]\((docs/[^)#]+)', text) if not pathlib.Path(l).is_file()]; \
+		n = len(text.splitlines()); \
+		sys.exit(f'README.md links to missing {bad}' if bad else f'README.md has {n} lines; keep it <= 250 (the reference goes in docs/)' if n > 250 else 0)"
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+test: docs $(VERL_STAMP) prepare-smollm2
 	$(PY) -m pytest -q --durations=15 tests --ignore=tests/verl
 	$(VERL_PY) -m pytest -q --durations=15 tests/verl
 
@@ -68,7 +83,7 @@ demo-smollm2-lora: prepare-smollm2
 	launch/run.sh 2 configs/grpo_smollm2_lora.yaml model.hf_dir=$${MCORE_RL_CACHE:-$$HOME/.cache/mcore_rl}/smollm2/hf
 
 # The same GRPO through verl's own RL entry point (python -m verl.trainer.main_ppo, Ray): the actor on
-# mcore_rl, the rollout on mcore_rl's CPU server (README "verl")
+# mcore_rl, the rollout on mcore_rl's CPU server (docs/verl.md)
 demo-verl-smollm2: $(VERL_STAMP) prepare-smollm2
 	PY=$(VERL_PY) launch/verl/grpo_smollm2.sh
 

@@ -28,8 +28,11 @@ setup(
         "gguf": ["gguf>=0.10"],
         # peft: the LoRA tests compare PEFT-format adapters with peft itself
         "test": ["pytest", "gguf>=0.10", "accelerate", "peft==0.21.2"],
+        # the documentation site (mkdocs.yml, docs/): `make docs` builds it with --strict, first in
+        # `make test`; mkdocstrings reads the docstrings by static analysis (griffe), importing nothing
+        "docs": ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0,<2"],
         # Never part of the test command: it can pull a CUDA torch. NVIDIA apex is built from
-        # source (see README); the PyPI package named `apex` is an unrelated project.
+        # source (see docs/getting-started.md); the PyPI package named `apex` is an unrelated project.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
     },
     # verl loads its plug-ins at ``import verl``: ours adds a CPU platform (mcore_rl.integrations.verl)

@@ -118,7 +118,7 @@ class Actor:
         """PPO/GRPO update: ppo_epochs x mini-batches of ppo_mini_batch_size global rows, one
         optimizer step each. Needs old_log_probs and advantages [B, R] (+ ref_log_prob with
         use_kl_loss); the loss mask is ``response_mask`` when given. Returns metrics averaged
-        over the steps, the same on every rank (names: the metrics table in the README)."""
+        over the steps, the same on every rank (names: the metrics table in docs/rl-api.md)."""
         keys = UPDATE_KEYS + (("ref_log_prob",) if self.config.use_kl_loss else ())
         validate_batch(batch, keys, vocab_size=self.engine.args.vocab_size)
         replay = self.config.router_replay != "disabled"
