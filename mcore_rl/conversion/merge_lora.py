@@ -134,7 +134,7 @@ def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify:
                         and not name.endswith(".safetensors"):
                     shutil.copyfile(src, os.path.join(stage.path, name))
             write_export_record(stage.path, "mcore_to_hf merge (LoRA adapters + base)")
-            stage.commit()
+            stage.commit(replace=overwrite)
         except BaseException:
             stage.discard()
             raise
