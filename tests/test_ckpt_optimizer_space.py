@@ -89,3 +89,58 @@ def test_param_pieces_refuse_a_factory_that_copies_or_repeats():
         factory = ShardedTensorFactory("w", param, build_fn, torch.cat, (0, 0, 0))
         with pytest.raises(CheckpointError, match=f"w\\): .*{why}.*optimizer_sharding=fully_reshardable"):
             param_pieces(factory, param, 0, 12, instance=0, name="layer.w")
+
+
+def _save_then_halve_a_box(root: str) -> dict:
+    """World 1: a model_space save of a trained tiny engine; its ``.metadata`` edited so one
+    ``exp_avg`` box covers half of its tensor (the marker resealed: only the tiling check is left
+    to refuse it); a resume into a fresh engine: the error and whether the state stayed as built."""
+    import os
+    import pickle
+
+    from tests.ckpt_bodies import manager, optimizer_fingerprint
+    from tests.ckpt_util import engine, reseal, train_step, writer_processes_allowed
+
+    eng = engine({})
+    train_step(eng, 0)
+    with writer_processes_allowed():
+        manager(root, optimizer_sharding="model_space").save(1, {"actor": eng}, {"step": 1})
+    path = os.path.join(root, "global_step_1", "actor", "dist_ckpt", ".metadata")
+    with open(path, "rb") as f:
+        meta = pickle.load(f)  # noqa: S301 - this test's own checkpoint
+    key = next(k for k, v in sorted(meta.state_dict_metadata.items())
+               if k.startswith("optimizer.state.exp_avg.") and len(getattr(v, "chunks", ())) == 1
+               and v.chunks[0].sizes[0] >= 2)
+    chunk = meta.state_dict_metadata[key].chunks[0]
+    half = torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]])
+    meta.state_dict_metadata[key].chunks = [type(chunk)(chunk.offsets, half)]
+    with open(path, "wb") as f:
+        pickle.dump(meta, f)
+    reseal(os.path.join(root, "global_step_1"))
+    from mcore_rl.errors import CheckpointError
+    from mcore_rl.parallel.layout import destroy_parallel_state
+
+    destroy_parallel_state()
+    fresh = engine({})
+    before = optimizer_fingerprint(fresh)
+    try:
+        manager(root, optimizer_sharding="model_space").resume({"actor": fresh})
+        message = ""
+    except CheckpointError as e:
+        message = str(e)
+    after = optimizer_fingerprint(fresh)
+    return {"key": key, "numel": math.prod(chunk.sizes), "message": message,
+            "untouched": before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())}
+
+
+def test_model_space_load_refuses_boxes_that_do_not_tile(tmp_path):
+    """Issue #37 item 8: a ``.metadata`` whose box covers half of an ``exp_avg`` tensor loaded
+    without error (half the state from uninitialised memory: optimizer_space reads into
+    torch.empty). The load checks every key's chunks tile its shape, as the merge's reader does,
+    and refuses naming the key, before any state moves."""
+    from tests.dist import run_ranks
+
+    out = run_ranks(1, _save_then_halve_a_box, str(tmp_path / "ckpt"), daemon=False)[0]
+    assert f"'{out['key']}' at index (): its chunks cover {out['numel'] // 2} of the {out['numel']} elements" \
+        in out["message"], out
+    assert "its .metadata is damaged: use another checkpoint" in out["message"] and out["untouched"]
