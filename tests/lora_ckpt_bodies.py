@@ -234,6 +234,50 @@ def checks_run(hf_a: str, hf_b: str, hf_copy: str, tmp: str) -> dict:
     out["merge"] = {}
     for name, step in (("hf_base", lora),):  # (the model-directory base here has no huggingface/: unmergeable)
         out["merge"][name] = _offline_merge(f"{step}/global_step_1/actor", f"{tmp}/merged_{name}")
+    out["edited"] = _edited_base_refused(hf_a, lora, tmp)
+    return out
+
+
+def double_between_samples(hf_dir: str) -> str:
+    """Doubles, in place, a tensor of ``hf_dir``'s model.safetensors that lies between the
+    three 64 KiB samples the base identity used to take (same size, other content); its name."""
+    import json
+    import struct
+
+    path = os.path.join(hf_dir, "model.safetensors")
+    size, sample = os.path.getsize(path), 64 << 10
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    mid = (size - sample) // 2
+    for name, entry in sorted(header.items()):
+        if name == "__metadata__" or entry["dtype"] != "F32":
+            continue
+        lo, hi = (8 + n + o for o in entry["data_offsets"])
+        if sample <= lo and hi <= mid:
+            with open(path, "r+b") as f:
+                f.seek(lo)
+                t = torch.frombuffer(bytearray(f.read(hi - lo)), dtype=torch.float32)
+                f.seek(lo)
+                f.write((t * 2).numpy().tobytes())
+            return name
+    raise AssertionError(f"no fp32 tensor of {path} between the samples")
+
+
+def _edited_base_refused(hf_a: str, lora: str, tmp: str) -> dict:
+    """The base edited between the samples after the adapter-only save: the resume's and the
+    merge's refusals (their messages) and whether the merge left a target."""
+    from mcore_rl.conversion.merge import MergeError
+
+    tensor = double_between_samples(hf_a)
+    out = {"tensor": tensor, **_refusal(hf_a, lora)}
+    target = f"{tmp}/merged_edited"
+    try:
+        _offline_merge(f"{lora}/global_step_1/actor", target)
+        out["merge"] = ""
+    except MergeError as e:
+        out["merge"] = str(e)
+    out["merge_target"] = os.path.exists(target)
     return out
 
 

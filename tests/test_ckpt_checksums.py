@@ -144,3 +144,33 @@ def test_checksums_recorded_checked_in_one_read_and_legacy_steps_still_verify(tm
     assert r["legacy"].startswith("NO ERROR") and r["legacy_restored"], r["legacy"]  # loaded: the engine is the save
     assert "holds other bytes than were saved: actor/dist_ckpt/__0_0.distcp (checksum " in r["legacy_flipped"]
     assert "the marker records" in r["legacy_flipped"]  # the whole-file CRC-32 pass of older steps
+
+
+def test_an_unknown_checksum_algorithm_is_refused_naming_it(tmp_path):
+    """Issue #37 item 14: a marker (or a converter's RECORD) whose entry names an algorithm this
+    version does not know was read as CRC-32 (the resume loaded it, the merge called it damaged).
+    Every reader refuses it naming the algorithm and the known ones: the load's and the merge's
+    marker read, the merge's RECORD read, the auto-resume survey (never skipped as damaged)."""
+    import pytest
+
+    from mcore_rl.checkpoint import inventory, model_record
+    from mcore_rl.fileio.checksum import UnknownChecksumError, checksum
+
+    entry = {"size": 3, "checksum": "blake3:" + "0" * 64}
+    step = tmp_path / "ckpt" / "global_step_1"
+    (step / "actor").mkdir(parents=True)
+    (step / "COMPLETE").write_text(json.dumps({"step": 1, "roles": ["actor"], "files": {"actor/a": entry}}))
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    (converted / "RECORD").write_text(json.dumps({"format": 1, "role": "actor", "files": {"dist_ckpt/a": entry}}))
+    known = r"which this version of mcore_rl does not know \(known: xxh3_128 as 'xxh3_128:<32 hex digits>', crc32 as 8"
+    for path, read in ((step / "COMPLETE", lambda: inventory.read_marker(str(step / "COMPLETE"))),
+                       (step / "COMPLETE", lambda: model_record.find_record(str(step / "actor"))),
+                       (converted / "RECORD", lambda: model_record.find_record(str(converted))),
+                       (step / "COMPLETE", lambda: inventory.survey(str(tmp_path / "ckpt")))):
+        with pytest.raises(UnknownChecksumError, match=rf"{path}: recorded checksum 'blake3:0+' names the algorithm "
+                                                       rf"'blake3', {known}"):
+            read()
+    with pytest.raises(UnknownChecksumError, match=r"recorded checksum 'c0ffee' is in no format"):
+        checksum(b"abc", like="c0ffee")
+    assert checksum(b"abc", like="00000000") == "352441c2" and checksum(b"abc").startswith("xxh3_128:")

@@ -89,3 +89,80 @@ def test_param_pieces_refuse_a_factory_that_copies_or_repeats():
         factory = ShardedTensorFactory("w", param, build_fn, torch.cat, (0, 0, 0))
         with pytest.raises(CheckpointError, match=f"w\\): .*{why}.*optimizer_sharding=fully_reshardable"):
             param_pieces(factory, param, 0, 12, instance=0, name="layer.w")
+
+
+def _halve_a_box(step_dir: str, prefix: str) -> tuple[str, int]:
+    """Edits ``step_dir``'s actor ``.metadata`` so the single box of the first key under ``prefix``
+    covers half of the tensor, then reseals the marker (only the tiling check is left to refuse
+    it): (the key, its element count)."""
+    import os
+    import pickle
+
+    from tests.ckpt_util import reseal
+
+    path = os.path.join(step_dir, "actor", "dist_ckpt", ".metadata")
+    with open(path, "rb") as f:
+        meta = pickle.load(f)  # noqa: S301 - this test's own checkpoint
+    key = next(k for k, v in sorted(meta.state_dict_metadata.items())
+               if k.startswith(prefix) and len(getattr(v, "chunks", ())) == 1 and v.chunks[0].sizes[0] >= 2)
+    chunk = meta.state_dict_metadata[key].chunks[0]
+    half = torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]])
+    meta.state_dict_metadata[key].chunks = [type(chunk)(chunk.offsets, half)]
+    with open(path, "wb") as f:
+        pickle.dump(meta, f)
+    reseal(step_dir)
+    return key, math.prod(chunk.sizes)
+
+
+def _save_then_halve_a_box(root: str) -> dict:
+    """World 1: a model_space save of a trained tiny engine; in one copy an ``exp_avg`` box
+    halved, resumed into a fresh engine; in another a model key's, loaded as a model directory:
+    the errors and whether the state stayed as built."""
+    import shutil
+
+    from mcore_rl.checkpoint.model_dir import load_model_dir
+    from mcore_rl.errors import CheckpointError
+    from mcore_rl.parallel.layout import destroy_parallel_state
+    from tests.ckpt_bodies import hf_params, manager, optimizer_fingerprint
+    from tests.ckpt_util import engine, train_step, writer_processes_allowed
+
+    eng = engine({})
+    train_step(eng, 0)
+    with writer_processes_allowed():
+        manager(root, optimizer_sharding="model_space").save(1, {"actor": eng}, {"step": 1})
+    destroy_parallel_state()
+    shutil.copytree(f"{root}/global_step_1", f"{root}_model/global_step_1")
+    out = {}
+    for name, prefix, fingerprint, attempt in (
+            ("resume", "optimizer.state.exp_avg.", optimizer_fingerprint,
+             lambda e: manager(root, optimizer_sharding="model_space").resume({"actor": e})),
+            ("model_dir", "decoder.", hf_params, lambda e: load_model_dir(f"{root}_model/global_step_1/actor", e))):
+        key, numel = _halve_a_box(f"{root}_model/global_step_1" if name == "model_dir" else f"{root}/global_step_1",
+                                  prefix)
+        fresh = engine({})
+        before = fingerprint(fresh)
+        try:
+            attempt(fresh)
+            message = ""
+        except CheckpointError as e:
+            message = str(e)
+        after = fingerprint(fresh)
+        destroy_parallel_state()
+        out[name] = {"key": key, "numel": numel, "message": message,
+                     "untouched": before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items())}
+    return out
+
+
+def test_model_space_load_refuses_boxes_that_do_not_tile(tmp_path):
+    """Issue #37 item 8: a ``.metadata`` whose box covers half of an ``exp_avg`` tensor loaded
+    without error (half the state from uninitialised memory: optimizer_space reads into
+    torch.empty). The load checks every key's chunks tile its shape, as the merge's reader does,
+    and refuses naming the key, before any state moves; so does a model directory's load (a
+    model key's box halved: its load in place kept half the engine's old values)."""
+    from tests.dist import run_ranks
+
+    results = run_ranks(1, _save_then_halve_a_box, str(tmp_path / "ckpt"), daemon=False)[0]
+    for name, out in results.items():  # the manager's resume; a model directory's load (in place)
+        assert f"'{out['key']}' at index (): its chunks cover {out['numel'] // 2} of the {out['numel']} elements" \
+            in out["message"], (name, out)
+        assert "its .metadata is damaged: use another checkpoint" in out["message"] and out["untouched"], name

@@ -12,6 +12,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -379,3 +380,60 @@ def test_merge_killed_between_the_renames_is_finished_by_the_next_run(dirs, tmp_
     assert _listing(tmp_path) == ["reference", "target"]
     merged, want = _tensors(target), _tensors(reference)
     assert merged.keys() == want.keys() and all(torch.equal(merged[k], want[k]) for k in merged)
+
+
+def test_merge_without_overwrite_keeps_an_export_that_appeared_meanwhile(dirs, tmp_path, monkeypatch):
+    """Issue #37 item 7: two runs writing one target. The other run's export appears after this
+    merge checked the target (at its commit): without --overwrite the commit refuses, naming the
+    target; the other export stays byte-identical and this run's staging directory is removed."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.fileio import staging
+
+    target, other = tmp_path / "target", tmp_path / "other"
+    merge(dirs["tp2"], str(other), max_shard_size=40_000)  # the other run's export (several shards)
+    before = {str(p.relative_to(other)): p.read_bytes() for p in sorted(other.rglob("*")) if p.is_file()}
+    real = staging.fault_point
+
+    def other_run_lands(phase: str) -> None:
+        if phase == "stage_commit" and not target.exists():
+            shutil.copytree(other, target)
+        real(phase)
+
+    monkeypatch.setattr(staging, "fault_point", other_run_lands)
+    with pytest.raises(staging.StagingError, match=rf"{target} appeared while this output was written .* not "
+                                                   r"replaced without --overwrite: it is left as it is"):
+        merge(dirs["tp2"], str(target))
+    assert {str(p.relative_to(target)): p.read_bytes() for p in sorted(target.rglob("*")) if p.is_file()} == before
+    assert _listing(tmp_path) == ["other", "target"]  # no staging directory left
+
+
+def _convert_while_another_lands(hf: str, out: str, other: str) -> str:
+    """In a rank world: hf_to_mcore into ``out`` without --overwrite while another run's output
+    (a copy of ``other``) lands at ``out`` just before the commit: the error on this rank."""
+    from mcore_rl.fileio import staging
+
+    real = staging.fault_point
+
+    def other_run_lands(phase: str) -> None:
+        if phase == "stage_commit" and not os.path.exists(out):
+            shutil.copytree(other, out)
+        real(phase)
+
+    staging.fault_point = other_run_lands
+    try:
+        return _convert([(hf, out, dict(tp=2))])[out]
+    finally:
+        staging.fault_point = real
+
+
+def test_convert_without_overwrite_keeps_an_output_that_appeared_meanwhile(dirs, tmp_path):
+    """Issue #37 item 7 for hf_to_mcore: the commit refuses on rank 0 and every rank raises it (none
+    waits in the barrier); the other run's output stays byte-identical, no staging is left."""
+    out = tmp_path / "out"
+    before = {str(p.relative_to(dirs["tp2"])): p.read_bytes() for p in sorted(Path(dirs["tp2"]).rglob("*"))
+              if p.is_file()}
+    said = run_ranks(2, _convert_while_another_lands, dirs["hf"], str(out), dirs["tp2"])
+    for text in said:
+        assert text.startswith(f"StagingError: {out} appeared while this output was written"), text
+    assert {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    assert _listing(tmp_path) == ["out"]

@@ -239,19 +239,19 @@ def test_tiling_check_is_bounded(tmp_path):
     import time
     from types import SimpleNamespace
 
-    from mcore_rl.fileio.torch_dist_read import TorchDistReader, TorchDistReadError
+    from mcore_rl.fileio.torch_dist_read import TorchDistReadError, check_tiling
 
-    me = SimpleNamespace(path=str(tmp_path))
+    me = str(tmp_path)
     n = 4000
     chunks = [((i,), (1,)) for i in range(n)]
     start = time.monotonic()
-    TorchDistReader._check_tiling(me, "k", (), (n,), chunks)
+    check_tiling(me, "k", (), (n,), chunks)
     assert time.monotonic() - start < 1.0
     with pytest.raises(TorchDistReadError, match=r"chunks at \(5,\) and \(5,\) overlap"):
-        TorchDistReader._check_tiling(me, "k", (), (n,), chunks[:-1] + [((5,), (1,))])
+        check_tiling(me, "k", (), (n,), chunks[:-1] + [((5,), (1,))])
     rows = [box for i in range(3000) for box in (((i, 0), (1, i + 1)), ((i, i + 1), (1, 3000 - i - 1)))]
     with pytest.raises(TorchDistReadError, match="more than 4194304 cells"):  # each row cut elsewhere
-        TorchDistReader._check_tiling(me, "k", (), (3000, 3000), rows)
+        check_tiling(me, "k", (), (3000, 3000), rows)
 
 
 @pytest.mark.parametrize("fault, text", [

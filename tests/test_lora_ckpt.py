@@ -72,7 +72,7 @@ def test_adapter_only_step_base_and_settings_checked(tmp_path):
     assert out["base"]["kind"] == "hf" and out["base"]["path"] == hf_a
     msg = out["other_base"]["message"]
     assert f"trained on the HF model directory {hf_a}" in msg and hf_b in msg and f"model.hf_dir={hf_a}" in msg, msg
-    assert "model.safetensors: other sampled bytes" in msg and out["other_base"]["untouched"]
+    assert "model.safetensors: other content (XXH3-128), other sampled bytes" in msg and out["other_base"]["untouched"]
     msg = out["other_alpha"]["message"]
     assert "lora.alpha: saved 16.0, now 32.0" in msg and out["other_alpha"]["untouched"], msg
     assert "holds LoRA adapters only" in out["no_adapters"]["message"], out["no_adapters"]
@@ -85,6 +85,11 @@ def test_adapter_only_step_base_and_settings_checked(tmp_path):
     assert all(torch.equal(v, out["mcore"]["adapters"][k]) for k, v in out["mcore"]["saved"].items())
     msg = out["mcore_vs_hf"]["message"]
     assert "trained on the model directory" in msg and "(a model directory vs a HF directory)" in msg and "model.mcore_dir=" in msg, msg
+    # issue #37 item 4: the base edited between its samples after the save (same size): both refuse
+    edited = out["edited"]
+    assert "model.safetensors: other content (XXH3-128)" in edited["message"] and edited["untouched"], edited
+    assert f"its base {hf_a} is not the one the adapters were trained on (model.safetensors: other content " \
+           "(XXH3-128))" in edited["merge"] and not edited["merge_target"], edited
     # the converter merges an adapter-only step with its base (HF or model directory)
     for name, merged in out["merge"].items():
         assert merged and any(not torch.equal(merged[k], v) for k, v in out["copy"]["base_hf"].items()

@@ -30,7 +30,7 @@ for name in ("tag", "sub/tag"):
     with open(os.path.join(stage.path, name), "w") as f:
         f.write(tag)
 try:
-    stage.commit()
+    stage.commit(replace=True)
 except BaseException:
     stage.discard()
     raise
@@ -133,7 +133,7 @@ def test_ctrl_c_between_the_renames_loses_neither_copy(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "rename", rename)
         with pytest.raises(KeyboardInterrupt):
             try:
-                stage.commit()
+                stage.commit(replace=True)
             except BaseException:
                 stage.discard()
                 raise
@@ -157,8 +157,8 @@ def test_failed_removal_of_the_old_copy_is_named_and_the_next_run_removes_it(tmp
 
 
 def test_a_live_or_foreign_owner_is_never_touched(tmp_path):
-    """Leftovers of a running process (this one), of another host and of the old name format stay;
-    those of a dead owner (this pid, but another start time: the pid was reused) go."""
+    """Leftovers of a running process (this one), of another host and of the old name format stay,
+    each named in a warning with its owner; those of a dead owner (this pid, but another start time: the pid was reused) go."""
     final = tmp_path / "out"
     live = Staging.create(str(final))
     host = staging._host()
@@ -171,12 +171,15 @@ def test_a_live_or_foreign_owner_is_never_touched(tmp_path):
         warnings.simplefilter("always")
         settle(str(final))
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, foreign.name, old_format.name])
-    assert [str(w.message) for w in caught if issubclass(w.category, StagingWarning)] == [
+    kept = f"it may still be writing {final}, so it is not removed; remove it once no converter writes {final}."
+    assert sorted(str(w.message) for w in caught if issubclass(w.category, StagingWarning)) == sorted([
         f"{old_format} was left by an interrupted run of an older mcore_rl (no owner recorded, so it is not "
-        f"removed); remove it once no converter writes {final}."]
+        f"removed); remove it once no converter writes {final}.",
+        f"{foreign} belongs to process {os.getpid()} on another host (host hash {foreign.name[-17:-9]}): {kept}",
+        f"{live.path} belongs to process {os.getpid()}, which is still running on this host: {kept}"])  # issue #37/14
     with open(os.path.join(live.path, "tag"), "w") as f:
         f.write("live")
-    live.commit()
+    live.commit(replace=True)
     assert open(final / "tag").read() == "live"
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 
 from mcore_rl.errors import CheckpointError
-from mcore_rl.fileio.base_identity import describe, differences
+from mcore_rl.fileio.base_identity import describe, differences, warn_if_sampled_only
 from mcore_rl.mapping.weights import STATE_BUFFERS, unwrap
 
 log = logging.getLogger("mcore_rl.checkpoint")
@@ -167,6 +167,7 @@ def check_base(saved: dict | None, current: dict | None, where: str) -> None:
             f"{describe(current)}, which differs ({shown}). Adapters resume only onto the base they were trained "
             f"on: {_restart_hint(saved)}, or start a new run (checkpoint.resume_mode=disable, or another "
             "checkpoint.root).")
+    warn_if_sampled_only(saved, where)
     if saved.get("kind") == "none":
         log.warning("%s: the LoRA adapters were trained on a randomly initialised base, which cannot be "
                     "verified; it is the same only when the model was built with the same seed.", where)

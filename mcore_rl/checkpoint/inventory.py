@@ -26,7 +26,7 @@ from mcore_rl.checkpoint import storage
 from mcore_rl.checkpoint.collective import all_gather_bytes, distributed
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import io_fault
-from mcore_rl.fileio.checksum import checksum, recorded_checksum
+from mcore_rl.fileio.checksum import UnknownChecksumError, checksum, recorded_checksum
 
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -116,6 +116,8 @@ def _marker_from(data: Any, path: str) -> Marker:
         if kind not in (None, PARTS_KIND):
             raise ValueError(f"kind={kind!r}")
         return Marker(int(data["step"]), tuple(str(r) for r in data["roles"]), order, files, kind)
+    except UnknownChecksumError as e:
+        raise UnknownChecksumError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path} is not a valid completion marker ({type(e).__name__}: {e}); "
                               "the step is damaged: resume another complete step.") from None
@@ -220,6 +222,8 @@ def _marker_state(path: str, step: int | None) -> dict[str, Any]:
     raw = _read(path)
     try:
         marker = parse_marker(raw, path)
+    except UnknownChecksumError:
+        raise  # written by another version: not "damaged" (never skipped, never cleaned up)
     except CheckpointError as e:
         return {"marker": "bad", "order": None, "crc": None, "why": str(e)}
     if step is not None and marker.step != step:

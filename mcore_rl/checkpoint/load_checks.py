@@ -1,7 +1,7 @@
 """What a load checks before it touches any engine: the marker and every role's metadata and
 layout, the trainer state, every file's size against the marker, every file ``.metadata`` names
-being one the marker lists (and inside the step), and every pickled part read through the
-allowlists once. A refusal in any role is a refusal before the first role is loaded.
+being one the marker lists (and inside the step), every pickled part read through the
+allowlists once, and every tensor key's chunks tiling its shape. A refusal in any role is a refusal before the first role is loaded.
 """
 from __future__ import annotations
 
@@ -83,22 +83,36 @@ def _held(step_dir: str, marker: Marker) -> list[str]:
 
 def preread_pickles(step_dir: str, roles: list[str]) -> None:
     """Collective: every pickled part of the roles' checkpoints (``common.pt``, the ShardedObject
-    payloads) read once through the allowlists, split over the ranks; a refused global is
-    UnsafeCheckpointError on every rank, before any engine is loaded."""
+    payloads) read once through the allowlists, and every tensor key's chunks checked to tile
+    its shape (``check_dist_dirs``), the work split over the ranks; a refusal is an error on every
+    rank, before any engine is loaded."""
+    check_dist_dirs([os.path.join(step_dir, role, "dist_ckpt") for role in roles], pickles=True)
+
+
+def check_dist_dirs(dist_dirs: list[str], pickles: bool) -> None:
+    """Collective: in each torch_dist directory every tensor key's saved chunks tile its global
+    shape (``torch_dist_read.check_tiling``, the merge's check: a load by overlap leaves
+    uninitialised memory where a chunk is missing when it reads into fresh buffers, as
+    ``optimizer_space`` and the verified load do, the old values when it reads in place), and
+    (``pickles``) every pickled part read through the allowlists; split over the ranks."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    agreed(lambda: _read(step_dir, roles, rank, world), f"reading the pickled parts of {step_dir}")
+    agreed(lambda: _read(dist_dirs, pickles, rank, world), f"checking the parts of {', '.join(dist_dirs)}")
 
 
-def _read(step_dir: str, roles: list[str], rank: int, world: int) -> None:
-    """This rank's share of the roles' pickled parts (the same list on every rank)."""
-    readers = {os.path.join(step_dir, role, "dist_ckpt"): None for role in roles}
-    parts: list[tuple[str, str | None]] = []
-    for dist_dir in readers:
+def _read(dist_dirs: list[str], pickles: bool, rank: int, world: int) -> None:
+    """This rank's share of the checks (the same list on every rank)."""
+    readers = {}
+    parts: list[tuple[str, str, str | None]] = []
+    for dist_dir in dist_dirs:
         readers[dist_dir] = TorchDistReader(dist_dir)
-        parts += [(dist_dir, None)] + [(dist_dir, key) for key in readers[dist_dir].objects]
-    for dist_dir, key in parts[rank::world]:
-        if key is None:
+        if pickles:
+            parts += [(dist_dir, "common", None)] + [(dist_dir, "object", key) for key in readers[dist_dir].objects]
+        parts += [(dist_dir, "tensor", key) for key in sorted(readers[dist_dir].tensors)]
+    for dist_dir, kind, key in parts[rank::world]:
+        if kind == "common":
             with restricted_unpickling():  # torch.load forced to weights_only, this file named
                 torch.load(os.path.join(dist_dir, "common.pt"), map_location="cpu")
-        else:
+        elif kind == "object":
             readers[dist_dir].read_object(key)
+        else:
+            readers[dist_dir].check_key(key)

@@ -12,6 +12,7 @@ from megatron.core import dist_checkpointing
 
 from mcore_rl.checkpoint import integrity, model_record, storage
 from mcore_rl.checkpoint.collective import agreed
+from mcore_rl.checkpoint.load_checks import check_dist_dirs
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.base_identity import model_dir_identity
 from mcore_rl.fileio.files import META
@@ -132,6 +133,7 @@ def load_model_dir(model_dir: str, engine, init_value_head: bool = False, verify
     model_dir = os.path.abspath(model_dir)
     ident = verify_model_dir(model_dir) if verify else None
     plan = agreed(lambda: read_plan(model_dir, engine, role, ("model",), base_load=True), f"checking {model_dir}")
+    check_dist_dirs([os.path.join(model_dir, "dist_ckpt")], pickles=False)  # its chunks tile every tensor
     base = agreed(lambda: _base_identity(model_dir), f"identifying {model_dir}") if plan.model_part == "base" else None
     load_planned(model_dir, engine, plan, keep_prefix="output_layer." if init_value_head else None)
     if ident is not None:

@@ -24,7 +24,7 @@ from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, parse_step_n
 from mcore_rl.checkpoint.role_parts import read_part
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import io_fault
-from mcore_rl.fileio.checksum import file_checksum, recorded_checksum
+from mcore_rl.fileio.checksum import UnknownChecksumError, file_checksum, recorded_checksum
 from mcore_rl.fileio.paths import contained
 
 RECORD = "RECORD"  # a converter output's record: <model dir>/RECORD
@@ -78,6 +78,8 @@ def _read_record(path: str, model_dir: str) -> DirRecord:
     data = _guarded(storage.read_json, path)
     try:
         files = {str(rel): (int(e["size"]), recorded_checksum(e)) for rel, e in data["files"].items()}
+    except UnknownChecksumError as e:
+        raise UnknownChecksumError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path} is not a valid model directory record ({type(e).__name__}: {e}); "
                               f"the directory is damaged: convert the model again, {SKIP_HINT}.") from None

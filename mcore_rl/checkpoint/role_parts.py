@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from mcore_rl.checkpoint import integrity, inventory, storage, step_dirs
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import fault_point, io_fault
-from mcore_rl.fileio.checksum import file_checksum, recorded_checksum
+from mcore_rl.fileio.checksum import UnknownChecksumError, file_checksum, recorded_checksum
 from mcore_rl.fileio.files import META
 from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, Survey, step_name
 from mcore_rl.fileio.paths import is_real_dir
@@ -67,6 +67,8 @@ def read_part(path: str) -> PartRecord:
     try:
         files = {str(rel): (int(e["size"]), recorded_checksum(e)) for rel, e in data["files"].items()}
         return PartRecord(int(data["step"]), str(data["role"]), float(data["written"]), files)
+    except UnknownChecksumError as e:
+        raise UnknownChecksumError(f"{path}: {e}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{path} is not a valid part record ({type(e).__name__}: {e}); the part is "
                               "damaged: resume another step.") from None

@@ -321,9 +321,15 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
             storage.write_json_atomic(os.path.join(stage.path, META), meta)
             write_record(stage.path, role)  # last: every file with size and CRC-32, which readers verify
         summary = _summary(role, dtype, resolver, time.time() - start)
+        problem = ""
         if rank0:
-            stage.commit()
-        torch.distributed.barrier()  # no rank returns before the output is in place
+            try:
+                stage.commit(replace=opts.overwrite)
+            except StagingError as e:  # another run's output appeared there: every rank raises it
+                problem = str(e)
+        said = storage.all_gather_bytes(problem.encode())[0]  # no rank returns before the output is in place
+        if said:
+            raise StagingError(said.decode())
     except BaseException:
         stage.discard()
         raise

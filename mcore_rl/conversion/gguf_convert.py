@@ -95,7 +95,7 @@ def gguf_to_hf(gguf_path: str, output: str, overwrite: bool = False, max_shard_s
         writer.close()
         layers = _write_hf_files(gguf_path, stage.path, arch)
         write_export_record(stage.path, "gguf_to_hf")
-        stage.commit()
+        stage.commit(replace=overwrite)
     except BaseException:
         stage.discard()
         raise

@@ -462,7 +462,7 @@ def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: 
             json.dump(config, f, indent=2, sort_keys=True)
         write_export_record(stage.path, "mcore_to_hf merge")
         same_dir(model.path, model.reader)  # the side files above came from the directory the shards did
-        stage.commit()
+        stage.commit(replace=overwrite)
     except BaseException:
         stage.discard()
         raise

@@ -24,7 +24,8 @@ from mcore_rl.conversion.merge import (
     open_model_dir, plan_units,
 )
 from mcore_rl.errors import CheckpointError
-from mcore_rl.fileio.base_identity import describe, differences, hf_dir_identity, model_dir_identity
+from mcore_rl.fileio.base_identity import (describe, differences, hf_dir_identity, model_dir_identity,
+                                           warn_if_sampled_only)
 from mcore_rl.fileio.files import peak_rss_mb
 from mcore_rl.fileio.output_dir import write_export_record
 from mcore_rl.fileio.paths import contained
@@ -59,6 +60,7 @@ def _base_source(step: ModelDir, verify: bool) -> tuple[Mapping[str, Tensor], st
     if changed:
         raise MergeError(f"{step.path}: its base {path} is not the one the adapters were trained on "
                          f"({'; '.join(changed[:4])}); merge with the original base.")
+    warn_if_sampled_only(base, step.path)
     if kind == "hf":
         return SafetensorsReader(path), path, None
     model = open_model_dir(path, verify)
@@ -134,7 +136,7 @@ def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify:
                         and not name.endswith(".safetensors"):
                     shutil.copyfile(src, os.path.join(stage.path, name))
             write_export_record(stage.path, "mcore_to_hf merge (LoRA adapters + base)")
-            stage.commit()
+            stage.commit(replace=overwrite)
         except BaseException:
             stage.discard()
             raise

@@ -1,12 +1,14 @@
 """The identity of the base weights a LoRA engine trains on: recorded in its adapter-only
 checkpoints (``mcore_rl.json``) and compared on resume, so adapters never load onto another base.
 
-Cheap by design (no full read of the weights):
-
-* a HF directory: ``config.json``'s SHA-256 and, per ``*.safetensors`` / index file, its size
-  and the SHA-256 of three 64 KiB samples (start — the header with every tensor's name, dtype,
-  shape and offset —, middle, end; a whole small file). A fine-tuned variant of the same model
-  (same names and sizes) differs in the sampled bytes;
+* a HF directory: ``config.json``'s SHA-256 and, per ``*.safetensors`` / index file, its size,
+  its full-content XXH3-128 (``fileio.checksum``: any edited byte differs) and the SHA-256 of
+  three 64 KiB samples (start — the header —, middle, end; a whole small file), which records
+  written before the full checksum hold alone. The full checksum is one sequential read of each
+  file (XXH3 runs above the disk's speed; right after the engine's own load the bytes are in the
+  page cache). A record without it (an older version's) is compared on what it holds — sizes and
+  samples, which miss an edit between the samples — and ``sampled_only`` names its files so the
+  callers warn;
 * a model directory (``dist_ckpt/``): the size and CRC-32 of every ``dist_ckpt/`` file from the
   record that vouches for it (the step's marker or the converter's RECORD: computed when it was
   written, so free here); without a record, sizes and samples as for a HF directory;
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from typing import Any, Mapping
 
 import torch
 
-from mcore_rl.errors import CheckpointError
+from mcore_rl.errors import CheckpointError, McoreRLError
+from mcore_rl.fileio.checksum import file_checksum
 
 SAMPLE_BYTES = 64 << 10
 Identity = dict[str, Any]  # JSON-able
@@ -46,13 +50,29 @@ def _sampled_sha256(path: str, size: int) -> str:
     return h.hexdigest()
 
 
-def _sampled_files(directory: str, names: list[str]) -> dict[str, dict[str, Any]]:
+def _sampled_files(directory: str, names: list[str], full: bool = False) -> dict[str, dict[str, Any]]:
+    """name -> size and sampled SHA-256 (``full``: and the XXH3-128 of every byte)."""
     out = {}
     for name in sorted(names):
         path = os.path.join(directory, name)
         size = os.path.getsize(path)
         out[name] = {"size": size, "sample_sha256": _sampled_sha256(path, size)}
+        if full:
+            out[name]["checksum"] = _full_checksum(path, size)
     return out
+
+
+def _full_checksum(path: str, size: int) -> str:
+    """XXH3-128 of every byte of the file (``fileio.checksum``'s recorded form)."""
+    try:
+        read, value = file_checksum(path)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} to identify the base weights ({e.strerror or e}); "
+                              "check the base model directory.") from None
+    if read != size:
+        raise CheckpointError(f"{path} changed size while it was read to identify the base weights ({size} -> "
+                              f"{read} bytes); the base is being written: wait until it is complete.")
+    return value
 
 
 def hf_dir_identity(path: str | os.PathLike) -> Identity:
@@ -65,7 +85,7 @@ def hf_dir_identity(path: str | os.PathLike) -> Identity:
     weights = [n for n in names if n.endswith(".safetensors") or n.endswith(".safetensors.index.json")]
     config = os.path.join(path, "config.json")
     config_sha = _sampled_sha256(config, os.path.getsize(config)) if os.path.isfile(config) else None
-    return {"kind": "hf", "path": path, "config_sha256": config_sha, "files": _sampled_files(path, weights)}
+    return {"kind": "hf", "path": path, "config_sha256": config_sha, "files": _sampled_files(path, weights, full=True)}
 
 
 def model_dir_identity(path: str, record_source: str | None,
@@ -117,7 +137,8 @@ def describe(identity: Identity | None) -> str:
 
 _KINDS = {"hf": "a HF directory", "mcore": "a model directory", "tensors": "in-memory tensors",
           "none": "the random init"}
-_FIELDS = {"size": "size", "crc32": "CRC-32", "sample_sha256": "sampled bytes", "config_sha256": "config.json",
+_FIELDS = {"size": "size", "crc32": "CRC-32", "sample_sha256": "sampled bytes", "checksum": "content (XXH3-128)",
+           "config_sha256": "config.json",
            "sha256": "names, shapes and bytes", "content": "content hashed"}
 
 
@@ -142,7 +163,31 @@ def differences(saved: Identity, current: Identity) -> list[str]:
             out.append(f"{name} missing")
         elif name not in old:
             out.append(f"{name} not in the saved base")
-        elif old[name] != new[name]:
-            keys = [k for k in sorted(set(old[name]) | set(new[name])) if old[name].get(k) != new[name].get(k)]
-            out.append(f"{name}: " + ", ".join(_changed(k, old[name].get(k), new[name].get(k)) for k in keys))
+        else:  # the saved entry's fields (an older record lacks the full checksum: not compared)
+            keys = [k for k in sorted(old[name]) if old[name].get(k) != new[name].get(k)]
+            if keys:
+                out.append(f"{name}: " + ", ".join(_changed(k, old[name].get(k), new[name].get(k)) for k in keys))
     return out
+
+
+def sampled_only(saved: Identity | None) -> list[str]:
+    """The files of a saved HF-directory identity recorded without a full checksum (by an older
+    version: sizes and samples only, which miss an edit between the samples); [] otherwise."""
+    if (saved or {}).get("kind") != "hf":
+        return []
+    return sorted(name for name, entry in (saved.get("files") or {}).items() if "checksum" not in entry)
+
+
+class SampledBaseWarning(McoreRLError, UserWarning):
+    """A recorded base identity without full-content checksums (an older version's record)."""
+
+
+def warn_if_sampled_only(saved: Identity | None, where: str) -> None:
+    """Warns (SampledBaseWarning) when ``saved`` has ``sampled_only`` files: the base was
+    accepted on sizes and samples alone."""
+    names = sampled_only(saved)
+    if names:
+        warnings.warn(f"{where}: the base identity it records predates full-content checksums: {names[:4]} of "
+                      f"{describe(saved)} are compared by size and three 64 KiB samples only, so an edit between "
+                      "the samples is not noticed; a step saved by this version records the full checksum.",
+                      SampledBaseWarning, stacklevel=3)

@@ -14,28 +14,48 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import zlib
 
 import xxhash
 
+from mcore_rl.errors import CheckpointError
+
 ALGORITHM = "xxh3_128"
 _PREFIX = ALGORITHM + ":"
 LEGACY = "crc32"
+_CRC32 = re.compile(r"[0-9a-fA-F]{8}")
+
+
+class UnknownChecksumError(CheckpointError):
+    """A recorded checksum of an algorithm this version does not know (written by another version)."""
 
 
 def algorithm_of(recorded: str | None) -> str:
-    """The algorithm a recorded checksum names: ``xxh3_128``, or ``crc32`` for a bare 8-hex string."""
-    if recorded is not None and recorded.startswith(_PREFIX):
+    """The algorithm a recorded checksum names: ``xxh3_128`` (``"xxh3_128:..."``), or ``crc32``
+    for a bare 8-hex-digit string (or None: nothing recorded); any other form names an algorithm
+    this version does not know: UnknownChecksumError naming it and the known ones (never read as
+    one of them, which would call an intact file damaged or skip its check)."""
+    if recorded is None or _CRC32.fullmatch(recorded):
+        return LEGACY
+    if recorded.startswith(_PREFIX):
         return ALGORITHM
-    return LEGACY
+    name = recorded.split(":", 1)[0] if ":" in recorded else None
+    what = f"names the algorithm {name!r}" if name else "is in no format"
+    raise UnknownChecksumError(
+        f"recorded checksum {recorded[:80]!r} {what}, which this version of mcore_rl does not know (known: "
+        f"{ALGORITHM} as '{ALGORITHM}:<32 hex digits>', {LEGACY} as 8 hex digits); it was written by another "
+        "version: read it with that version, or use another copy.")
 
 
 def recorded_checksum(entry: dict) -> str | None:
     """The checksum of a JSON file entry: ``checksum`` (this version) or ``crc32`` (before it);
-    None where none was recorded."""
+    None where none was recorded. Its algorithm is checked here (``algorithm_of``), so a record
+    naming an unknown one is refused when it is read."""
     value = entry["checksum"] if "checksum" in entry else entry["crc32"]
     if value is not None and not isinstance(value, str):
         raise TypeError(f"checksum {value!r} is not a string")
+    algorithm_of(value)
     return value
 
 

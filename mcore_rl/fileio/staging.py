@@ -3,7 +3,9 @@ place at the end, so a failure never costs the old output and never leaves a par
 
 ``Staging.create(final)`` makes ``<parent>/.<name>.staging-<id>``; ``commit()`` moves an
 existing ``final`` aside to ``.<name>.replaced-<id>`` (the same ``<id>``), renames the staging
-directory to ``final`` and only then deletes the old one; ``discard()`` removes the staging
+directory to ``final`` and only then deletes the old one — only with ``replace=True`` (``--overwrite``):
+without it the commit is one rename that refuses a ``final`` another run wrote meanwhile;
+``discard()`` removes the staging
 directory (and the parents it had to create), or, once a commit has started, settles it.
 
 Crash recovery: ``<id>`` is ``<pid>-<start ticks>-<host hash>-<random>``, naming the process
@@ -23,6 +25,7 @@ warning names them). No torch or megatron import: the merge and the pre-flight c
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -109,14 +112,33 @@ def new_id() -> str:
 def owner_dead(ident: str) -> bool:
     """True only when the owner named in ``ident`` provably is gone: same host, and no process
     with that pid, or one started at another time (the pid was reused)."""
+    return _owner_state(ident) == "dead"
+
+
+def _owner_state(ident: str) -> str:
+    """``dead`` (provably gone, see ``owner_dead``), ``live`` (that process runs on this host),
+    ``foreign`` (another host) or ``unknown`` (no start time recorded, or ``/proc`` unreadable)."""
     pid, ticks, host, _ = ident.split("-")
-    if host != _host() or int(ticks) == 0:
-        return False
+    if host != _host():
+        return "foreign"
+    if int(ticks) == 0:
+        return "unknown"
     try:
         now = _start_ticks(int(pid))
     except OSError:
-        return False
-    return now is None or now != int(ticks)
+        return "unknown"
+    return "dead" if now is None or now != int(ticks) else "live"
+
+
+def _kept_warning(final: str, ident: str, pair: dict[str, str], state: str) -> None:
+    """Warns that the leftovers ``pair`` of the owner ``ident`` stay (its state: not ``dead``)."""
+    pid, _, host, _ = ident.split("-")
+    owner = {"live": f"process {pid}, which is still running on this host",
+             "foreign": f"process {pid} on another host (host hash {host})",
+             "unknown": f"process {pid} on this host, whose state cannot be told"}[state]
+    for path in sorted(pair.values()):
+        warnings.warn(f"{path} belongs to {owner}: it may still be writing {final}, so it is not removed; "
+                      f"remove it once no converter writes {final}.", StagingWarning, stacklevel=4)
 
 
 def _leftover_re(final: str) -> re.Pattern:
@@ -228,8 +250,11 @@ def settle(final: str) -> None:
         return
     with _parent_lock(parent):
         for ident, pair in sorted(_survey(final).items()):
-            if owner_dead(ident):
+            state = _owner_state(ident)
+            if state == "dead":
                 _settle_one(final, pair, forward=True)
+            else:
+                _kept_warning(final, ident, pair, state)
 
 
 @dataclass
@@ -279,13 +304,21 @@ class Staging:
         ident = self.name.rsplit(".staging-", 1)[1]
         return os.path.join(os.path.dirname(self.final), f".{os.path.basename(self.final)}.replaced-{ident}")
 
-    def commit(self) -> None:
-        """Publishes the staging directory as ``final``: fsync, then an existing ``final`` is moved
-        aside, the staging directory renamed into place, and only then the old one deleted (a
-        failure to delete it is a warning naming it; the next run removes it)."""
+    def commit(self, *, replace: bool) -> None:
+        """Publishes the staging directory as ``final``: fsync, then (``replace``) an existing
+        ``final`` is moved aside, the staging directory renamed into place, and only then the old
+        one deleted (a failure to delete it is a warning naming it; the next run removes it).
+
+        ``replace=False`` (no ``--overwrite``): one rename, which the kernel refuses when ``final``
+        exists then and is not an empty directory (written by another run since the caller's
+        check): a StagingError naming it; that output stays untouched, and this staging directory
+        is left for the caller's ``discard()``."""
         fsync_tree(self.path)
         parent = os.path.dirname(self.final)
         fault_point("stage_commit")
+        if not replace:
+            self._publish_new()
+            return
         there = _exists(self.final)
         self.committing = True  # before the first rename: an interrupt right after it is settled
         if there:
@@ -298,6 +331,20 @@ class Staging:
         else:
             _rename(self.path, self.final)
         fsync_path(parent)
+
+    def _publish_new(self) -> None:
+        """Renames the staging directory to ``final`` unless something is there (an empty
+        directory aside: rename(2) replaces it, as the callers' checks allow)."""
+        try:
+            _rename(self.path, self.final)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise StagingError(f"{self.final} appeared while this output was written (another run writing the "
+                               "same path?) and is not replaced without --overwrite: it is left as it is and "
+                               "this output is discarded; run again with --overwrite to replace it, or choose "
+                               "another output path.") from None
+        fsync_path(os.path.dirname(self.final))
 
     def discard(self) -> None:
         """Removes the staging directory and the (still empty) parents made for it; once a

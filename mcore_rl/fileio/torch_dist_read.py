@@ -181,7 +181,7 @@ class TorchDistReader:
         if len(index) > len(info.shape) or any(not 0 <= i < n for i, n in zip(index, info.shape)):
             raise TorchDistReadError(f"{self.path}: index {index} is outside {key!r} of shape {info.shape}.")
         chunks = [c for c in info.chunks if _overlap(index, *c)]
-        self._check_tiling(key, index, info.shape, chunks)
+        check_tiling(self.path, key, index, info.shape, chunks)
         if len(chunks) == 1:  # one chunk holds the whole part: a view of it, no assembly copy
             chunk = self._load_chunk(key, *chunks[0])
             return chunk[tuple(i - off for i, off in zip(index, chunks[0][0]))]
@@ -199,32 +199,11 @@ class TorchDistReader:
             del chunk
         return out
 
-    def _check_tiling(self, key: str, index: tuple[int, ...], shape: tuple[int, ...],
-                      chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
-        """The chunks' boxes, restricted to the part at ``index``, lie inside the shape, are pairwise
-        disjoint and their volumes add up to the part's: every element is written exactly once.
-        Checked on the grid of the boxes' edges (each box marks its cells, a cell marked twice is
-        an overlap): time and memory grow with the grid's cells, at most ``MAX_CELLS``."""
-        part = shape[len(index):]
-        boxes = []
-        for offsets, sizes in chunks:
-            if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
-                    off < 0 or size < 0 or off + size > n for off, size, n in zip(offsets, sizes, shape)):
-                raise TorchDistReadError(f"{self.path}: .metadata gives {key!r} a chunk at {offsets} of size "
-                                         f"{sizes} outside its shape {shape}; the .metadata file is damaged.")
-            boxes.append((offsets[len(index):], sizes[len(index):]))
-        covered = sum(math.prod(sizes) for _, sizes in boxes)
-        clash = _first_clash(boxes, part) if covered == math.prod(part) else None
-        if clash == "cells":
-            raise TorchDistReadError(f"{self.path}: {key!r} at index {index}: its {len(boxes)} chunks cut the part "
-                                     f"into more than {MAX_CELLS} cells (no save does that); the .metadata file "
-                                     "is damaged: use another checkpoint.")
-        if clash is not None or covered != math.prod(part):
-            what = (f"chunks at {clash[0]} and {clash[1]} overlap" if clash is not None
-                    else f"its chunks cover {covered} of the {math.prod(part)} elements")
-            raise TorchDistReadError(
-                f"{self.path}: {key!r} at index {index}: {what}; the checkpoint is incomplete (a rank's shard "
-                "was not written) or its .metadata is damaged: use another checkpoint.")
+    def check_key(self, key: str) -> None:
+        """``key``'s written chunks tile its whole global shape (``check_tiling``): what a load
+        by overlap (torch.distributed.checkpoint's) needs so no element is left unread."""
+        info = self.info(key)
+        check_tiling(self.path, key, (), info.shape, list(info.chunks))
 
     def read_object(self, key: str) -> Any:
         """A ShardedObject payload (e.g. ``rng_state/shard_0_2``), unpickled only with torch's
@@ -328,6 +307,35 @@ class _Span(io.RawIOBase):
         got = self._f.readinto(memoryview(buffer).cast("B")[:n])
         self._pos += got
         return got
+
+
+def check_tiling(where: str, key: str, index: tuple[int, ...], shape: tuple[int, ...],
+                 chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    """The chunks' boxes, restricted to the part at ``index``, lie inside the shape, are pairwise
+    disjoint and their volumes add up to the part's: every element is written exactly once.
+    Checked on the grid of the boxes' edges (each box marks its cells, a cell marked twice is
+    an overlap): time and memory grow with the grid's cells, at most ``MAX_CELLS``. ``where``: the
+    checkpoint directory, for messages. The merge's reads and the manager's loads use it."""
+    part = shape[len(index):]
+    boxes = []
+    for offsets, sizes in chunks:
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                off < 0 or size < 0 or off + size > n for off, size, n in zip(offsets, sizes, shape)):
+            raise TorchDistReadError(f"{where}: .metadata gives {key!r} a chunk at {offsets} of size "
+                                     f"{sizes} outside its shape {shape}; the .metadata file is damaged.")
+        boxes.append((offsets[len(index):], sizes[len(index):]))
+    covered = sum(math.prod(sizes) for _, sizes in boxes)
+    clash = _first_clash(boxes, part) if covered == math.prod(part) else None
+    if clash == "cells":
+        raise TorchDistReadError(f"{where}: {key!r} at index {index}: its {len(boxes)} chunks cut the part "
+                                 f"into more than {MAX_CELLS} cells (no save does that); the .metadata file "
+                                 "is damaged: use another checkpoint.")
+    if clash is not None or covered != math.prod(part):
+        what = (f"chunks at {clash[0]} and {clash[1]} overlap" if clash is not None
+                else f"its chunks cover {covered} of the {math.prod(part)} elements")
+        raise TorchDistReadError(
+            f"{where}: {key!r} at index {index}: {what}; the checkpoint is incomplete (a rank's shard "
+            "was not written) or its .metadata is damaged: use another checkpoint.")
 
 
 def _overlap(index: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:

@@ -99,7 +99,7 @@ def save_peft_adapter(chunks: list[torch.nn.Module], args: ModelArgs, role: Role
                       metadata={"format": "pt"})
             with open(os.path.join(staging.path, "adapter_config.json"), "w", encoding="utf-8") as f:
                 json.dump(adapter_config, f, indent=2, sort_keys=True)
-            staging.commit()  # fsyncs, then renames into place
+            staging.commit(replace=True)  # fsyncs, then renames into place (replacing)
         except BaseException:
             staging.discard()
             raise
@@ -119,7 +119,7 @@ def save_merged_hf(chunks: list[torch.nn.Module], args: ModelArgs, role: Role, d
         staging = Staging.create(os.path.abspath(directory))
         try:
             write_bucket_shards(staging.path, buckets)
-            staging.commit()  # fsyncs, then renames into place
+            staging.commit(replace=True)  # fsyncs, then renames into place (replacing)
         except BaseException:
             staging.discard()
             raise

@@ -317,3 +317,74 @@ def test_adapter_refused_at_the_start_still_drains_the_collective_generator(mode
                                                                                     "use_dora": True},
                                            base_sync_done=True))
     assert drained == [0, 1, 2]
+
+
+def test_a_sync_whose_sender_died_does_not_wedge_the_server(model_dir):
+    """Issue #37 item 9: a sync begun, one bucket sent, then its sender died (no finish): the
+    lock it holds blocked every later sync and request forever. The next trainer's begin takes
+    over (the request that waited is served by its complete weights); a sync silent for
+    ``sync_timeout_s`` is abandoned: the request that waited and later ones fail with a clear
+    error until a whole sync; a late call of the dead sync is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.integrations.verl.rollout_server import RolloutServerError
+
+    server = make_server(model_dir)
+    server.sync_timeout_s = 0.5
+    trained = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    items = [(n, t) for n, t in trained.items()]
+    ask = dict(prompt_ids=[5, 6, 7], sampling_params={"temperature": T})
+
+    async def dies_after_one_bucket():
+        await server.begin_weight_update()
+        await server.update_weights_bucket(items[:1])
+
+    async def whole(steps):
+        await server.begin_weight_update()
+        await server.update_weights_bucket(items)
+        await server.finish_weight_update(steps)
+
+    async def run():
+        await dies_after_one_bucket()
+        waiting = asyncio.ensure_future(server.generate(request_id="w1", **ask))
+        await asyncio.sleep(0.05)
+        parked = not waiting.done()
+        await asyncio.wait_for(whole(9), 5)  # the next trainer's sync: takes over
+        served = await asyncio.wait_for(waiting, 5)
+        await dies_after_one_bucket()
+        waiting = asyncio.ensure_future(server.generate(request_id="w2", **ask))
+        failed = await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), 5)
+        later = await asyncio.gather(server.generate(request_id="w3", **ask), return_exceptions=True)
+        late_call = await asyncio.gather(server.finish_weight_update(10), return_exceptions=True)
+        await asyncio.wait_for(whole(11), 5)
+        again = await asyncio.wait_for(server.generate(request_id="w4", **ask), 5)
+        return parked, served, failed[0], later[0], late_call[0], again
+
+    parked, served, failed, later, late_call, again = asyncio.run(run())
+    assert parked and served.stop_reason == "completed" and served.token_ids
+    assert served.extra_fields["global_steps"] == 9
+    for error in (failed, later):
+        assert isinstance(error, RolloutServerError) and "failed part-way or was abandoned" in str(error), error
+    assert isinstance(late_call, RolloutServerError) and "finish_weight_update outside" in str(late_call), late_call
+    assert again.token_ids and again.extra_fields["global_steps"] == 11
+
+
+def test_an_out_of_vocabulary_token_id_is_refused_alone(model_dir):
+    """Issue #37 item 11: one request with an id past the vocabulary (or negative) failed every
+    request batched with it with a bare IndexError; it is refused naming the id and the
+    vocabulary size, and its batch-mates are served."""
+    from mcore_rl.integrations.verl.rollout_server import RolloutServerError
+
+    server = make_server(model_dir)
+    vocab = server.engine.model.get_input_embeddings().num_embeddings
+
+    async def run():
+        batch = [[5, 6], [5, vocab], [7, 8], [-1, 4]]
+        return await asyncio.gather(*[server.generate(prompt_ids=p, request_id=f"v{i}", sampling_params={})
+                                      for i, p in enumerate(batch)], return_exceptions=True)
+
+    ok1, too_big, ok2, negative = asyncio.run(run())
+    assert ok1.stop_reason == ok2.stop_reason == "completed" and ok1.token_ids and ok2.token_ids
+    for error, bad in ((too_big, vocab), (negative, -1)):
+        assert isinstance(error, RolloutServerError), error
+        assert f"prompt token id {bad} " in str(error) and f"vocabulary of {vocab} ids" in str(error), error

@@ -9,6 +9,16 @@ prompt, and a counter over identical (request id, prompt) pairs since the last u
 one request id for every sample under ``full_determinism``). With ``rollout.full_determinism``
 requests run one at a time, so a sample never depends on which others share its batch.
 
+A weight sync holds the server from ``begin_weight_update`` to ``finish_weight_update``. A sync
+whose sender died in between never finishes: the next ``begin_weight_update`` takes over from
+it, and a sync that receives nothing for ``sync_timeout_s`` is abandoned. Either way, when it had
+replaced weights already the server refuses to generate (a clear error) until a whole sync
+succeeds; an abandoned adapter-only sync, or one that wrote nothing, leaves the last complete
+weights served.
+
+A prompt holding an id outside the model's vocabulary is refused alone, when it arrives (the
+requests batched with it are served).
+
 ``sleep`` / ``wake_up`` / ``*_kv_cache`` keep the weights in host memory (the model is small next
 to host memory, and the trainer's state does not move on CPU): they are bookkeeping here.
 """
@@ -17,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,12 +44,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 # sampling_params keys verl sends and what they must be here (None: any value)
 _NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0, "n": 1}
+SYNC_TIMEOUT_S = 600.0  # a weight sync silent this long (its sender died) is abandoned
 _TAKEN = ("temperature", "top_p", "top_k", "logprobs", "max_tokens", "max_new_tokens", "ignore_eos", "seed",
           "skip_special_tokens", "spaces_between_special_tokens", "detokenize")
 
 
 class RolloutServerError(McoreRLError, ValueError):
     """A request or setting the CPU rollout server cannot serve; names the value and the fix."""
+
+
+_STALE = ("the last weight sync into this rollout server failed part-way or was abandoned (its sender failed or "
+          "went silent); its weights are a mix of two steps. Fix the sync error (see the trainer's log) and sync "
+          "again.")
 
 
 @dataclass
@@ -72,7 +89,10 @@ class RolloutServer:
     config with random weights when ``rollout.load_format`` is ``dummy``, verl's default: the first
     weight sync fills them)."""
 
-    def __init__(self, config: Any, model_config: Any, replica_rank: int, num_threads: int | None = None) -> None:
+    def __init__(self, config: Any, model_config: Any, replica_rank: int, num_threads: int | None = None,
+                 sync_timeout_s: float = SYNC_TIMEOUT_S) -> None:
+        """``sync_timeout_s``: a weight sync that receives no call for this long is abandoned
+        (see the module doc)."""
         from verl.utils.config import omega_conf_to_dataclass
 
         self.config = omega_conf_to_dataclass(config)
@@ -101,6 +121,13 @@ class RolloutServer:
         self._stale = False  # a weight sync failed part-way: the weights are a mix
         self.adapters = ServedAdapters(self.engine.model)  # LoRA served unmerged (rollout_lora)
         self._adapter_sync = False
+        self.vocab_size = int(self.engine.model.get_input_embeddings().num_embeddings)
+        self.sync_timeout_s = float(sync_timeout_s)
+        self._sync: int | None = None  # the weight sync in progress (it holds the lock)
+        self._syncs = 0
+        self._sync_seen = 0.0  # time.monotonic() of its last call
+        self._sync_wrote = False  # it copied weights into the model already
+        self._watchdog: asyncio.Task | None = None
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
@@ -116,8 +143,7 @@ class RolloutServer:
                                      "SGLang (actor_rollout_ref.rollout.name).")
         self._ensure_loop_state()
         if self._stale:
-            raise RolloutServerError("the last weight sync into this rollout server failed part-way; its weights are "
-                                     "a mix of two steps. Fix the sync error (see the trainer's log) and sync again.")
+            raise RolloutServerError(_STALE)
         prompt = [int(t) for t in prompt_ids]
         while not self._admitting:
             if self._reject:
@@ -142,6 +168,11 @@ class RolloutServer:
         if unknown:
             raise RolloutServerError(f"sampling_params keys {unknown} are not supported by the mcore_rl rollout "
                                      f"(it takes {list(_TAKEN) + list(_NEUTRAL)}).")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RolloutServerError(f"prompt token id {bad} (request {request_id!r}) is outside the model's vocabulary "
+                                     f"of {self.vocab_size} ids (0..{self.vocab_size - 1}); check the tokenizer and the "
+                                     "model the rollout serves.")
         c = self.config
         room = (c.max_model_len or c.prompt_length + c.response_length) - len(prompt)
         if room < 1:
@@ -163,6 +194,8 @@ class RolloutServer:
     def _ensure_loop_state(self) -> None:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.get_loop() is not loop:  # built on the loop that serves
+            if self._sync is not None:  # a sync on the old loop cannot finish on this one
+                self._abandon_sync("its event loop ended")
             self._has_work, self._lock, self._resumed = asyncio.Event(), asyncio.Lock(), asyncio.Event()
             self._resumed.set()
             self._task = loop.create_task(self._serve())
@@ -178,6 +211,8 @@ class RolloutServer:
                 continue
             try:
                 async with self._lock:
+                    if self._stale:  # a sync that waited requests out was abandoned part-way
+                        raise RolloutServerError(_STALE)
                     results = await asyncio.to_thread(
                         sample_requests, self.engine.model, [b.request for b in batch], self.engine.pad_id,
                         lambda: self._abort)
@@ -193,25 +228,40 @@ class RolloutServer:
     # ---- weights ------------------------------------------------------------------------------
     async def begin_weight_update(self, peft_config: dict[str, Any] | None = None) -> None:
         """Waits for the batch in flight; the next buckets replace the weights, or with
-        ``peft_config`` (verl's adapter-only sync) the LoRA adapters."""
+        ``peft_config`` (verl's adapter-only sync) the LoRA adapters. A sync still in progress
+        (its sender died before ``finish_weight_update``) is abandoned and this one takes over."""
         self._ensure_loop_state()
-        await self._lock.acquire()
+        if self._sync is not None:
+            self._abandon_sync("a new begin_weight_update arrived")  # keeps the lock for this sync
+        else:
+            await self._lock.acquire()
+        self._syncs += 1
+        self._sync, self._sync_seen, self._sync_wrote = self._syncs, time.monotonic(), False
         self._updated = set()
         self._adapter_sync = peft_config is not None
         try:
             if self._adapter_sync:
                 self.adapters.begin(peft_config)
         except BaseException:
-            self._lock.release()
+            self._end_sync()
             raise
+        self._watchdog = asyncio.get_running_loop().create_task(self._expire(self._sync))
+
+    def _active_sync(self, call: str) -> None:
+        """Refuses ``call`` outside a sync in progress; notes the sync is alive."""
+        if self._sync is None:
+            raise RolloutServerError(f"{call} outside begin_weight_update / finish_weight_update (or after its sync was "
+                                     f"abandoned: silent for {self.sync_timeout_s:g} s, or taken over by a newer "
+                                     "begin_weight_update); start a new sync.")
+        self._sync_seen = time.monotonic()
 
     async def update_weights_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
         """Copies one bucket of (HF name, full tensor) into the model (an adapter sync: keeps the
         bucket's PEFT-named factors until the sync finishes)."""
-        if self._lock is None or not self._lock.locked():
-            raise RolloutServerError("update_weights_bucket outside begin_weight_update / finish_weight_update.")
+        self._active_sync("update_weights_bucket")
         if self._adapter_sync:
             return self.adapters.take(bucket)
+        self._sync_wrote = True  # before the copy: one that fails part-way has written too
         taken = self.engine.update_weights(bucket)
         self._updated.update(id(self.engine.params[name]) for name, _ in bucket)
         return taken
@@ -221,6 +271,7 @@ class RolloutServer:
         whole; it then replaces the served adapters; a full sync removes them), records the
         weights' step, and resumes. ``complete=False`` (the sender failed part-way): the server
         refuses to generate until a whole sync succeeds."""
+        self._active_sync("finish_weight_update")
         try:
             self._stale = True
             if not complete:
@@ -239,8 +290,36 @@ class RolloutServer:
             self._seen.clear()
             self._stale = False
         finally:
-            self._adapter_sync = False
-            self._lock.release()
+            self._end_sync()
+
+    def _abandon_sync(self, why: str) -> None:
+        """Drops the sync in progress (its sender is gone); the weights are stale when it had
+        written any. The lock stays held: the caller takes it over or releases it."""
+        log.warning("abandoning the unfinished weight sync into rollout replica %s (%s)%s", self.replica_rank, why,
+                    "; it had replaced weights: generation is refused until a whole sync" if self._sync_wrote else "")
+        self._stale = self._stale or self._sync_wrote
+        self.adapters.abandon()
+        self._sync, self._adapter_sync = None, False
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        self._watchdog = None
+
+    def _end_sync(self) -> None:
+        """The sync is over: the watchdog stops and the lock is released."""
+        if self._watchdog is not None and self._watchdog is not asyncio.current_task():
+            self._watchdog.cancel()
+        self._sync, self._adapter_sync, self._watchdog = None, False, None
+        self._lock.release()
+
+    async def _expire(self, sync: int) -> None:
+        """Abandons sync ``sync`` once it has been silent for ``sync_timeout_s``."""
+        while self._sync == sync:
+            idle = time.monotonic() - self._sync_seen
+            if idle >= self.sync_timeout_s:
+                self._abandon_sync(f"no call for {self.sync_timeout_s:g} s")
+                self._lock.release()
+                return
+            await asyncio.sleep(self.sync_timeout_s - idle)
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
