@@ -215,6 +215,22 @@ REFUSED = {  # name -> (tensors, quantization_config, what the error names)
     "fp8_e5m2_fmt": ({"a.weight": _Q}, dict(BLOCK, fmt="e5m2"), "fmt='e5m2'"),
     "ct_group_strategy": ({"a.weight": _Q}, dict(GLM_CT, config_groups={"g": {"weights": dict(
         num_bits=8, type="float", strategy="group", group_size=16)}}), "weight strategy 'group'"),
+    # issue #37 item 12: an integer or bool dtype where the model expects a float weight, with and
+    # without FP8 beside it; an FP8 payload is legal only beside its scale (scale_dropped above)
+    "int_in_float_slot": ({"model.norm.weight": torch.ones(50, dtype=torch.int32)}, None,
+                          r"tensor 'model.norm.weight' is stored as I32, an integer dtype, where the model expects a "
+                          "float weight"),
+    "int_beside_fp8": ({"a.weight": _Q, "a.weight_scale_inv": _S, "model.norm.weight": torch.ones(50, dtype=torch.int64),
+                        "b.bias": torch.zeros(3, dtype=torch.bool)}, BLOCK,
+                       r"tensor 'b.bias' is stored as BOOL \(and 1 more: \['model.norm.weight'\]\), an integer dtype"),
+    "uint8_in_float_slot": ({"model.embed_tokens.weight": torch.ones(4, 4, dtype=torch.uint8)}, None,
+                            "'model.embed_tokens.weight' is stored as U8"),
+    # MXFP4 has no import: refused by its method before any value (an E8M0 scale 0xFF, NaN, is never read)
+    "mxfp4_nan_e8m0_scale": ({"a.weight_blocks": torch.zeros(4, 2, 16, dtype=torch.uint8),
+                              "a.weight_scales": torch.full((4, 2), 255, dtype=torch.uint8)},
+                             dict(quant_method="mxfp4"), "'mxfp4'"),
+    "e8m0_scale_under_fp8": ({"a.weight": _Q, "a.weight_scale_inv": torch.full(
+        (3, 4), 255, dtype=torch.uint8).view(torch.float8_e8m0fnu)}, BLOCK, r"stored as \['F8_E8M0'\]"),
 }
 
 
@@ -227,6 +243,70 @@ def test_refused_by_the_reader_and_the_converter_preflight(case, tmp_path):
     for check in (SafetensorsReader, check_input, resolve_dtype):
         with pytest.raises(QuantizationError, match=match):
             check(d)
+
+
+_W = torch.randn(20, 50, generator=torch.Generator().manual_seed(5))
+_W[:8, :16] = 0.0  # block [0, 0] all zero: a zero scale there is legal
+_QB, _SB, _DB = quantize(_W, "block", torch.float32, (8, 16))
+_QC, _SC, _DC = quantize(_W, "channel", torch.bfloat16)
+_QT, _ST, _DT = quantize(_W, "tensor", torch.float16)
+SCHEMES = {  # name -> (weight, scale, dequantized, config, where element [13, 40] is, index of its scale)
+    "block": (_QB, _SB, _DB, BLOCK, r"\[13, 40\] in block \[1, 2\]", (1, 2)),
+    "channel": (_QC, _SC, _DC, GLM_CT, r"\[13, 40\]", (13, 0)),
+    "tensor": (_QT, _ST, _DT, dict(quant_method="fp8", activation_scheme="static"), r"\[13, 40\]", ()),
+}
+_SCALES = r"1 scale\(s\) NaN, inf or negative, the first {} scales {}; a scale is finite and >= 0"
+_WHAT = {"block": r"block \[1, 2\] \(rows 8\.\., cols 32\.\.\)", "channel": "row 13", "tensor": "the whole tensor"}
+DAMAGED = {  # issue #37 item 5: name -> (edit of (q, scale), what the error says; {at}: the element, {what}: scale's)
+    "scale_nan": (lambda q, s, i: s.__setitem__(i, float("nan")), _SCALES.format("nan", "{what}")),
+    "scale_inf": (lambda q, s, i: s.__setitem__(i, float("inf")), _SCALES.format("inf", "{what}")),
+    "scale_negative": (lambda q, s, i: s.__setitem__(i, -0.5), _SCALES.format("-0.5", "{what}")),
+    "scale_zero_on_nonzero": (lambda q, s, i: s.__setitem__(i, 0.0),
+                              r"non-zero FP8 value\(s\) have a zero scale .* the first at \[\d+, \d+\]"),
+    "scale_overflow": (lambda q, s, i: s.__setitem__(i, 6e4 if s.dtype == torch.float16 else 1e37),
+                       r"times its scale .* overflows float32: the scale is damaged|beyond float16's range"),
+    "payload_nan": (lambda q, s, i: q.view(torch.uint8).__setitem__((13, 40), 0xFF),
+                    r"1 FP8 value\(s\) are NaN encodings \(0x7F/0xFF\), the first at {at}"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_damaged_scales_and_fp8_values_are_refused_naming_the_block(damage, scheme, tmp_path):
+    """A NaN, inf, negative, zero (on non-zero values) or overflowing scale, or a NaN encoding
+    among the FP8 values, is a QuantizationError naming the tensor and the block (or row), not
+    NaN/inf/sign-flipped/zeroed weights (undamaged: test_reader_dequantizes_exactly_when_fp8_has_a_scale)."""
+    from mcore_rl.mapping.casts import CastOverflowError
+
+    q, scale, _, quant, at, index = SCHEMES[scheme]
+    edit, says = DAMAGED[damage]
+    q, scale = q.clone(), scale.clone()
+    if damage == "scale_overflow":  # 448 x 1e37 leaves float32; an F16 scale (at most 65504): 448 x 6e4 leaves fp16
+        q.view(torch.uint8)[13, 40] = 0x7E
+    edit(q, scale, index)
+    d = _small(tmp_path, {"a.weight": q, "a.weight_scale" + ("_inv" if scheme == "block" else ""): scale}, quant)
+    reader = SafetensorsReader(d, dequant_dtype=torch.float32 if scale.dtype != torch.float16 else torch.float16)
+    with pytest.raises((QuantizationError, CastOverflowError), match=r"'a.weight': .*" + says.format(
+            at=at, what=_WHAT[scheme])):
+        reader["a.weight"]
+
+
+def test_zero_scale_of_an_all_zero_block_is_legal_and_fp16_overflow_is_refused(tmp_path):
+    """A zero scale of an all-zero block reads as that block's zeros; a product beyond fp16's
+    +-65504 read as fp16 is refused naming the tensor, the value and the fix (bf16/fp32)."""
+    from mcore_rl.mapping.casts import CastOverflowError
+
+    scale = _SB.clone()
+    scale[0, 0] = 0.0
+    d = _small(tmp_path, {"a.weight": _QB, "a.weight_scale_inv": scale}, BLOCK)
+    assert torch.equal(SafetensorsReader(d)["a.weight"], _DB)
+    scale[1, 2] = 1000.0  # 1000 x the block's FP8 values (up to 448): beyond 65504
+    (tmp_path / "big").mkdir()
+    d = _small(tmp_path / "big", {"a.weight": _QB, "a.weight_scale_inv": scale}, BLOCK)
+    assert bool(torch.isfinite(SafetensorsReader(d, dequant_dtype=torch.bfloat16)["a.weight"]).all())
+    with pytest.raises(CastOverflowError, match=r"'a.weight': \d+ value\(s\) beyond float16's range \+-65504, the "
+                                                r"first .* at \[\d+, \d+\], would be written as inf; read it in bf16 or fp32"):
+        SafetensorsReader(d, dequant_dtype=torch.float16)["a.weight"]
 
 
 def test_reader_dequantizes_exactly_when_fp8_has_a_scale(tmp_path):
