@@ -347,22 +347,38 @@ def test_tokenizer_code_linked_out_of_the_directory_is_refused(tmp_path):
         hf_side_files(d)
 
 
-def test_cli_refuses_in_one_line(fp8_dirs, tmp_path):
-    """hf_to_mcore.py: another method is one ``error:`` line naming it; ``--test`` of an FP8 input
-    (transformers cannot be its reference on CPU) is refused before anything is written."""
+def test_cli_refuses_in_one_line_and_tests_fp8_against_its_dequantized_model(fp8_dirs, tmp_path):
+    """hf_to_mcore.py: another method is one ``error:`` line naming it; a NaN scale found while
+    converting (exit 0 with NaN weights before issue #37) is one line naming tensor and block,
+    nothing written; ``--test`` of an FP8 input (refused before issue #37) compares with
+    transformers' model of its dequantized weights and passes."""
+    import shutil
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "converters", "hf_to_mcore.py")
     gptq = _small(tmp_path, {"a.qweight": torch.zeros(4, 4, dtype=torch.int32)}, dict(quant_method="gptq"))
-    env = {**os.environ, "PYTHONPATH": root}
-    for argv, said in (([gptq], "quant_method='gptq'"), ([fp8_dirs[1]["qwen3_moe"][0], "--test"], "--test compares")):
-        out = str(tmp_path / "out")
-        r = subprocess.run([sys.executable, script, "--hf_model_path", *argv[:1], "--output_path", out, *argv[1:]],
-                           env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and said in r.stderr and not os.path.exists(out), r.stderr[-2000:]
-        assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1, r.stderr
+    fp8 = fp8_dirs[1]["qwen3_moe"][0]
+    damaged = shutil.copytree(fp8, tmp_path / "damaged")
+    tensors = load_file(os.path.join(fp8, "model.safetensors"))
+    scale = "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"
+    tensors[scale][0, 1] = float("nan")
+    save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    runs = {name: subprocess.Popen([sys.executable, script, "--hf_model_path", src, "--output_path",
+                                    str(tmp_path / f"out_{name}"), *extra], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for name, src, extra in (("gptq", gptq, []), ("damaged", str(damaged), []), ("test", fp8, ["--test"]))}
+    said = {name: proc.communicate(timeout=600) + (proc.returncode,) for name, proc in runs.items()}
+    for name, text in (("gptq", "quant_method='gptq'"),
+                       ("damaged", "'model.layers.1.mlp.experts.2.down_proj.weight': 1 scale(s) NaN, inf or negative, "
+                                   "the first nan scales block [0, 1] (rows 0.., cols 24..)")):
+        out, err, code = said[name]
+        assert code == 2 and text in err and not os.path.exists(tmp_path / f"out_{name}"), err[-2000:]
+        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
+    out, err, code = said["test"]
+    assert code == 0 and "PASS" in out, out[-2000:] + err[-2000:]
 
 
 def test_kimi_k2_shaped_config_reads_as_deepseek_v3(tmp_path):
