@@ -2,7 +2,9 @@
 failed run leaves the old output as it was; the dtype is the input's unless asked otherwise and
 config.json states it; a reward model (*ForSequenceClassification) converts like load_hf reads it;
 ``test`` fails on NaN/inf; a damaged or hostile ``.metadata`` (overlapping chunks, file names
-leaving the checkpoint) is refused with the key or the entry named, before any outside file is read."""
+leaving the checkpoint) is refused with the key or the entry named, before any outside file is read.
+Issue #37: a weight beyond fp16's range under --dtype fp16 is refused (converter and merge), NaN/inf
+in the input are copied and named, and --overwrite replaces the converter's own earlier output."""
 from __future__ import annotations
 
 import dataclasses

@@ -8,7 +8,9 @@ ue8m0), BF16 and F16:
 Each is dequantized independently here (block reshapes, not the reader's band loop) into an fp32
 directory: the converter's output equals the conversion of that directory bit for bit (fp32) and
 as one rounding of the fp32 products (the default bf16); load_hf's logits equal transformers' on
-it at world 1 and EP=2. Every refusal (other methods, missing or misshapen scales) is tested."""
+it at world 1 and EP=2. Every refusal (other methods, missing or misshapen scales) is tested, and
+(issue #37) damaged values: NaN/inf/negative/overflowing scales, zero scales of non-zero blocks,
+NaN FP8 encodings, integer dtypes where a float weight belongs; ``--test`` of an FP8 input."""
 from __future__ import annotations
 
 import json
