@@ -9,7 +9,8 @@ stating another dtype is a warning naming both; the output's config states the d
 FP8 checkpoints (block FP8, compressed-tensors FP8, per-tensor FP8) are dequantized while read;
 their default dtype is that of most of their other weights (bf16 for DeepSeek/Qwen3/GLM).
 --test: afterwards, in a fresh process, load the output at TP=1 and compare logits with
-transformers' model (fails with exit code 1 when max |diff| > 1e-4 in fp32).
+transformers' model (fails with exit code 1 when max |diff| > 1e-4 in fp32); of an FP8 input,
+transformers' model of its dequantized weights (converters/verify_logits.py).
 Bad input: one line "error: ..." on stderr, exit code 2, nothing written.
 """
 from __future__ import annotations
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.errors import McoreRLError
 
     try:
-        preflight(a.hf_model_path, a.output_path, a.overwrite, a.dtype, a.role, a.test)  # before heavy imports
+        preflight(a.hf_model_path, a.output_path, a.overwrite, a.dtype, a.role)  # before heavy imports
         code = run_conversion(a)
     except McoreRLError as e:  # bad input: the message names the value and the fix
         print(error_line(e), file=sys.stderr)

@@ -77,13 +77,48 @@ def _hf_model(transformers, role: str, hf_dir: str):
     import torch
 
     with open(os.path.join(hf_dir, "config.json")) as f:
-        archs = json.load(f).get("architectures") or []
+        config = json.load(f)
+    archs = config.get("architectures") or []
     auto = transformers.AutoModelForCausalLM
     if role == "critic":
         reward = any(a.endswith("ForSequenceClassification") for a in archs)
         auto = (transformers.AutoModelForSequenceClassification if reward
                 else transformers.AutoModelForTokenClassification)
+    if "quantization_config" in config:
+        with tempfile.TemporaryDirectory(prefix="verify_dequantized_") as plain:
+            _write_dequantized(hf_dir, config, plain)
+            return auto.from_pretrained(plain, dtype=torch.float32, attn_implementation="eager").eval()
     return auto.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _write_dequantized(hf_dir: str, config: dict, out: str, shard_bytes: int = 1 << 30) -> None:
+    """An FP8 ``hf_dir`` (the only quantization the converter reads) written into ``out`` as the
+    fp32 weights the converter's reader dequantizes (exact products) in shards of ~``shard_bytes``,
+    with its config.json less ``quantization_config``: transformers' FP8 loading on CPU handles
+    only shapes that are block multiples. The dequantization itself is checked independently
+    (tests/test_fp8_import.py); this compares the conversion's mapping and layout."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+
+    reader = SafetensorsReader(hf_dir, dequant_dtype=torch.float32)
+    weight_map, shard, size = {}, {}, 0
+    for name in list(reader) + [None]:
+        if shard and (name is None or size >= shard_bytes):
+            file = f"model-{len(set(weight_map.values())):05d}.safetensors"
+            save_file(shard, os.path.join(out, file), metadata={"format": "pt"})
+            weight_map.update({k: file for k in shard})
+            shard, size = {}, 0
+        if name is not None:
+            shard[name] = reader[name].float()
+            size += shard[name].numel() * 4
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump({k: v for k, v in config.items() if k != "quantization_config"}, f)
 
 
 def main(argv: list[str]) -> int:

@@ -77,7 +77,8 @@ def models(tmp_path_factory):
 
 # ---- defect 10: one error line ------------------------------------------------------------------
 def _header_damage(src: str, dst: str, mode: str) -> None:
-    """A copy of the safetensors file ``src`` whose header lies about its first tensor."""
+    """A copy of the safetensors file ``src`` whose header lies about its first tensor (``int_norm``:
+    about ``model.norm.weight``'s dtype)."""
     raw = open(src, "rb").read()
     n = struct.unpack("<Q", raw[:8])[0]
     header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
@@ -92,6 +93,9 @@ def _header_damage(src: str, dst: str, mode: str) -> None:
         entry["dtype"] = "F16"
     elif mode == "negative":
         entry["shape"] = [-1, *entry["shape"][1:]]
+    elif mode == "int_norm":  # the F32 bytes of model.norm.weight declared I32: same size, values read as ints
+        assert header["model.norm.weight"]["dtype"] == "F32"
+        header["model.norm.weight"]["dtype"] = "I32"
     elif mode == "gap":
         for v in header.values():
             if isinstance(v, dict) and "data_offsets" in v and v is not entry:
@@ -164,7 +168,15 @@ def test_bad_headers_and_config_values_are_named(models, tmp_path):
         (d / "config.json").write_text(json.dumps({**good, "hidden_size": "64"} if d == bad_cfg else good))
     os.link(shard, bad_cfg / "model.safetensors")
     _header_damage(shard, str(bad_st / "model.safetensors"), "offsets")
-    runs = [(_start("hf_to_mcore.py", "--hf_model_path", str(bad_cfg), "--output_path", str(tmp_path / "o1")),
+    int_norm = tmp_path / "int_norm"  # issue #37 item 12: an I32 header entry where a float weight belongs
+    int_norm.mkdir()
+    (int_norm / "config.json").write_text(json.dumps(good))
+    _header_damage(shard, str(int_norm / "model.safetensors"), "int_norm")
+    runs = [(_start("hf_to_mcore.py", "--hf_model_path", str(int_norm), "--output_path", str(tmp_path / "o3")),
+             ("tensor 'model.norm.weight' is stored as I32, an integer dtype, where the model expects a float weight",)),
+            (_start("mcore_to_hf.py", "merge", "--local_dir", models["hf_out"], "--target_dir", str(tmp_path / "o4"),
+                    "--dtype", "fp8", "--fp8_block_size", "99999999999999999999"),  # issue #37 item 11
+             ("fp8 block size '99999999999999999999': give ROWSxCOLS of integers in 1..2147483647",)),(_start("hf_to_mcore.py", "--hf_model_path", str(bad_cfg), "--output_path", str(tmp_path / "o1")),
              ("hidden_size='64' (str) must be an integer >= 1",)),
             (_start("hf_to_mcore.py", "--hf_model_path", str(bad_st), "--output_path", str(tmp_path / "o2")),
              ("model.safetensors: header entry", "need 51200")),
@@ -173,7 +185,7 @@ def test_bad_headers_and_config_values_are_named(models, tmp_path):
               "(see mcore_to_hf.py test --help)",))]
     for proc, text in runs:
         _one_error_line(proc, *text)
-    assert not os.path.exists(tmp_path / "o1") and not os.path.exists(tmp_path / "o2")
+    assert not any(os.path.exists(tmp_path / o) for o in ("o1", "o2", "o3", "o4"))
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
 
 

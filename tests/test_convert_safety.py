@@ -2,7 +2,9 @@
 failed run leaves the old output as it was; the dtype is the input's unless asked otherwise and
 config.json states it; a reward model (*ForSequenceClassification) converts like load_hf reads it;
 ``test`` fails on NaN/inf; a damaged or hostile ``.metadata`` (overlapping chunks, file names
-leaving the checkpoint) is refused with the key or the entry named, before any outside file is read."""
+leaving the checkpoint) is refused with the key or the entry named, before any outside file is read.
+Issue #37: a weight beyond fp16's range under --dtype fp16 is refused (converter and merge), NaN/inf
+in the input are copied and named, and --overwrite replaces the converter's own earlier output."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +14,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,17 +26,21 @@ from tests.tiny import tiny_config, tiny_hf_model
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _convert(jobs: list[tuple[str, str, dict]]) -> dict[str, str]:
-    """In one rank world: each (hf_dir, out_dir, ConvertOptions overrides); out_dir -> dtype
-    written, or the error's text."""
+def _convert(jobs: list[tuple]) -> dict[str, str]:
+    """In one rank world: each (hf_dir, out_dir, ConvertOptions overrides[, label]); label (default
+    out_dir) -> dtype written, or the error's text; "<label> warned" -> the NonFiniteWarnings given."""
     from mcore_rl.conversion.convert import ConvertOptions, convert
 
     out = {}
-    for hf, dst, extra in jobs:
-        try:
-            out[dst] = convert(ConvertOptions(hf, dst, **extra), progress=False).dtype
-        except Exception as e:  # noqa: BLE001 - the test checks the message
-            out[dst] = f"{type(e).__name__}: {e}"
+    for hf, dst, extra, *label in jobs:
+        key = label[0] if label else dst
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                out[key] = convert(ConvertOptions(hf, dst, **extra), progress=False).dtype
+            except Exception as e:  # noqa: BLE001 - the test checks the message
+                out[key] = f"{type(e).__name__}: {e}"
+        out[f"{key} warned"] = [str(w.message) for w in seen if type(w.message).__name__ == "NonFiniteWarning"]
     return out
 
 
@@ -44,7 +51,7 @@ def dirs(tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
     base = tmp_path_factory.mktemp("safety")
-    hf, hf_bad, hf_bf16 = base / "hf", base / "hf_nonfinite", base / "hf_bf16"
+    hf, hf_bad, hf_bf16, hf_big = base / "hf", base / "hf_nonfinite", base / "hf_bf16", base / "hf_big"
     tiny_hf_model(tiny_config("llama", num_hidden_layers=2)).save_pretrained(hf)
     tiny_hf_model(tiny_config("llama", num_hidden_layers=2)).to(torch.bfloat16).save_pretrained(hf_bf16)
     hf_bad.mkdir()
@@ -53,12 +60,26 @@ def dirs(tmp_path_factory):
     tensors["model.layers.1.mlp.up_proj.weight"][2, 3] = float("nan")
     tensors["model.layers.0.self_attn.o_proj.weight"][0, 0] = float("inf")
     save_file(tensors, hf_bad / "model.safetensors", metadata={"format": "pt"})
-    out = {k: str(base / k) for k in ("tp2", "nonfinite", "bf16", "bf16_to_fp16", "bf16_to_fp32")}
+    hf_big.mkdir()  # issue #37 item 6: fp32 weights beyond fp16's +-65504 (and one just below its rounding edge)
+    (hf_big / "config.json").write_text((hf / "config.json").read_text())
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = -1e5
+    tensors["model.layers.1.mlp.down_proj.weight"][4, 6] = 65519.0  # rounds to 65504, not inf
+    save_file(tensors, hf_big / "model.safetensors", metadata={"format": "pt"})
+    out = {k: str(base / k) for k in ("tp2", "nonfinite", "bf16", "bf16_to_fp16", "bf16_to_fp32", "big",
+                                      "big_to_fp16", "again")}
     run_ranks(2, _convert, [(str(hf), out["tp2"], dict(tp=2))])
     written = run_ranks(1, _convert, [(str(hf_bad), out["nonfinite"], {}), (str(hf_bf16), out["bf16"], {}),
                                       (str(hf_bf16), out["bf16_to_fp16"], dict(dtype="fp16")),
-                                      (str(hf_bf16), out["bf16_to_fp32"], dict(dtype="fp32"))])[0]
-    return {"hf": str(hf), "hf_nonfinite": str(hf_bad), "hf_bf16": str(hf_bf16), "written": written, **out}
+                                      (str(hf_bf16), out["bf16_to_fp32"], dict(dtype="fp32")),
+                                      (str(hf_big), out["big"], {}),
+                                      (str(hf_big), out["big_to_fp16"], dict(dtype="fp16")),
+                                      # issue #37 item 13: into its own earlier output
+                                      (str(hf), out["again"], {}, "first"),
+                                      (str(hf), out["again"], dict(overwrite=True), "overwritten"),
+                                      (str(hf), out["again"], {}, "without_overwrite")])[0]
+    return {"hf": str(hf), "hf_nonfinite": str(hf_bad), "hf_bf16": str(hf_bf16), "hf_big": str(hf_big),
+            "written": written, **out}
 
 
 def _tensors(directory) -> dict[str, torch.Tensor]:
@@ -238,6 +259,74 @@ def test_nan_and_inf_always_fail_the_comparison(dirs, tmp_path):
     code, (out, err) = cli.wait(timeout=300), cli.communicate()
     assert code == 1 and "MISMATCH max|diff| inf  model.layers.*.mlp.up_proj.weight" in out and \
         "FAILED: 2 tensor classes above atol=0.0" in out, out + err
+
+
+def test_nonfinite_input_is_written_as_it_is_and_named(dirs, tmp_path):
+    """NaN/inf already in the input are copied as they are (a diverged run can still be converted,
+    merged and compared) and named in a NonFiniteWarning by the converter and the merge."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.mapping.casts import NonFiniteWarning
+
+    said = dirs["written"][f"{dirs['nonfinite']} warned"]
+    assert len(said) == 1 and "2 tensor(s) hold NaN/inf values, copied as they are: ['model.layers.0.self_attn." \
+        "o_proj.weight', 'model.layers.1.mlp.up_proj.weight'] (model.layers.0.self_attn.o_proj.weight: 1 value(s), " \
+        "the first inf at [0, 0])" in said[0], said
+    assert dirs["written"][f"{dirs['bf16']} warned"] == []
+    with pytest.warns(NonFiniteWarning, match=r"2 tensor\(s\) hold NaN/inf values, copied as they are: .*up_proj.*"
+                                              r"\(model.layers.0.self_attn.o_proj.weight: 1 value\(s\), the first inf"):
+        merge(dirs["nonfinite"], str(tmp_path / "merged"))
+    assert torch.isnan(_tensors(tmp_path / "merged")["model.layers.1.mlp.up_proj.weight"][2, 3])
+
+
+# ---- issue #37: values a narrower dtype cannot hold; converting into its own earlier output ---------------
+def test_fp16_overflow_is_refused_by_the_converter_and_the_merge(dirs, tmp_path):
+    """--dtype fp16 of a weight beyond +-65504 (converter and merge) is refused naming the tensor,
+    the value and the fix, nothing written; 65519 rounds to 65504 and passes; bf16 holds -1e5."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.mapping.casts import CastOverflowError
+
+    said = dirs["written"][dirs["big_to_fp16"]]
+    assert said.startswith("CastOverflowError: HF tensor 'model.layers.1.mlp.down_proj.weight': 1 value(s) beyond "
+                           "float16's range +-65504, the first -100000 at [3, 5], would be written as inf; pass "
+                           "--dtype bf16 or --dtype fp32"), said
+    assert not os.path.exists(dirs["big_to_fp16"]) and dirs["written"][dirs["big"]] == "fp32"
+    with pytest.raises(CastOverflowError, match=r"^model.layers.1.mlp.down_proj.weight: 1 value\(s\) beyond "
+                                                r"float16's range \+-65504, the first -100000 at \[3, 5\]"):
+        merge(dirs["big"], str(tmp_path / "fp16"), dtype="fp16")
+    assert not os.path.exists(tmp_path / "fp16")
+    merge(dirs["big"], str(tmp_path / "bf16"), dtype="bf16")
+    down = _tensors(tmp_path / "bf16")["model.layers.1.mlp.down_proj.weight"]
+    assert down[3, 5].item() == torch.tensor(-1e5).bfloat16().item() and down[4, 6].item() == 65536.0
+
+
+def test_cast_checked_refuses_only_what_the_cast_made_inf():
+    from mcore_rl.mapping.casts import CastOverflowError, cast_checked
+
+    t = torch.tensor([[1.0, 65519.0], [float("nan"), -float("inf")]])
+    out = cast_checked(t, torch.float16, "x", "fix it")
+    assert out.dtype == torch.float16 and out[0, 1] == 65504 and torch.isnan(out[1, 0]) and out[1, 1] == -float("inf")
+    assert cast_checked(t, torch.float32, "x", "fix it") is t
+    with pytest.raises(CastOverflowError, match=r"^x: 1 value\(s\) beyond float16's range \+-65504, the first 65520 at "
+                                                r"\[0, 1\], would be written as inf; fix it\.$"):
+        cast_checked(t + torch.tensor([[0.0, 1.0], [0.0, 0.0]]), torch.float16, "x", "fix it")
+    with pytest.raises(CastOverflowError, match=r"beyond bfloat16's range"):
+        cast_checked(torch.tensor([3.4e38]), torch.bfloat16, "x", "pass --dtype fp32")
+    assert cast_checked(torch.tensor([float("inf")], dtype=torch.float16), torch.bfloat16, "x", "").isinf().all()
+
+
+def test_converting_into_its_own_earlier_output_with_overwrite(dirs):
+    """hf_to_mcore --overwrite replaces its own earlier output (its RECORD is no stranger); the
+    result is complete (every file matches its RECORD, every tensor the input's); without
+    --overwrite the same output is refused."""
+    from mcore_rl.conversion.merge import compare
+
+    written = dirs["written"]
+    assert (written["first"], written["overwritten"]) == ("fp32", "fp32"), written
+    assert written["without_overwrite"].startswith(f"ConvertError: --output_path {dirs['again']!r} is not empty; pass "
+                                                   "--overwrite"), written["without_overwrite"]
+    assert sorted(os.listdir(dirs["again"])) == ["RECORD", "dist_ckpt", "huggingface", "mcore_rl.json"]
+    diffs, problems = compare(dirs["again"], dirs["hf"])  # verifies every file against RECORD first
+    assert problems == [] and diffs and set(diffs.values()) == {0.0}, (diffs, problems)
 
 
 # ---- a damaged or hostile .metadata ------------------------------------------------------------------

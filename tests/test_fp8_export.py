@@ -7,7 +7,8 @@ ties and ue8m0 scales; NaN/inf are refused. A tiny llama is converted (fp32), me
 a block that does not divide its dims (48x40) and with one that does (32x32): transformers loads
 the latter on CPU (it dequantizes there) to the weights dequantized here and the log-probs of
 that; FP8 -> dequantized fp32 HF dir -> converter -> merge --dtype fp8 gives the same bytes and
-scales; from bf16 the requantization error is measured.
+scales; from bf16 the requantization error is measured. A block larger than a weight is clamped
+to it (issue #37): the same bytes, scale shape and readback at 10^6 x 10^6 in milliseconds.
 """
 from __future__ import annotations
 
@@ -161,9 +162,14 @@ def test_block_options_and_which_tensors():
     from mcore_rl.mapping.fp8_quant import BlockFp8, Fp8QuantError, is_quantized, parse_block
 
     assert parse_block("128x128") == (128, 128) and parse_block("48 40") == (48, 40) and parse_block("64") == (64, 64)
-    for bad in ("0x128", "ax4", "1x2x3", ""):
-        with pytest.raises(Fp8QuantError, match="block size"):
+    assert parse_block("2147483647x1") == (2**31 - 1, 1)  # the largest side readers keep in an int32
+    for bad in ("0x128", "ax4", "1x2x3", "", "-1", "1.5", "99999999999999999999", "2147483648x1", "1_000",
+                "\u0661\u0662\u0668"):  # non-positive, non-integer, huge (issue #37 item 11), not ASCII digits
+        with pytest.raises(Fp8QuantError, match=r"block size .*: give ROWSxCOLS of integers in 1\.\.2147483647"):
             parse_block(bad)
+    for bad in ((2**31, 1), (True, 128), (128, 0)):
+        with pytest.raises(Fp8QuantError, match=r"give two integers \(rows, cols\) in 1\.\.2147483647"):
+            BlockFp8(bad)
     with pytest.raises(Fp8QuantError, match="scale_fmt"):
         BlockFp8((128, 128), "e8m0")
     L = "model.layers.3."
@@ -174,6 +180,26 @@ def test_block_options_and_which_tensors():
     assert not any(is_quantized(L + n + ".weight", (64, 64)) for n in no)
     assert not any(is_quantized(n, (200, 64)) for n in ("model.embed_tokens.weight", "lm_head.weight", "score.weight"))
     assert not is_quantized(L + "self_attn.q_proj.bias", (64,)) and not is_quantized(L + "mlp.gate.e_score_correction_bias", (8,))
+
+
+@pytest.mark.parametrize("block", [(10**6, 10**6), (10**6, 32), (16, 10**6), (2**31 - 1, 2**31 - 1)])
+def test_a_block_larger_than_the_weight_is_the_weight(block):
+    """Issue #37 item 10: a block side beyond the weight's is clamped to it (no padding to the
+    block's area: 10^6 x 10^6 takes milliseconds): the bytes and scales of the clamped block, the
+    scale shape HF/DeepSeek readers compute from the unclamped one, and fp8_dequant reading it
+    back under the unclamped block size gives the clamped block's values."""
+    from mcore_rl.mapping.fp8_dequant import FP8Scheme, dequantize
+    from mcore_rl.mapping.fp8_quant import BlockFp8, quantize_block_fp8
+
+    clamped = (min(block[0], 70), min(block[1], 90))
+    w = _tricky(70, 90, (35, 45), seed=7)  # zero, tie and subnormal regions inside the one block
+    fmt = BlockFp8(block)
+    q, scale = quantize_block_fp8(w, fmt, chunk_elements=1)
+    ref_q, ref_scale = ref_quantize(w, clamped)
+    assert scale.shape == fmt.scale_shape((70, 90)) == (-(-70 // block[0]), -(-90 // block[1]))
+    assert torch.equal(scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q)
+    back = dequantize(q, scale, FP8Scheme("fp8", "weight_scale_inv", frozenset({"block"}), block))
+    assert torch.equal(back, dequant(q, scale, clamped))
 
 
 def _convert(jobs):
@@ -255,6 +281,26 @@ def test_merge_fp8_writes_block_fp8_with_edge_blocks(dirs, tmp_path):
         ref_q, ref_scale = ref_quantize(w, EDGE)
         assert out[name].dtype == torch.float8_e4m3fn and torch.equal(out[name].view(torch.uint8), ref_q), name
         assert torch.equal(out[name + "_scale_inv"], ref_scale), name
+
+
+def test_merge_with_a_block_larger_than_every_weight_reads_back(dirs, tmp_path):
+    """``merge --dtype fp8`` at 10^6 x 10^6 (one scale per weight, a traceback before issue #37):
+    config.json keeps the block asked for, every scale is [1, 1], and the import reads the
+    weights back as the per-weight quantization's values."""
+    from mcore_rl.mapping.fp8_quant import BlockFp8
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+
+    huge = (10**6, 10**6)
+    _merge(dirs["hf"], tmp_path / "huge", dtype="fp8", fp8=BlockFp8(huge))
+    out, config = _read(tmp_path / "huge")
+    assert config["quantization_config"]["weight_block_size"] == list(huge)
+    scales = [n for n in out if n.endswith("_scale_inv")]
+    assert len(scales) == 14 and all(out[n].shape == (1, 1) for n in scales)
+    reader = SafetensorsReader(str(tmp_path / "huge"))
+    for name in (n.removesuffix("_scale_inv") for n in scales):
+        w = dirs["orig"][name]
+        ref_q, ref_scale = ref_quantize(w, tuple(w.shape))
+        assert torch.equal(reader[name], dequant(ref_q.view(torch.float8_e4m3fn), ref_scale, tuple(w.shape))), name
 
 
 def test_round_trip_gives_the_same_bytes_and_scales(dirs, tmp_path):

@@ -8,7 +8,9 @@ ue8m0), BF16 and F16:
 Each is dequantized independently here (block reshapes, not the reader's band loop) into an fp32
 directory: the converter's output equals the conversion of that directory bit for bit (fp32) and
 as one rounding of the fp32 products (the default bf16); load_hf's logits equal transformers' on
-it at world 1 and EP=2. Every refusal (other methods, missing or misshapen scales) is tested."""
+it at world 1 and EP=2. Every refusal (other methods, missing or misshapen scales) is tested, and
+(issue #37) damaged values: NaN/inf/negative/overflowing scales, zero scales of non-zero blocks,
+NaN FP8 encodings, integer dtypes where a float weight belongs; ``--test`` of an FP8 input."""
 from __future__ import annotations
 
 import json
@@ -215,6 +217,22 @@ REFUSED = {  # name -> (tensors, quantization_config, what the error names)
     "fp8_e5m2_fmt": ({"a.weight": _Q}, dict(BLOCK, fmt="e5m2"), "fmt='e5m2'"),
     "ct_group_strategy": ({"a.weight": _Q}, dict(GLM_CT, config_groups={"g": {"weights": dict(
         num_bits=8, type="float", strategy="group", group_size=16)}}), "weight strategy 'group'"),
+    # issue #37 item 12: an integer or bool dtype where the model expects a float weight, with and
+    # without FP8 beside it; an FP8 payload is legal only beside its scale (scale_dropped above)
+    "int_in_float_slot": ({"model.norm.weight": torch.ones(50, dtype=torch.int32)}, None,
+                          r"tensor 'model.norm.weight' is stored as I32, an integer dtype, where the model expects a "
+                          "float weight"),
+    "int_beside_fp8": ({"a.weight": _Q, "a.weight_scale_inv": _S, "model.norm.weight": torch.ones(50, dtype=torch.int64),
+                        "b.bias": torch.zeros(3, dtype=torch.bool)}, BLOCK,
+                       r"tensor 'b.bias' is stored as BOOL \(and 1 more: \['model.norm.weight'\]\), an integer dtype"),
+    "uint8_in_float_slot": ({"model.embed_tokens.weight": torch.ones(4, 4, dtype=torch.uint8)}, None,
+                            "'model.embed_tokens.weight' is stored as U8"),
+    # MXFP4 has no import: refused by its method before any value (an E8M0 scale 0xFF, NaN, is never read)
+    "mxfp4_nan_e8m0_scale": ({"a.weight_blocks": torch.zeros(4, 2, 16, dtype=torch.uint8),
+                              "a.weight_scales": torch.full((4, 2), 255, dtype=torch.uint8)},
+                             dict(quant_method="mxfp4"), "'mxfp4'"),
+    "e8m0_scale_under_fp8": ({"a.weight": _Q, "a.weight_scale_inv": torch.full(
+        (3, 4), 255, dtype=torch.uint8).view(torch.float8_e8m0fnu)}, BLOCK, r"stored as \['F8_E8M0'\]"),
 }
 
 
@@ -227,6 +245,70 @@ def test_refused_by_the_reader_and_the_converter_preflight(case, tmp_path):
     for check in (SafetensorsReader, check_input, resolve_dtype):
         with pytest.raises(QuantizationError, match=match):
             check(d)
+
+
+_W = torch.randn(20, 50, generator=torch.Generator().manual_seed(5))
+_W[:8, :16] = 0.0  # block [0, 0] all zero: a zero scale there is legal
+_QB, _SB, _DB = quantize(_W, "block", torch.float32, (8, 16))
+_QC, _SC, _DC = quantize(_W, "channel", torch.bfloat16)
+_QT, _ST, _DT = quantize(_W, "tensor", torch.float16)
+SCHEMES = {  # name -> (weight, scale, dequantized, config, where element [13, 40] is, index of its scale)
+    "block": (_QB, _SB, _DB, BLOCK, r"\[13, 40\] in block \[1, 2\]", (1, 2)),
+    "channel": (_QC, _SC, _DC, GLM_CT, r"\[13, 40\]", (13, 0)),
+    "tensor": (_QT, _ST, _DT, dict(quant_method="fp8", activation_scheme="static"), r"\[13, 40\]", ()),
+}
+_SCALES = r"1 scale\(s\) NaN, inf or negative, the first {} scales {}; a scale is finite and >= 0"
+_WHAT = {"block": r"block \[1, 2\] \(rows 8\.\., cols 32\.\.\)", "channel": "row 13", "tensor": "the whole tensor"}
+DAMAGED = {  # issue #37 item 5: name -> (edit of (q, scale), what the error says; {at}: the element, {what}: scale's)
+    "scale_nan": (lambda q, s, i: s.__setitem__(i, float("nan")), _SCALES.format("nan", "{what}")),
+    "scale_inf": (lambda q, s, i: s.__setitem__(i, float("inf")), _SCALES.format("inf", "{what}")),
+    "scale_negative": (lambda q, s, i: s.__setitem__(i, -0.5), _SCALES.format("-0.5", "{what}")),
+    "scale_zero_on_nonzero": (lambda q, s, i: s.__setitem__(i, 0.0),
+                              r"non-zero FP8 value\(s\) have a zero scale .* the first at \[\d+, \d+\]"),
+    "scale_overflow": (lambda q, s, i: s.__setitem__(i, 6e4 if s.dtype == torch.float16 else 1e37),
+                       r"times its scale .* overflows float32: the scale is damaged|beyond float16's range"),
+    "payload_nan": (lambda q, s, i: q.view(torch.uint8).__setitem__((13, 40), 0xFF),
+                    r"1 FP8 value\(s\) are NaN encodings \(0x7F/0xFF\), the first at {at}"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_damaged_scales_and_fp8_values_are_refused_naming_the_block(damage, scheme, tmp_path):
+    """A NaN, inf, negative, zero (on non-zero values) or overflowing scale, or a NaN encoding
+    among the FP8 values, is a QuantizationError naming the tensor and the block (or row), not
+    NaN/inf/sign-flipped/zeroed weights (undamaged: test_reader_dequantizes_exactly_when_fp8_has_a_scale)."""
+    from mcore_rl.mapping.casts import CastOverflowError
+
+    q, scale, _, quant, at, index = SCHEMES[scheme]
+    edit, says = DAMAGED[damage]
+    q, scale = q.clone(), scale.clone()
+    if damage == "scale_overflow":  # 448 x 1e37 leaves float32; an F16 scale (at most 65504): 448 x 6e4 leaves fp16
+        q.view(torch.uint8)[13, 40] = 0x7E
+    edit(q, scale, index)
+    d = _small(tmp_path, {"a.weight": q, "a.weight_scale" + ("_inv" if scheme == "block" else ""): scale}, quant)
+    reader = SafetensorsReader(d, dequant_dtype=torch.float32 if scale.dtype != torch.float16 else torch.float16)
+    with pytest.raises((QuantizationError, CastOverflowError), match=r"'a.weight': .*" + says.format(
+            at=at, what=_WHAT[scheme])):
+        reader["a.weight"]
+
+
+def test_zero_scale_of_an_all_zero_block_is_legal_and_fp16_overflow_is_refused(tmp_path):
+    """A zero scale of an all-zero block reads as that block's zeros; a product beyond fp16's
+    +-65504 read as fp16 is refused naming the tensor, the value and the fix (bf16/fp32)."""
+    from mcore_rl.mapping.casts import CastOverflowError
+
+    scale = _SB.clone()
+    scale[0, 0] = 0.0
+    d = _small(tmp_path, {"a.weight": _QB, "a.weight_scale_inv": scale}, BLOCK)
+    assert torch.equal(SafetensorsReader(d)["a.weight"], _DB)
+    scale[1, 2] = 1000.0  # 1000 x the block's FP8 values (up to 448): beyond 65504
+    (tmp_path / "big").mkdir()
+    d = _small(tmp_path / "big", {"a.weight": _QB, "a.weight_scale_inv": scale}, BLOCK)
+    assert bool(torch.isfinite(SafetensorsReader(d, dequant_dtype=torch.bfloat16)["a.weight"]).all())
+    with pytest.raises(CastOverflowError, match=r"'a.weight': \d+ value\(s\) beyond float16's range \+-65504, the "
+                                                r"first .* at \[\d+, \d+\], would be written as inf; read it in bf16 or fp32"):
+        SafetensorsReader(d, dequant_dtype=torch.float16)["a.weight"]
 
 
 def test_reader_dequantizes_exactly_when_fp8_has_a_scale(tmp_path):
@@ -267,22 +349,38 @@ def test_tokenizer_code_linked_out_of_the_directory_is_refused(tmp_path):
         hf_side_files(d)
 
 
-def test_cli_refuses_in_one_line(fp8_dirs, tmp_path):
-    """hf_to_mcore.py: another method is one ``error:`` line naming it; ``--test`` of an FP8 input
-    (transformers cannot be its reference on CPU) is refused before anything is written."""
+def test_cli_refuses_in_one_line_and_tests_fp8_against_its_dequantized_model(fp8_dirs, tmp_path):
+    """hf_to_mcore.py: another method is one ``error:`` line naming it; a NaN scale found while
+    converting (exit 0 with NaN weights before issue #37) is one line naming tensor and block,
+    nothing written; ``--test`` of an FP8 input (refused before issue #37) compares with
+    transformers' model of its dequantized weights and passes."""
+    import shutil
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "converters", "hf_to_mcore.py")
     gptq = _small(tmp_path, {"a.qweight": torch.zeros(4, 4, dtype=torch.int32)}, dict(quant_method="gptq"))
-    env = {**os.environ, "PYTHONPATH": root}
-    for argv, said in (([gptq], "quant_method='gptq'"), ([fp8_dirs[1]["qwen3_moe"][0], "--test"], "--test compares")):
-        out = str(tmp_path / "out")
-        r = subprocess.run([sys.executable, script, "--hf_model_path", *argv[:1], "--output_path", out, *argv[1:]],
-                           env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and said in r.stderr and not os.path.exists(out), r.stderr[-2000:]
-        assert len([line for line in r.stderr.splitlines() if line.startswith("error:")]) == 1, r.stderr
+    fp8 = fp8_dirs[1]["qwen3_moe"][0]
+    damaged = shutil.copytree(fp8, tmp_path / "damaged")
+    tensors = load_file(os.path.join(fp8, "model.safetensors"))
+    scale = "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"
+    tensors[scale][0, 1] = float("nan")
+    save_file(tensors, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    runs = {name: subprocess.Popen([sys.executable, script, "--hf_model_path", src, "--output_path",
+                                    str(tmp_path / f"out_{name}"), *extra], env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for name, src, extra in (("gptq", gptq, []), ("damaged", str(damaged), []), ("test", fp8, ["--test"]))}
+    said = {name: proc.communicate(timeout=600) + (proc.returncode,) for name, proc in runs.items()}
+    for name, text in (("gptq", "quant_method='gptq'"),
+                       ("damaged", "'model.layers.1.mlp.experts.2.down_proj.weight': 1 scale(s) NaN, inf or negative, "
+                                   "the first nan scales block [0, 1] (rows 0.., cols 24..)")):
+        out, err, code = said[name]
+        assert code == 2 and text in err and not os.path.exists(tmp_path / f"out_{name}"), err[-2000:]
+        assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
+    out, err, code = said["test"]
+    assert code == 0 and "PASS" in out, out[-2000:] + err[-2000:]
 
 
 def test_kimi_k2_shaped_config_reads_as_deepseek_v3(tmp_path):

@@ -171,3 +171,31 @@ def test_weight_sync_keeps_one_bucket_alive(tiny_dir):
     for alive, sizes in run_ranks(2, _bucket_lifetimes, tiny_dir)[0].values():
         assert max(sizes) >= 4, sizes  # buckets hold several tensors: a second alive bucket would show
         assert max(alive) == 0, (alive, sizes)
+
+
+def test_sync_refuses_a_value_the_rollout_dtype_cannot_hold():
+    """Issue #37 item 6: the weight sync into an fp16 engine rounds each fp32 tensor once, and a
+    weight beyond +-65504 is refused naming it and the fix (a wider engine dtype), the engine's
+    parameter left as it was; a bf16 engine takes the same value."""
+    from mcore_rl.mapping.casts import CastOverflowError
+    from mcore_rl.rollout.hf_generate import TransformersRollout
+
+    config = tiny_config("llama", vocab_size=16, num_hidden_layers=1)
+    name = "model.layers.0.mlp.down_proj.weight"
+    for dtype in (torch.float16, torch.bfloat16):
+        engine = TransformersRollout(config, dtype=dtype, eos_id=EOS, pad_id=0)
+        param = engine.params[name]
+        weight = torch.randn(param.shape)  # fp32, as an fp32 trainer sends it
+        assert engine.update_weights([(name, weight)]) == 1
+        assert torch.equal(param, weight.to(dtype))
+        weight[2, 1] = 7e4
+        if dtype == torch.bfloat16:
+            assert engine.update_weights([(name, weight)]) == 1 and param[2, 1].item() == 70144.0
+            continue
+        before = param.detach().clone()
+        with pytest.raises(CastOverflowError, match=rf"weight '{name}' of the sync: 1 value\(s\) beyond float16's range "
+                                                    r"\+-65504, the first 70000 at \[2, 1\], would be written as inf; "
+                                                    r"the rollout model's float16 cannot hold it: run the rollout "
+                                                    r"engine in a wider dtype"):
+            engine.update_weights([(name, weight)])
+        assert torch.equal(param, before)

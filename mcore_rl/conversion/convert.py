@@ -37,6 +37,7 @@ from mcore_rl.fileio.staging import Staging, StagingError
 from mcore_rl.checkpoint.state import build_metadata
 from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
 from mcore_rl.errors import McoreRLError
+from mcore_rl.mapping.casts import NonFiniteWarning, cast_checked, describe_nonfinite, first_nonfinite, wider_dtypes
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.weights import MappingError, WeightMap, _tp_rank_size, canonical_params, check_hf_keys
 from mcore_rl.models.builder import BuildOptions, Role, build_model
@@ -112,6 +113,7 @@ class HFShardResolver:
         self.bar: Any = None  # a tqdm bar, counted per item written
         self.error: BaseException | None = None  # what _compute raised (the writer reports only text)
         self.first_item_age: float | None = None  # process age when the first tensor was asked for
+        self.nonfinite: dict[str, tuple[int, tuple[int, ...], float]] = {}  # HF name -> first_nonfinite
 
     def plan(self, tensors: list[Tensor]) -> None:
         for t in tensors:
@@ -139,8 +141,23 @@ class HFShardResolver:
         # a compact tensor of its own: as_strided offsets count from the storage's start, and a
         # TP shard is a view into the middle of the full tensor; one already compact is used as is
         if local.dtype == param.dtype and _owns_storage(local):
-            return local
-        return torch.empty(param.shape, dtype=param.dtype).copy_(local)  # host: the converter works on the CPU
+            out = local
+        else:
+            out = torch.empty(param.shape, dtype=param.dtype).copy_(local)  # host: the converter works on the CPU
+        if not bool(torch.isfinite(out).all()):  # one pass; the sources are looked at only on a hit
+            self._nonfinite(hf_names, param.dtype)
+        return out
+
+    def _nonfinite(self, hf_names: list[str], dtype: torch.dtype) -> None:
+        """NaN/inf in a parameter: a CastOverflowError when rounding a finite HF value to ``dtype``
+        made it (``--dtype fp16`` of a value beyond +-65504), else the HF tensors that hold them
+        are noted for the converter's warning (copied as they are)."""
+        for n in hf_names:
+            src = self.source[n]
+            cast_checked(src, dtype, f"HF tensor {n!r}", wider_dtypes(dtype))
+            found = first_nonfinite(src)
+            if found is not None:
+                self.nonfinite[n] = found
 
     def __call__(self, meta: Tensor) -> Tensor:
         if self.first_item_age is None:
@@ -310,6 +327,8 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
 
             resolver.bar = tqdm(total=0, unit="tensor", desc="hf_to_mcore")
         _save(chunks, resolver, os.path.join(stage.path, "dist_ckpt"), opts.output_path)
+        if resolver.nonfinite:  # this rank's parameters; written as they are, said once per rank
+            warnings.warn(describe_nonfinite(resolver.nonfinite, opts.hf_model_path), NonFiniteWarning, stacklevel=2)
         check_coverage(resolver, chunks, source)
         if rank0:
             copy_hf_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"))

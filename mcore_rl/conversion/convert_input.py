@@ -232,16 +232,9 @@ def check_output(path: str, hf_dir: str, overwrite: bool) -> None:
     check_replaceable(path, overwrite, "model_dir", f"--output_path {path!r}", ConvertError)
 
 
-def preflight(hf_dir: str, output_path: str, overwrite: bool, dtype: str | None, role: str | None,
-              test: bool = False) -> None:
-    """Every check the CLI can make before importing torch/megatron, in the order a user fixes them.
-    ``test``: ``--test`` was asked for, which an FP8 input cannot have (transformers is its reference)."""
+def preflight(hf_dir: str, output_path: str, overwrite: bool, dtype: str | None, role: str | None) -> None:
+    """Every check the CLI can make before importing torch/megatron, in the order a user fixes them."""
     check_input(hf_dir)
-    if test and stored_tensors(hf_dir)[1].scales:
-        raise ConvertError(f"--test compares the output with transformers' model of {hf_dir}, which holds FP8 "
-                           "weights: transformers dequantizes them on CPU only for shapes that are block "
-                           "multiples (other shapes raise or come out wrong); convert without --test, then run "
-                           "converters/verify_logits.py OUTPUT HF_DIR with HF_DIR a dequantized copy.")
     if role is None:
         role_from_config(hf_dir)
     if dtype is None:

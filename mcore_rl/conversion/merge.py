@@ -17,283 +17,37 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
-from functools import partial
-from typing import Iterator, Literal
+import warnings
+from typing import Iterator
 
 import torch
 
-from mcore_rl.checkpoint import model_record, storage
 from mcore_rl.conversion.convert_input import HF_DTYPE_NAMES
-from mcore_rl.errors import CheckpointError, McoreRLError
-from mcore_rl.fileio.checksum import file_checksum
-from mcore_rl.fileio.files import META, peak_rss_mb
-from mcore_rl.fileio.paths import contained
-from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter, TensorSpec
-from mcore_rl.fileio.output_dir import (check_replaceable, input_overlap, refuse_file, settle_output,
-                                         write_export_record)
-from mcore_rl.fileio.staging import Staging
-from mcore_rl.fileio.torch_dist_read import TorchDistReader
 from mcore_rl.conversion.merge_fp8 import STORED_KEY, out_specs, tensor_formats
+from mcore_rl.conversion.merge_io import (  # noqa: F401 - re-exported: callers import them from here
+    _WEIGHT_FILE, MergeError, MergeSummary, ModelClass, ModelDir, Unit, _adapter_only, _hf_config, canonical_rules,
+    check_target, dist_key, hf_class, open_model_dir, plan_units, same_dir,
+)
+from mcore_rl.conversion.merge_lora import merge_adapter_step
+from mcore_rl.fileio.files import META, peak_rss_mb
+from mcore_rl.fileio.output_dir import write_export_record
+from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter
+from mcore_rl.fileio.staging import Staging
+from mcore_rl.mapping.casts import NonFiniteWarning, cast_checked, describe_nonfinite, first_nonfinite, wider_dtypes
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, quantize_block_fp8
-from mcore_rl.mapping.transforms import Dims, Transform
-from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
-
-ModelClass = Literal["auto", "causal_lm", "token_classification", "sequence_classification"]
-# --model_class -> the suffix of the transformers class name, and the role it fits
-_CLASS_SUFFIX = {"causal_lm": ("ForCausalLM", "actor"), "token_classification": ("ForTokenClassification", "critic"),
-                 "sequence_classification": ("ForSequenceClassification", "critic")}
-_EXPERT_DIST = ("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # canonical -> on-disk
-_NOT_WEIGHTS = re.compile(r"^(optimizer\.|chained_\d+\.|rng_state)|\._extra_state(/|$)")
-_WEIGHT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin)$")
-
-
-class MergeError(CheckpointError):
-    """A model directory that cannot be merged as asked."""
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One read: dist ``key`` at leading ``index`` -> HF tensors ``specs`` via ``transform``."""
-
-    canonical: str
-    key: str
-    index: tuple[int, ...]
-    transform: Transform
-    specs: tuple[TensorSpec, ...]
-
-
-@dataclass(frozen=True)
-class ModelDir:
-    """A validated model directory: role, ModelArgs, its dist reader and huggingface dir."""
-
-    path: str
-    role: str
-    args: ModelArgs
-    reader: TorchDistReader
-    hf_dir: str
-    meta: dict
-
-
-@dataclass(frozen=True)
-class MergeSummary:
-    """What a merge wrote."""
-
-    tensors: int
-    bytes: int
-    shards: int
-    seconds: float
-    peak_rss_mb: float
-    dtype: str = "float32"
-
-    def line(self) -> str:
-        """The CLI's summary line."""
-        return (f"merged {self.tensors} tensors ({self.dtype}), {self.bytes / 2**20:.1f} MiB in {self.shards} "
-                f"shard(s), {self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB")
-
-
-def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
-    """Validates ``local_dir`` (``global_step_N/<role>`` or a converter output) and opens it.
-    ``verify``: first every file is checked against the record that vouches for the directory
-    (the step's marker, a part's record, a converter's ``RECORD``: size and CRC-32), and every
-    file the merge reads must be recorded; ``verify=False`` skips that (``--skip_verify``)."""
-    local_dir = os.path.abspath(local_dir)
-    meta_path = os.path.join(local_dir, META)
-    if not os.path.isfile(meta_path):
-        roles = sorted(d for d in os.listdir(local_dir) if os.path.isfile(os.path.join(local_dir, d, META))) \
-            if os.path.isdir(local_dir) else []
-        hint = (f"it holds model dirs {roles}: pass one of them, e.g. {os.path.join(local_dir, roles[0])}"
-                if roles else "pass a model dir (global_step_<N>/actor or a converter output)")
-        raise MergeError(f"{local_dir} is not a model directory: no {META}; {hint}.")
-    record = model_record.find_record(local_dir) if verify else None
-    reader = TorchDistReader(os.path.join(local_dir, "dist_ckpt"),
-                             before_parse=None if record is None else partial(_verify_all, record))
-    try:
-        if record is not None:
-            _check_recorded(record, reader, local_dir)
-        meta = storage.read_json(meta_path)
-        contents, role = meta.get("contents"), meta.get("role")
-        if not isinstance(contents, list) or "model" not in contents:
-            raise MergeError(f"{local_dir}: {META} contents {contents!r} hold no 'model' weights (saved without "
-                             "'model' in checkpoint.save_contents, or the file is damaged); nothing to merge.")
-        if role not in ("actor", "critic"):
-            raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
-        hf_dir = _config_dir(local_dir, meta)
-        args = _model_args(hf_dir)
-        same_dir(local_dir, reader)
-    except BaseException:
-        reader.close()
-        raise
-    return ModelDir(local_dir, role, args, reader, hf_dir, meta)
-
-
-def _config_dir(local_dir: str, meta: dict) -> str:
-    """Where the model's config.json is: its ``huggingface/``; an adapter-only LoRA step saved
-    without it takes its base's (a HF directory, or a model directory's ``huggingface/``)."""
-    own = os.path.join(local_dir, "huggingface")
-    lora = meta.get("lora") if isinstance(meta.get("lora"), dict) else {}
-    base = lora.get("base") if isinstance(lora.get("base"), dict) else {}
-    if os.path.isfile(os.path.join(own, "config.json")) or not lora.get("adapter_only") or not base.get("path"):
-        return own
-    return base["path"] if base.get("kind") == "hf" else os.path.join(base["path"], "huggingface")
-
-
-def _adapter_only(model: ModelDir) -> bool:
-    lora = model.meta.get("lora")
-    return isinstance(lora, dict) and bool(lora.get("adapter_only"))
-
-
-def _model_args(hf_dir: str) -> ModelArgs:
-    """ModelArgs of ``hf_dir/config.json``; a value of the wrong type is a MergeError naming the file."""
-    try:
-        return model_args_from_hf(hf_dir)
-    except McoreRLError:
-        raise
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
-        raise MergeError(f"{os.path.join(hf_dir, 'config.json')} is not a usable model config ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]}); the file is damaged: use the config the checkpoint "
-                         "was saved with.") from None
-
-
-def _verify_all(record: model_record.DirRecord, reader: TorchDistReader) -> None:
-    """Every recorded file's size and checksum; ``dist_ckpt/`` files read through ``reader``'s handle
-    (the bytes it will read), before its ``.metadata`` is parsed."""
-    def crc_of(rel: str, like: str | None) -> tuple[int, str]:
-        if rel.startswith("dist_ckpt/"):
-            return reader.checksum(rel[len("dist_ckpt/"):], like)
-        return file_checksum(os.path.join(record.path, rel), like)
-
-    model_record.verify(record, [], crc_of)
-
-
-def _check_recorded(record: model_record.DirRecord, reader: TorchDistReader, local_dir: str) -> None:
-    """Every file the merge reads (those ``.metadata`` names, mcore_rl.json, huggingface/) is recorded."""
-    needed = [META] + [f"dist_ckpt/{rel}" for rel in reader.files()]
-    needed += model_record.listed(os.path.join(local_dir, "huggingface"), local_dir)
-    missing = sorted(set(needed) - set(record.files))
-    if missing:
-        raise MergeError(f"{local_dir}: {missing[:8]} {'is' if len(missing) == 1 else 'are'} not in its record "
-                         f"{record.source}: the files were added or renamed after it was written; restore the "
-                         f"directory, {model_record.SKIP_HINT}.")
-
-
-def same_dir(local_dir: str, reader: TorchDistReader) -> None:
-    """``local_dir/dist_ckpt`` is still the directory ``reader`` holds: the step was not replaced
-    (a save of the same step, a copy) since it was opened; else a CheckpointError."""
-    path = os.path.join(local_dir, "dist_ckpt")
-    try:
-        st = os.stat(path)
-        now = (st.st_dev, st.st_ino)
-    except OSError as e:
-        now = (-1, -1)
-        why = e.strerror or str(e)
-    else:
-        why = "another directory is there now"
-    if now != reader.identity():
-        raise MergeError(f"{local_dir} was replaced or removed while it was read ({why}): a save of the same step "
-                         "or a copy changed it; nothing was written: run again when it is done.")
-
-
-def dist_key(canonical: str, stacked: bool = True) -> tuple[str, tuple[int, ...]]:
-    """Canonical megatron name -> (on-disk key, leading index). ``stacked`` (layers all of one
-    kind): the layer (and expert) index become leading dims, e.g.
-    ``decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight`` ->
-    (``decoder.layers.mlp.experts.experts.linear_fc2.weight``, (3, 1)); dense layers mixed with
-    MoE layers keep the layer in the key: (``decoder.layers.3.mlp.experts.experts.linear_fc2.weight``, (1,))."""
-    m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", canonical)
-    if m is None:
-        return canonical, ()
-    layer = () if stacked else (m[1],)
-    prefix = ".".join(("decoder.layers",) + layer)
-    e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$", m[2])
-    lead = (int(m[1]),) if stacked else ()
-    if e:
-        return f"{prefix}.{_EXPERT_DIST[1]}{e[2]}", lead + (int(e[1]),)
-    return f"{prefix}.{m[2]}", lead
-
-
-def _locate(reader: TorchDistReader, canonical: str) -> tuple[str, tuple[int, ...]] | None:
-    """Where ``canonical`` is on disk (stacked or per-layer key), or None."""
-    for stacked in (True, False):
-        key, index = dist_key(canonical, stacked)
-        if key in reader.tensors and reader.covers(key, index):
-            return key, index
-    return None
-
-
-def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str], Transform]]:
-    """(canonical name, HF names, transform) of every HF tensor group of ``args`` as ``role``,
-    in file order: embedding, layer by layer (table order, experts inner), final norm, head.
-    Tied embeddings (actor): no lm_head."""
-    table = args.arch.table
-    rows = table.rows(role, args.features)
-    tied = args.tie_embeddings and role == "actor"
-    kinds = args.moe.moe_layers if args.moe else (False,) * args.num_layers
-    experts = range(args.moe.num_experts) if args.moe else range(0)
-    layered = {t: r for t, r in rows.items() if "{layer}" in t}
-    first = [t for t in rows if "{layer}" not in t and t.startswith("embedding.")]
-    last = [t for t in rows if "{layer}" not in t and t not in first
-            and not (tied and t in table.lm_head)]
-    for template in first:
-        yield template, list(rows[template][0]), rows[template][1]
-    for layer in range(args.num_layers):
-        for template, (hf_templates, transform) in layered.items():
-            if (template in table.moe_mlp and not kinds[layer]) or (template in table.dense_mlp and kinds[layer]):
-                continue
-            for e in experts if "{expert}" in template else [None]:
-                yield (template.format(layer=layer, expert=e),
-                       [t.format(layer=layer, expert=e) for t in hf_templates], transform)
-    for template in last:
-        yield template, list(rows[template][0]), rows[template][1]
-
-
-def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
-    """Every read with its HF tensors (shapes from the on-disk metadata, no data read); an error
-    names expected tensors the checkpoint lacks and model keys nothing consumes."""
-    reader, args = model.reader, model.args
-    embed = reader.tensors.get("embedding.word_embeddings.weight")
-    dims = args.mapping_dims(embed.shape[0] if embed else args.vocab_size)
-    units, missing, used = [], [], set()
-    for canonical, hf_names, transform in canonical_rules(args, model.role):
-        found = _locate(reader, canonical)
-        if found is None:
-            key, index = dist_key(canonical)
-            missing.append(f"{canonical} (key {key!r}, index {index}) for {hf_names}")
-            continue
-        key, index = found
-        used.add(key)
-        info = reader.tensors[key]
-        probe = torch.empty(info.shape[len(index):], dtype=info.dtype, device="meta")
-        try:
-            outs = transform.to_hf(probe, dims)
-        except (RuntimeError, ValueError, TypeError, IndexError, ZeroDivisionError) as e:
-            raise MergeError(f"{model.path}: {key!r} of shape {tuple(info.shape)} does not fit huggingface/config.json "
-                             f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); merge the checkpoint with "
-                             "the config it was saved with.") from None
-        specs = tuple(TensorSpec(n, tuple(t.shape), info.dtype) for n, t in zip(hf_names, outs))
-        units.append(Unit(canonical, key, index, transform, specs))
-    if args.tie_embeddings and model.role == "actor":
-        used.add("output_layer.weight")  # the last stage's copy of the tied embedding, if saved
-    unused = sorted(k for k in reader.tensors if k not in used and not _NOT_WEIGHTS.search(k))
-    unused += sorted(k for k in reader.objects if not _NOT_WEIGHTS.search(k))
-    if missing or unused:
-        raise MergeError(
-            f"{model.path}: the checkpoint does not match huggingface/config.json "
-            f"({args.arch.model_type}, role {model.role}): "
-            + (f"{len(missing)} expected tensors missing: {missing[:6]}; " if missing else "")
-            + (f"{len(unused)} checkpoint keys no mapping row consumes: {unused[:6]}; " if unused else "")
-            + "merge the checkpoint with the config it was saved with.")
-    return units, dims
+from mcore_rl.mapping.transforms import Dims
 
 
 def iter_hf_tensors(model: ModelDir, units: list[Unit], dims: Dims,
                     dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) in plan order, cast to ``dtype`` when given; one unit's part in memory
-    at a time."""
+    """(HF name, tensor) in plan order, cast to ``dtype`` when given (a finite value it cannot
+    hold is a CastOverflowError naming the tensor: ``casts.cast_checked``); one unit's part in
+    memory at a time."""
     for unit in units:
         part = model.reader.read(unit.key, unit.index)
         for spec, tensor in zip(unit.specs, unit.transform.to_hf(part, dims)):
-            yield spec.name, tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+            yield spec.name, tensor if dtype is None else cast_checked(tensor, dtype, spec.name, wider_dtypes(dtype))
         del part
 
 
@@ -315,40 +69,6 @@ def written_dtype(model: ModelDir, units: list[Unit], dtype: str | None = None) 
     return getattr(torch, named)
 
 
-def hf_class(model: ModelDir, model_class: ModelClass = "auto") -> str:
-    """The transformers class the merged model is: ``auto`` keeps the class its
-    ``huggingface/config.json`` records (the converter's or the run's input: a reward model's
-    ``*ForSequenceClassification`` comes back as one) when it fits the role, else the role's
-    default (actor: causal LM, critic: token classification with one label)."""
-    arch = model.args.arch
-    with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
-        recorded = json.load(f).get("architectures")
-    recorded = [a for a in recorded if isinstance(a, str)] if isinstance(recorded, list) else []
-    if model_class == "auto":
-        fits = [a for a in recorded for suffix, role in _CLASS_SUFFIX.values()
-                if a.endswith(suffix) and role == model.role]
-        return fits[0] if fits else (arch.hf_causal_lm if model.role == "actor" else arch.hf_token_classification)
-    suffix, role = _CLASS_SUFFIX[model_class]
-    if role != model.role:
-        why = ("a critic has a value head (score: hidden -> 1) and no LM head, so it is not a causal LM"
-               if model.role == "critic" else "an actor has an LM head, not a value head")
-        want = "token_classification or sequence_classification" if model.role == "critic" else "causal_lm"
-        raise MergeError(f"{model.path}: model_class={model_class!r} for a {model.role}: {why}; "
-                         f"use --model_class {want} (or auto).")
-    named = [a for a in recorded if a.endswith(suffix)]
-    return named[0] if named else arch.hf_token_classification.removesuffix("ForTokenClassification") + suffix
-
-
-def _hf_config(model: ModelDir, cls: str) -> dict:
-    """config.json of the merged model: architectures [cls] (and one label for a critic)."""
-    with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
-        config = json.load(f)
-    config["architectures"] = [cls]
-    if model.role == "critic":
-        config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    return config
-
-
 def head_units(model: ModelDir, units: list[Unit], cls: str) -> list[Unit]:
     """The units of ``cls``: a ``*ForSequenceClassification`` head has no bias, so the critic's
     value-head bias is left out when it is zero (a converted reward model's is) and refused
@@ -367,20 +87,6 @@ def head_units(model: ModelDir, units: list[Unit], cls: str) -> list[Unit]:
     return kept
 
 
-def check_target(target_dir: str, local_dir: str, overwrite: bool) -> None:
-    """Settles what an interrupted merge left beside ``target_dir``, then refuses a file, a
-    target that overlaps the model directory on resolved paths (links under it included; even
-    with ``overwrite``), a non-empty directory unless ``overwrite``, and with it anything but
-    an earlier HF export of this project (``fileio.output_dir``)."""
-    settle_output(target_dir, MergeError)
-    refuse_file(target_dir, f"target_dir {target_dir}", MergeError)
-    via = input_overlap(target_dir, local_dir)
-    if via is not None:
-        raise MergeError(f"target_dir {target_dir} overlaps the model directory {local_dir}{via} (the same "
-                         "directory, or one inside the other); write the HF model outside it.")
-    check_replaceable(target_dir, overwrite, "hf_export", f"target_dir {target_dir}", MergeError)
-
-
 def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dtype, directory: str,
                  max_shard_size: int | str, progress: bool, fp8: BlockFp8 | None = None) -> ShardedSafetensorsWriter:
     """Streams the HF tensors into ``directory`` (``fp8``: the quantized ones as block FP8 +
@@ -394,15 +100,22 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
         from tqdm import tqdm
 
         tensors = tqdm(tensors, total=sum(len(u.specs) for u in units), unit="tensor", desc="merge")
+    nonfinite: dict[str, tuple[int, tuple[int, ...], float]] = {}
     for name, tensor in tensors:
         fmt = formats[name]
         if fmt is None:
-            q, scale = quantize_block_fp8(tensor, fp8, name)
+            q, scale = quantize_block_fp8(tensor, fp8, name)  # refuses NaN/inf itself
             writer.write(name, q)
             writer.write(name + SCALE_SUFFIX, scale)
-        else:
-            writer.write(name, tensor if tensor.dtype == fmt else tensor.to(fmt))
+            continue
+        tensor = cast_checked(tensor, fmt, name, "merge without --dtype fp8 (the checkpoint's dtype)")
+        found = first_nonfinite(tensor)
+        if found is not None:
+            nonfinite[name] = found
+        writer.write(name, tensor)
     writer.close()
+    if nonfinite:  # written as they are: a diverged run's step can still be merged and inspected
+        warnings.warn(describe_nonfinite(nonfinite, model.path), NonFiniteWarning, stacklevel=3)
     for name in sorted(os.listdir(model.hf_dir)):
         src = contained(model.hf_dir, name, f"the listing of {model.hf_dir}")
         if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name != "config.json":
@@ -434,8 +147,6 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
         if _adapter_only(model):
             if fp8 is not None or dtype is not None:
                 raise MergeError(f"{local_dir} holds LoRA adapters: its merge writes the base's dtype; drop --dtype.")
-            from mcore_rl.conversion.merge_lora import merge_adapter_step  # it builds on this module
-
             return merge_adapter_step(model, target_dir, overwrite, verify)
         return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype, fp8)
     finally:

@@ -19,7 +19,7 @@ from typing import Iterator, Mapping
 import torch
 
 from mcore_rl.checkpoint import model_record
-from mcore_rl.conversion.merge import (
+from mcore_rl.conversion.merge_io import (
     _WEIGHT_FILE, MergeError, MergeSummary, ModelDir, _hf_config, _locate, canonical_rules, check_target, hf_class,
     open_model_dir, plan_units,
 )
@@ -31,6 +31,7 @@ from mcore_rl.fileio.output_dir import write_export_record
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import write_bucket_shards
 from mcore_rl.fileio.staging import Staging
+from mcore_rl.mapping.casts import cast_checked
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.transforms import Dims
 
@@ -110,7 +111,9 @@ def _merged_rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iter
             if b is None or scale is None:
                 raise MergeError(f"{step.path}: {linear} has lora.A but no lora.B or lora.scale; the step is damaged.")
             delta = (b.double() @ a.double()) * float(scale.reshape(-1)[0])
-            pieces = [(p.double() + d).to(p.dtype) for p, d in zip(pieces, transform.to_hf(delta, dims))]
+            pieces = [cast_checked(p.double() + d, p.dtype, f"{n} (base + adapters)",
+                                   f"the adapters move it beyond the base's {p.dtype}: merge into a wider base")
+                      for n, p, d in zip(hf_names, pieces, transform.to_hf(delta, dims))]
         yield from zip(hf_names, pieces)
 
 

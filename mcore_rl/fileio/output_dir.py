@@ -4,7 +4,7 @@
 an empty directory:
 
 - ``model_dir`` (``hf_to_mcore``): ``mcore_rl.json`` (a JSON object) beside nothing but
-  ``dist_ckpt/`` and ``huggingface/``, and not a training checkpoint's role directory
+  ``dist_ckpt/``, ``huggingface/`` and the converter's ``RECORD``, and not a training checkpoint's role directory
   (``global_step_<N>/<role>``);
 - ``hf_export`` (``mcore_to_hf merge``, ``gguf_to_hf``): ``mcore_rl_export.json``, the record
   ``write_export_record`` leaves in the HF directory, naming every entry in it.
@@ -25,7 +25,8 @@ from mcore_rl.fileio.files import META
 from mcore_rl.fileio.staging import overlaps, settle
 
 EXPORT_RECORD = "mcore_rl_export.json"
-MODEL_DIR_ENTRIES = frozenset({"dist_ckpt", "huggingface", META})
+CONVERTER_RECORD = "RECORD"  # checkpoint.model_record.RECORD (fileio sits below checkpoint: not imported)
+MODEL_DIR_ENTRIES = frozenset({"dist_ckpt", "huggingface", META, CONVERTER_RECORD})
 OutputKind = Literal["model_dir", "hf_export"]
 _WALK_LIMIT = 200_000  # entries under an input; a larger tree is refused rather than half-checked
 

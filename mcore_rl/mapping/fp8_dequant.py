@@ -13,23 +13,30 @@ Formats (``quantization_config`` in config.json):
 A tensor is dequantized exactly when it is stored as FP8 and its scale exists; every other tensor
 passes through in its own dtype; activation scales (``X.input_scale``) are dropped. Arithmetic is
 fp32 (the FP8 value and the scale are exact in it), then one rounding to the target dtype.
-Every other quantization method is refused naming it.
+Every other quantization method is refused naming it, and so is an integer or bool tensor
+where the model expects a float weight (FP8 payloads are legal only beside their scale).
+Values are checked while dequantized (block-FP8 releases carry no checksums): a NaN, inf or
+negative scale, a zero scale of a block holding non-zero values (zero scales of all-zero blocks
+are legal: the block is zeros either way), a NaN encoding among the FP8 values (0x7F/0xFF), a
+product beyond float32, or one beyond the target dtype (fp16's +-65504) are refused naming the
+tensor and the block.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from mcore_rl.errors import McoreRLError
+from mcore_rl.mapping.casts import cast_checked
 
 FP8_WEIGHT_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}  # the FP8 safetensors dtype dequantized
 OTHER_FP8 = ("F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0")
 SCALE_DTYPES = ("F32", "BF16", "F16")
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64")  # never a float weight's
 ACTIVATION_SCALES = (".input_scale",)  # static activation scales: inference only, dropped
 _FORMATS = ("float-quantized", "naive-quantized", None)  # compressed-tensors formats holding FP8 as is
 
@@ -141,7 +148,7 @@ def expected_scale_shapes(shape: tuple[int, ...], scheme: FP8Scheme) -> list[tup
         return [(), (1,)] if "tensor" in scheme.strategies else []
     *lead, rows, cols = shape
     if "block" in scheme.strategies:
-        out.append((*lead, math.ceil(rows / scheme.block[0]), math.ceil(cols / scheme.block[1])))
+        out.append((*lead, -(-rows // scheme.block[0]), -(-cols // scheme.block[1])))  # exact for any int
     if "channel" in scheme.strategies and not lead:
         out += [(rows, 1), (rows,)]
     if "tensor" in scheme.strategies:
@@ -163,7 +170,8 @@ def plan_fp8(entries: Mapping[str, Mapping[str, Any]], scheme: FP8Scheme | None,
     """Checks a checkpoint's FP8 tensors against their scales from the safetensors headers
     (``entries``: name -> {dtype, shape}) before any tensor is read: an FP8 tensor without a
     scale, a scale of another shape than its weight's blocks / channels, a scale of another dtype
-    or without an FP8 weight is refused naming it."""
+    or without an FP8 weight is refused naming it; so is a tensor stored as an integer or bool
+    dtype outside the scales (``_check_float_slots``)."""
     fp8 = sorted(n for n, e in entries.items() if e["dtype"] in FP8_WEIGHT_DTYPES)
     other = sorted(n for n, e in entries.items() if e["dtype"] in OTHER_FP8)
     if other:
@@ -175,6 +183,7 @@ def plan_fp8(entries: Mapping[str, Mapping[str, Any]], scheme: FP8Scheme | None,
             raise QuantizationError(f"{where}: tensors stored as FP8 ({fp8[:3]}{' ...' if len(fp8) > 3 else ''}) "
                                     "but config.json has no quantization_config saying how they are scaled; "
                                     "copy the model's original config.json.")
+        _check_float_slots(entries, set(), where)
         return FP8Plan(None, {}, frozenset())
     suffix = "." + scheme.scale_suffix
     scales = {}
@@ -192,7 +201,22 @@ def plan_fp8(entries: Mapping[str, Mapping[str, Any]], scheme: FP8Scheme | None,
         raise QuantizationError(f"{where}: scale {orphans[0]!r} belongs to no FP8 weight ({weight!r} is "
                                 f"{stored}); the checkpoint is inconsistent: copy it again.")
     hidden = set(scales.values()) | {n for n in entries if n.endswith(ACTIVATION_SCALES)}
+    _check_float_slots(entries, hidden, where)
     return FP8Plan(scheme, scales, frozenset(hidden))
+
+
+def _check_float_slots(entries: Mapping[str, Mapping[str, Any]], hidden: set[str], where: str) -> None:
+    """Every tensor a reader hands out is a float weight of the model (an unknown name is refused
+    by the mapping): one stored as an integer or bool dtype (a damaged header, a quantized
+    checkpoint without its config) would be cast and rounded silently, so it is refused here."""
+    ints = sorted(n for n, e in entries.items() if n not in hidden and e["dtype"] in INTEGER_DTYPES)
+    if ints:
+        raise QuantizationError(
+            f"{where}: tensor {ints[0]!r} is stored as {entries[ints[0]]['dtype']}"
+            f"{f' (and {len(ints) - 1} more: {ints[1:4]})' if len(ints) > 1 else ''}, an integer dtype, where the "
+            "model expects a float weight; its values would be cast and rounded: the header is damaged or the "
+            "checkpoint is quantized without a quantization_config saying how: use the model's float release "
+            "or copy the checkpoint again.")
 
 
 def _check_scale(name: str, shape: list[int], scale: str, entry: Mapping[str, Any], scheme: FP8Scheme,
@@ -209,24 +233,76 @@ def _check_scale(name: str, shape: list[int], scale: str, entry: Mapping[str, An
             "weight or config.json's quantization_config does not match the checkpoint.")
 
 
+_DAMAGED = "the checkpoint's file is damaged (block-FP8 releases carry no checksums): download it again"
+_NARROW_FIX = "read it in bf16 or fp32 (hf_to_mcore.py --dtype bf16|fp32)"
+
+
+def _at(index: tuple[int, ...], row0: int, block: tuple[int, int] | None) -> str:
+    """``[..., row, col]`` of an element (``row0`` added to its row), and its block when blocked."""
+    *lead, r, c = index
+    where = f"[{', '.join(map(str, (*lead, row0 + r, c)))}]"
+    if block is None:
+        return where
+    return f"{where} in block [{', '.join(map(str, (*lead, (row0 + r) // block[0], c // block[1])))}]"
+
+
+def _check_scale_values(s: torch.Tensor, name: str, what: Callable[[tuple[int, ...]], str]) -> None:
+    """A NaN, inf or negative scale (fp32 ``s``) is refused naming what the first one scales."""
+    bad = ~torch.isfinite(s) | (s < 0)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in torch.nonzero(bad)[0]) if s.dim() else ()
+        raise QuantizationError(f"{name}: {int(bad.sum())} scale(s) NaN, inf or negative, the first {s[where].item()} "
+                                f"scales {what(where)}; a scale is finite and >= 0: {_DAMAGED}.")
+
+
+def _product(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, name: str, row0: int,
+             block: tuple[int, int] | None, zeros: bool) -> torch.Tensor:
+    """``q`` (float8 [..., r, C], rows ``row0``.. of the weight) times ``s`` (fp32, broadcast to
+    ``q``) in fp32, rounded to ``dtype``, checked: a NaN encoding among the FP8 values, a zero
+    scale on non-zero values (``zeros``: some scale is 0; a zero scale of an all-zero block is
+    legal, it gives the block's zeros), a product beyond float32 (an overflowing scale) and a
+    value beyond ``dtype`` (``casts.cast_checked``) are refused naming the element and block."""
+    bits = q.view(torch.uint8) & 0x7F  # the magnitude bits; e4m3fn's NaN is S.1111.111, it has no inf
+    for bad, what in ((bits == 0x7F, "FP8 value(s) are NaN encodings (0x7F/0xFF)"),
+                      ((s.expand(q.shape) == 0) & (bits != 0) if zeros else None,
+                       "non-zero FP8 value(s) have a zero scale (the block would read as zeros)")):
+        if bad is not None and bool(bad.any()):
+            where = tuple(int(i) for i in torch.nonzero(bad)[0])
+            raise QuantizationError(f"{name}: {int(bad.sum())} {what}, the first at {_at(where, row0, block)}; "
+                                    f"{_DAMAGED}.")
+    prod = q.float() * s
+    if not bool(torch.isfinite(prod).all()):
+        where = tuple(int(i) for i in torch.nonzero(~torch.isfinite(prod))[0])
+        raise QuantizationError(f"{name}: FP8 value {q[where].float().item()} times its scale "
+                                f"{s.expand(q.shape)[where].item():.6g} at {_at(where, row0, block)} overflows "
+                                f"float32: the scale is damaged; {_DAMAGED}.")
+    return cast_checked(prod, dtype, name, _NARROW_FIX)
+
+
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, scheme: FP8Scheme,
                dtype: torch.dtype = torch.float32, name: str = "the weight") -> torch.Tensor:
     """``weight`` (float8_e4m3fn [..., R, C]) times ``scale`` (per block [..., ceil(R/b0),
     ceil(C/b1)], per channel [R, 1] / [R], per tensor [] / [1]) in fp32, rounded once to ``dtype``.
-    Block rows are done one band of b0 rows at a time: memory is the output plus one band."""
+    Block rows are done one band of b0 rows at a time: memory is the output plus one band.
+    Values are checked (``_check_scale_values``, ``_product``): a damaged scale or FP8 value, or
+    a product ``dtype`` cannot hold, is a QuantizationError / CastOverflowError naming it."""
     shape, wshape = tuple(scale.shape), tuple(weight.shape)
     if shape not in expected_scale_shapes(wshape, scheme):
         raise QuantizationError(f"scale of {name} has shape {list(shape)}, the weight {list(wshape)} needs one of "
                                 f"{[list(s) for s in expected_scale_shapes(wshape, scheme)]}.")
     s = scale.float()
+    zeros = bool((s == 0).any())
     blocks = len(wshape) >= 2 and "block" in scheme.strategies and shape == expected_scale_shapes(wshape, scheme)[0]
     if not blocks:  # per tensor [] / [1], or per channel [R, 1] / [R]
-        per = s.reshape(()) if shape in ((), (1,)) else s.reshape(wshape[0], 1)
-        return (weight.float() * per).to(dtype)
-    b0, b1 = scheme.block
+        tensor = shape in ((), (1,))
+        _check_scale_values(s, name, lambda i: "the whole tensor" if tensor else f"row {i[0]}")
+        per = s.reshape(()) if tensor else s.reshape(wshape[0], 1)
+        return _product(weight, per, dtype, name, 0, None, zeros)
+    b0, b1 = scheme.block[0], min(scheme.block[1], max(1, wshape[-1]))  # a block wider than the weight is the weight
+    _check_scale_values(s, name, lambda i: f"block {list(i)} (rows {i[-2] * b0}.., cols {i[-1] * b1}..)")
     out = torch.empty(wshape, dtype=dtype)  # host: file format
     for i in range(shape[-2]):
         band = slice(i * b0, (i + 1) * b0)
         row_scale = s[..., i, :].repeat_interleave(b1, dim=-1)[..., : wshape[-1]].unsqueeze(-2)
-        out[..., band, :] = (weight[..., band, :].float() * row_scale).to(dtype)
+        out[..., band, :] = _product(weight[..., band, :], row_scale, dtype, name, i * b0, scheme.block, zeros)
     return out

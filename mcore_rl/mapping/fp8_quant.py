@@ -2,7 +2,10 @@
 
 A quantized HF weight ``W`` [R, C] is written as ``float8_e4m3fn`` with ``<name>_scale_inv``
 float32 [ceil(R/b0), ceil(C/b1)], one scale per b0 x b1 block (edge blocks are the cut rest;
-they are scaled as if zero-padded). Per block, in fp32: ``s = amax / 448`` (``ue8m0``: ``s``
+they are scaled as if zero-padded). A block larger than the weight is the weight: it is clamped
+to the weight's shape per dimension, which leaves the scale shape (ceil(R/b0) = 1 there) and
+every reader's arithmetic as they are, and costs nothing for the padding it no longer makes.
+Block sizes are integers in 1 .. 2^31 - 1 (``MAX_BLOCK``: readers keep them in 32-bit ints). Per block, in fp32: ``s = amax / 448`` (``ue8m0``: ``s``
 rounded up to a power of two), an all-zero block ``s = 1``; ``q = RNE(clamp(W / s, -448, 448))``
 by division, rounded to the e4m3 grid here (ties to even, subnormals included) so the final cast
 to float8 is exact and never depends on torch's own float8 rounding or saturation (its cast turns
@@ -23,6 +26,7 @@ from mcore_rl.errors import McoreRLError
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
+MAX_BLOCK = 2**31 - 1  # the largest block side written to config.json (readers' int32)
 ScaleFmt = Literal["float", "ue8m0"]
 # The linear projections of decoder layers that block FP8 checkpoints (DeepSeek-V3/R1/V3.1,
 # Kimi-K2, Qwen3-FP8) quantize: attention q/k/v/o and MLA's q_a/q_b/kv_a_with_mqa/kv_b, MLP
@@ -45,8 +49,10 @@ class BlockFp8:
     scale_fmt: ScaleFmt = "float"
 
     def __post_init__(self) -> None:
-        if len(self.block) != 2 or not all(isinstance(b, int) and b > 0 for b in self.block):
-            raise Fp8QuantError(f"fp8 block size {self.block!r}: give two positive integers (rows, cols), e.g. 128x128.")
+        if len(self.block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_BLOCK
+                                           for b in self.block):
+            raise Fp8QuantError(f"fp8 block size {self.block!r}: give two integers (rows, cols) in 1..{MAX_BLOCK}, "
+                                "e.g. 128x128; a block larger than a weight covers the whole weight.")
         if self.scale_fmt not in ("float", "ue8m0"):
             raise Fp8QuantError(f"scale_fmt={self.scale_fmt!r}; use 'float' (amax/448) or 'ue8m0' (powers of two).")
 
@@ -64,16 +70,15 @@ class BlockFp8:
 
 
 def parse_block(text: str) -> tuple[int, int]:
-    """``"128x128"``, ``"128,64"`` or ``"128"`` (square) -> (rows, cols); else Fp8QuantError."""
+    """``"128x128"``, ``"128,64"`` or ``"128"`` (square) -> (rows, cols) of integers in
+    1..``MAX_BLOCK`` (ASCII digits only); else Fp8QuantError naming the text."""
     parts = [p for p in re.split(r"[x,\s]+", str(text).strip().lower()) if p]
-    try:
-        values = tuple(int(p) for p in parts)
-    except ValueError:
-        values = ()
+    values = tuple(int(p) for p in parts) if all(re.fullmatch(r"[0-9]{1,12}", p) for p in parts) else ()
     if len(values) == 1:
         values = values * 2
-    if len(values) != 2 or min(values) <= 0:
-        raise Fp8QuantError(f"fp8 block size {text!r}: give ROWSxCOLS of positive integers, e.g. 128x128 (or 128 64).")
+    if len(values) != 2 or not all(0 < v <= MAX_BLOCK for v in values):
+        raise Fp8QuantError(f"fp8 block size {text!r}: give ROWSxCOLS of integers in 1..{MAX_BLOCK}, e.g. 128x128 "
+                            "(or 128 64); a block larger than a weight covers the whole weight.")
     return values  # type: ignore[return-value]
 
 
@@ -120,26 +125,29 @@ def quantize_block_fp8(w: torch.Tensor, fmt: BlockFp8, name: str = "tensor",
     fp32 temporaries stay ~7 x 4 bytes per chunk element, whatever the tensor's size."""
     if w.dim() != 2:
         raise Fp8QuantError(f"{name}: block FP8 quantizes 2-D weights, got shape {tuple(w.shape)}.")
-    (rows, cols), b0 = w.shape, fmt.block[0]
+    (rows, cols) = w.shape
+    block = (max(1, min(fmt.block[0], rows)), max(1, min(fmt.block[1], cols)))  # a block is at most the weight
+    b0 = block[0]
     q = torch.empty(rows, cols, dtype=FP8_DTYPE)  # host: file format
     scale = torch.empty(fmt.scale_shape((rows, cols)), dtype=torch.float32)  # host: file format
     step = b0 * max(1, chunk_elements // max(1, b0 * cols))
     for row0 in range(0, rows, step):
         part = w[row0:row0 + step].detach().to(torch.float32)
         _check_finite(part, fmt, name, row0)
-        q_part, s_part = _quantize_rows(part, fmt)
+        q_part, s_part = _quantize_rows(part, block, fmt.scale_fmt)
         q[row0:row0 + step] = q_part
         scale[row0 // b0:row0 // b0 + s_part.shape[0]] = s_part
     return q, scale
 
 
-def _quantize_rows(w: torch.Tensor, fmt: BlockFp8) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk of block rows (fp32, finite): (q float8_e4m3fn, its rows of scales)."""
-    (rows, cols), (b0, b1) = w.shape, fmt.block
-    nr, nc = fmt.scale_shape((rows, cols))
+def _quantize_rows(w: torch.Tensor, block: tuple[int, int], scale_fmt: ScaleFmt) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of block rows (fp32, finite) in blocks ``block`` (clamped to the weight): (q
+    float8_e4m3fn, its rows of scales)."""
+    (rows, cols), (b0, b1) = w.shape, block
+    nr, nc = -(-rows // b0), -(-cols // b1)
     padded = F.pad(w, (0, nc * b1 - cols, 0, nr * b0 - rows)).view(nr, b0, nc, b1)
     amax = padded.abs().amax(dim=(1, 3)) if w.numel() else torch.zeros(nr, nc)  # host: file format
-    scale = block_scales(amax, fmt.scale_fmt)
+    scale = block_scales(amax, scale_fmt)
     y = torch.clamp(padded / scale[:, None, :, None], -FP8_MAX, FP8_MAX)
     del padded
     q = round_to_e4m3(y).view(nr * b0, nc * b1)[:rows, :cols]

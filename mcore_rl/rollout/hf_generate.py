@@ -6,6 +6,7 @@ from typing import Iterable
 
 import torch
 
+from mcore_rl.mapping.casts import cast_checked
 from mcore_rl.rollout.engine import Rollout, RolloutError, left_pad
 
 Tensor = torch.Tensor
@@ -49,7 +50,8 @@ class TransformersRollout:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        """Copies each (HF name, full tensor) into the model; an unknown name or another shape
+        """Copies each (HF name, full tensor) into the model; an unknown name, another shape, or
+        a value the model's dtype cannot hold (fp32 -> fp16 beyond +-65504: ``casts.cast_checked``)
         is an error naming it. Returns the number of tensors copied."""
         taken = 0
         for name, tensor in named_tensors:
@@ -60,7 +62,9 @@ class TransformersRollout:
             if param.shape != tensor.shape:
                 raise RolloutError(f"weight {name!r}: trainer sends {tuple(tensor.shape)}, the rollout model "
                                    f"has {tuple(param.shape)}.")
-            param.copy_(tensor)
+            fix = f"the rollout model's {str(param.dtype).removeprefix('torch.')} cannot hold it: run the rollout " \
+                  "engine in a wider dtype (bf16 or fp32)"
+            param.copy_(cast_checked(tensor, param.dtype, f"weight {name!r} of the sync", fix))
             taken += 1
         return taken
 
