@@ -170,3 +170,58 @@ def assert_matches_peft_step(hf, hf_dir: str, batch: dict, lora: dict, ours: dic
     base = SafetensorsReader(hf_dir)
     assert set(base) == set(ours["base_after"])
     assert all(torch.equal(ours["base_after"][k], base[k]) for k in base)
+
+
+def import_sweep(hf_dir: str, cases: dict[str, str], batch: dict, actor: dict) -> dict:
+    """One model built once; every adapter directory of ``cases`` (name -> path) imported into
+    it in turn: name -> ('ok', log-probs) | ('refused', error type, message) | ('crash', traceback).
+    Also a seeded LoRA whose targets match no layer, trainable: ('refused', ...) expected."""
+    import traceback
+
+    from mcore_rl.errors import McoreRLError
+    from mcore_rl.models.hf_weights import weight_map
+    from mcore_rl.models.lora_build import attach_adapters, linear_sites
+    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    engine = build_engine(hf_dir, {}, dict(rank=1), optim=None)
+    act = Actor(engine, ActorConfig(**actor))
+    wmap = weight_map(engine.args, "actor", 1)
+    out = {}
+    for name, path in cases.items():
+        for chunk in engine.model:
+            for _, module in linear_sites(chunk):
+                module.lora = None
+        try:
+            attach_adapters(engine.model, LoraConfig(rank=1, adapter_path=path), wmap, torch.float32)
+            out[name] = ("ok", act.compute_log_prob(batch)["log_probs"])
+        except McoreRLError as e:
+            out[name] = ("refused", type(e).__name__, str(e))
+        except Exception:  # noqa: BLE001 - what the sweep looks for
+            out[name] = ("crash", traceback.format_exc())
+    try:
+        build_engine(hf_dir, {}, dict(rank=2, target_modules=["*.layers.7.*"]))
+        out["no_trainable_parameter"] = ("ok", None)
+    except McoreRLError as e:
+        out["no_trainable_parameter"] = ("refused", type(e).__name__, str(e))
+    except Exception:  # noqa: BLE001
+        out["no_trainable_parameter"] = ("crash", traceback.format_exc())
+    return out
+
+
+def export_expert_parts(hf_dir: str, variants: dict[str, list[str]], batch: dict, actor: dict, out_dir: str) -> dict:
+    """For each variant (name -> target_modules), a qwen3_moe LoRA engine with random non-zero
+    adapters exported as PEFT (out_dir/<name>); name -> its log-probs."""
+    import os
+
+    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.models.lora_io import save_peft_adapter
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    out = {}
+    for name, targets in variants.items():
+        lora = dict(rank=2, alpha=64.0, lora_A_init_method="normal", lora_B_init_method="normal", target_modules=targets)
+        engine = build_engine(hf_dir, {}, lora, moe=True, optim=None)
+        out[name] = Actor(engine, ActorConfig(**actor)).compute_log_prob(batch)["log_probs"]
+        save_peft_adapter(engine.model, engine.args, "actor", LoraConfig(**lora), os.path.join(out_dir, name), hf_dir)
+    return out
