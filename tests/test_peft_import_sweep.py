@@ -191,6 +191,33 @@ def test_every_case_is_refused_clearly_or_imported_exactly(sweep):
         assert (want - base).abs().max() > 1e-3, name  # the adapter matters
 
 
+NAMED = {  # case -> what its refusal names (issue #37 items 1, 2 and 11)
+    "tensor_narrow_0": "q_proj.lora_A.weight has shape [4, 1], the model and the config's rank need [4, 64]",
+    "tensor_flat_1": "v_proj.lora_B.weight has shape [1, 4], the model and the config's rank need [32, 4]",
+    "tensor_narrow_1": "v_proj.lora_B.weight has shape [32, 1]",
+    "extra_lm_head": "['base_model.model.lm_head.lora_A.weight'] name no linear mcore_rl can adapt",
+    "extra_embedding": "embed_tokens.lora_embedding_A'] name no linear",
+    "extra_layer_missing": "layers.7.self_attn.q_proj.lora_A.weight'] name no linear",
+    "extra_other_prefix": "['model.layers.0.self_attn.q_proj.lora_A.weight'] name no linear",
+    "config_target_only_unknown": "target_modules entry 'query_key_value' matches no linear",
+    "config_target_unknown": "supported targets: ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj'",
+    "config_r0": "r=0 must be an integer > 0", "config_r_str": "r='4' must be an integer > 0",
+    "config_alpha_str": "lora_alpha='8' must be a finite", "config_alpha_nan": "lora_alpha=nan must be a finite",
+    "config_rank_pattern_regex": "rank_pattern entry '[' is not a valid regular expression",
+    "config_rslora_r_neg": "r=-4 must be an integer > 0",
+    "tensor_rank_up_1": "v_proj.lora_B.weight has shape [32, 5], the model and the config's rank need [32, 4]",
+    "tensor_wide_0": "q_proj.lora_A.weight has shape [4, 128]",
+    "tensor_nan_0": "q_proj.lora_A.weight holds NaN or infinite values",
+    "file_json_string": "holds str 'LORA', not a JSON object", "file_bin_only": "holds no adapter_model.safetensors",
+}
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_refusal_names_the_cause(sweep, name):
+    result = sweep[-1][name]
+    assert result[0] == "refused" and NAMED[name] in result[2], result
+
+
 def test_zero_trainable_parameters_is_a_clear_error(sweep):
     result = sweep[-1]["no_trainable_parameter"]
     assert result[0] == "refused" and "no trainable parameter" in result[2], result

@@ -62,9 +62,11 @@ def check_adapter_config(config, where: str) -> None:
     """Refuses an adapter_config.json (``where``: its path) mcore_rl cannot honour exactly: not
     LoRA, a refused feature, ``r`` not an int > 0, ``lora_alpha`` not a finite number, patterns
     with bad keys or values, targets of the wrong type."""
-    if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
-        kind = config.get("peft_type") if isinstance(config, dict) else config
-        raise PeftAdapterError(f"{where}: peft_type {kind!r} is not LORA; only LoRA adapters import.")
+    if not isinstance(config, dict):
+        raise PeftAdapterError(f"{where} holds {type(config).__name__} {str(config)[:60]!r}, not a JSON object; "
+                               "point adapter_path at a PEFT adapter directory.")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise PeftAdapterError(f"{where}: peft_type {config['peft_type']!r} is not LORA; only LoRA adapters import.")
     for key, (allowed, why) in REFUSED.items():
         value = config.get(key, allowed)
         if value != allowed and not (allowed is None and not value) and not (allowed is False and value is None):
@@ -77,6 +79,12 @@ def check_adapter_config(config, where: str) -> None:
                                "lora_alpha / r).")
     if config.get("use_rslora", False) not in (True, False):
         raise PeftAdapterError(f"{where}: use_rslora={config['use_rslora']!r} must be true or false.")
+    _check_patterns_and_targets(config, where)
+
+
+def _check_patterns_and_targets(config: dict, where: str) -> None:
+    """rank_pattern / alpha_pattern: valid regular expressions -> valid values; targets: lists
+    of names (or one regular expression)."""
     for key, valid, what in (("rank_pattern", lambda v: _is_int(v) and v > 0, "an integer > 0"),
                              ("alpha_pattern", _is_alpha, "a finite non-zero number")):
         patterns = config.get(key) or {}

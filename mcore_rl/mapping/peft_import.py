@@ -31,6 +31,7 @@ from mcore_rl.mapping.weights import WeightMap
 
 Tensor = torch.Tensor
 CONFIG_FILE = "adapter_config.json"
+ADAPTER_FILE = "adapter_model.safetensors"
 _EXPERT_SITE = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)$")
 
 
@@ -99,6 +100,10 @@ def read_peft_adapter(path: str) -> PeftAdapter:
         raise PeftAdapterError(f"lora.adapter_path={path!r}: {CONFIG_FILE} is not readable JSON "
                                f"({type(e).__name__}: {e}); point adapter_path at a PEFT adapter directory.") from None
     check_adapter_config(config, config_path)
+    if not os.path.isfile(os.path.join(path, ADAPTER_FILE)):
+        raise PeftAdapterError(f"lora.adapter_path={path!r} holds no {ADAPTER_FILE} (a .bin adapter: save it with "
+                               "save_pretrained(..., safe_serialization=True)); point adapter_path at a PEFT adapter "
+                               "directory.")
     return PeftAdapter(path, config, SafetensorsReader(path))
 
 
