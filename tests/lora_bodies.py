@@ -225,3 +225,31 @@ def export_expert_parts(hf_dir: str, variants: dict[str, list[str]], batch: dict
         out[name] = Actor(engine, ActorConfig(**actor)).compute_log_prob(batch)["log_probs"]
         save_peft_adapter(engine.model, engine.args, "actor", LoraConfig(**lora), os.path.join(out_dir, name), hf_dir)
     return out
+
+
+def import_each(hf_dir: str, paths: dict[str, str], batch: dict, actor: dict, moe: bool = False) -> dict:
+    """name -> ('ok', log-probs) | ('refused', message) | ('crash', traceback) of an engine built
+    with lora.adapter_path=paths[name]."""
+    import traceback
+
+    from mcore_rl.errors import McoreRLError
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    out = {}
+    for name, path in paths.items():
+        try:
+            engine = build_engine(hf_dir, {}, dict(rank=1, adapter_path=path), moe=moe, optim=None)
+            out[name] = ("ok", Actor(engine, ActorConfig(**actor)).compute_log_prob(batch)["log_probs"])
+        except McoreRLError as e:
+            out[name] = ("refused", str(e))
+        except Exception:  # noqa: BLE001 - what the caller looks for
+            out[name] = ("crash", traceback.format_exc())
+    return out
+
+
+def export_then_import(hf_dir: str, variants: dict[str, list[str]], batch: dict, actor: dict, out_dir: str,
+                       mutate) -> dict:
+    """``export_expert_parts``, then ``mutate(out_dir)`` -> {name: adapter directory} imported
+    with ``import_each`` (one world): {'exported': ..., 'imported': ...}."""
+    exported = export_expert_parts(hf_dir, variants, batch, actor, out_dir)
+    return {"exported": exported, "imported": import_each(hf_dir, mutate(out_dir), batch, actor, moe=True)}
