@@ -220,7 +220,8 @@ def export_expert_parts(hf_dir: str, variants: dict[str, list[str]], batch: dict
 
     out = {}
     for name, targets in variants.items():
-        lora = dict(rank=2, alpha=64.0, lora_A_init_method="normal", lora_B_init_method="normal", target_modules=targets)
+        lora = dict(rank=2, alpha=64.0, lora_A_init_method="normal", lora_B_init_method="normal",
+                    target_modules=targets)
         engine = build_engine(hf_dir, {}, lora, moe=True, optim=None)
         out[name] = Actor(engine, ActorConfig(**actor)).compute_log_prob(batch)["log_probs"]
         save_peft_adapter(engine.model, engine.args, "actor", LoraConfig(**lora), os.path.join(out_dir, name), hf_dir)

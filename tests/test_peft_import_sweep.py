@@ -27,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = 3e-5  # fp32: the fused (rank-expanded) qkv/fc1 adapters sum in another order than peft's pieces
 ACTOR = dict(temperature=1.0, micro_batch_size=2, ppo_mini_batch_size=4)
 P = "base_model.model.model.layers"
+R = 4  # the adapters' rank
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 KEYS = {  # tensor -> its module's (out, in) in the tiny llama (hidden 64, kv 2 x 16, ffn 128)
     f"{P}.0.self_attn.q_proj.lora_A.weight": "A", f"{P}.1.self_attn.v_proj.lora_B.weight": "B",
@@ -40,26 +41,32 @@ def _config_cases() -> dict:
     """name -> (adapter_config.json changes, accepted)."""
     bad = {
         "r0": {"r": 0}, "r_neg": {"r": -1}, "r_str": {"r": "4"}, "r_float": {"r": 4.0}, "r_bool": {"r": True},
-        "r_none": {"r": None}, "r_other": {"r": 3}, "alpha_str": {"lora_alpha": "8"}, "alpha_nan": {"lora_alpha": NAN},
-        "alpha_inf": {"lora_alpha": math.inf}, "alpha_zero": {"lora_alpha": 0}, "alpha_list": {"lora_alpha": [8]},
-        "alpha_none": {"lora_alpha": None}, "rslora_str": {"use_rslora": "yes"}, "rslora_r_neg": {"use_rslora": True, "r": -4},
-        "rank_pattern_regex": {"rank_pattern": {"[": 2}}, "rank_pattern_zero": {"rank_pattern": {"q_proj": 0}},
-        "rank_pattern_str": {"rank_pattern": {"q_proj": "4"}}, "rank_pattern_list": {"rank_pattern": [4]},
-        "rank_pattern_wrong": {"rank_pattern": {"o_proj": 3}}, "alpha_pattern_regex": {"alpha_pattern": {"(": 2}},
-        "alpha_pattern_nan": {"alpha_pattern": {"q_proj": NAN}}, "alpha_pattern_str": {"alpha_pattern": {"q_proj": "x"}},
-        "target_unknown": {"target_modules": [*TARGETS, "query_key_value"]}, "target_only_unknown": {"target_modules":
-        ["query_key_value"]}, "target_empty": {"target_modules": []}, "target_none": {"target_modules": None},
-        "target_lm_head": {"target_modules": [*TARGETS, "lm_head"]}, "target_int": {"target_modules": 5},
+        "r_none": {"r": None}, "r_other": {"r": 3},
+        "alpha_str": {"lora_alpha": "8"}, "alpha_nan": {"lora_alpha": NAN}, "alpha_inf": {"lora_alpha": math.inf},
+        "alpha_zero": {"lora_alpha": 0}, "alpha_list": {"lora_alpha": [8]}, "alpha_none": {"lora_alpha": None},
+        "rslora_str": {"use_rslora": "yes"}, "rslora_r_neg": {"use_rslora": True, "r": -4},
+        "rank_pattern_regex": {"rank_pattern": {"[": 2}},
+        "rank_pattern_flags": {"rank_pattern": {"(?i)q_proj": 4}},  # valid alone, not inside peft's pattern
+        "rank_pattern_zero": {"rank_pattern": {"q_proj": 0}}, "rank_pattern_str": {"rank_pattern": {"q_proj": "4"}},
+        "rank_pattern_list": {"rank_pattern": [4]}, "rank_pattern_wrong": {"rank_pattern": {"o_proj": 3}},
+        "alpha_pattern_regex": {"alpha_pattern": {"(": 2}}, "alpha_pattern_nan": {"alpha_pattern": {"q_proj": NAN}},
+        "alpha_pattern_str": {"alpha_pattern": {"q_proj": "x"}},
+        "target_unknown": {"target_modules": [*TARGETS, "query_key_value"]},
+        "target_only_unknown": {"target_modules": ["query_key_value"]},
+        "target_lm_head": {"target_modules": [*TARGETS, "lm_head"]},
+        "target_empty": {"target_modules": []}, "target_none": {"target_modules": None},
+        "target_int": {"target_modules": 5}, "target_list_int": {"target_modules": [1]},
         "target_bad_regex": {"target_modules": "("}, "target_str_nomatch": {"target_modules": "q_proj"},
-        "target_subset": {"target_modules": ["q_proj"]}, "target_list_int": {"target_modules": [1]},
-        "exclude_q": {"exclude_modules": ["q_proj"]}, "experts_on_dense": {"target_parameters": ["mlp.experts.gate_up_proj"]},
+        "target_subset": {"target_modules": ["q_proj"]}, "exclude_q": {"exclude_modules": ["q_proj"]},
+        "experts_on_dense": {"target_parameters": ["mlp.experts.gate_up_proj"]},
         "peft_type": {"peft_type": "LOHA"}, "dora": {"use_dora": True}, "bias": {"bias": "all"},
         "fan_in_fan_out": {"fan_in_fan_out": True}, "modules_to_save": {"modules_to_save": ["lm_head"]},
         "layers_to_transform": {"layers_to_transform": [0]}, "lora_bias": {"lora_bias": True},
         "qalora": {"use_qalora": True}, "trainable_tokens": {"trainable_token_indices": [1, 2]},
     }
     good = {
-        "plain": {}, "alpha_neg": {"lora_alpha": -8}, "alpha_float": {"lora_alpha": 12.5}, "rslora": {"use_rslora": True},
+        "plain": {}, "alpha_neg": {"lora_alpha": -8}, "alpha_float": {"lora_alpha": 12.5},
+        "rslora": {"use_rslora": True},
         "alpha_pattern": {"alpha_pattern": {"v_proj": 3, "down_proj": 5}},
         "target_regex": {"target_modules": r".*\.(q|k|v|o|gate|up|down)_proj"},
         "all_linear": {"target_modules": "all-linear"},
@@ -88,28 +95,33 @@ def _tensor_mutations() -> dict:
 
     return {
         "narrow": (reshape(lambda s: (s[0], 1)), False), "flat": (reshape(lambda s: (1, s[1])), False),
-        "transposed": (reshape(lambda s: (s[1], s[0])), False), "rank_up": (reshape(lambda s: (s[0] + 1, s[1]) if s[0] == 4
-                                                                                   else (s[0], s[1] + 1)), False),
+        "transposed": (reshape(lambda s: (s[1], s[0])), False),
+        "rank_up": (reshape(lambda s: (R + 1, s[1]) if s[0] == R else (s[0], R + 1)), False),
         "wide": (reshape(lambda s: (s[0], s[1] * 2)), False), "one_d": (reshape(lambda s: (s[0] * s[1],)), False),
         "three_d": (reshape(lambda s: (1, s[0], s[1])), False), "empty": (reshape(lambda s: (0, s[1])), False),
         "nan": (values(NAN), False), "inf": (values(math.inf), False), "ninf": (values(-math.inf), False),
         "int64": (dtype(torch.int64), False), "bool": (dtype(torch.bool), False),
         "missing": (lambda t, k: t.pop(k), False),
-        "fp16": (dtype(torch.float16), True), "bf16": (dtype(torch.bfloat16), True), "fp64": (dtype(torch.float64), True),
+        "fp16": (dtype(torch.float16), True), "bf16": (dtype(torch.bfloat16), True),
+        "fp64": (dtype(torch.float64), True),
     }
 
 
 EXTRA_NAMES = {
-    "lm_head": "base_model.model.lm_head.lora_A.weight", "embedding": "base_model.model.model.embed_tokens.lora_embedding_A",
-    "layer_missing": f"{P}.7.self_attn.q_proj.lora_A.weight", "other_prefix": "model.layers.0.self_attn.q_proj.lora_A.weight",
-    "default_name": f"{P}.0.self_attn.q_proj.lora_A.default.weight", "magnitude": f"{P}.0.self_attn.q_proj.lora_magnitude_vector",
+    "lm_head": "base_model.model.lm_head.lora_A.weight",
+    "embedding": "base_model.model.model.embed_tokens.lora_embedding_A",
+    "layer_missing": f"{P}.7.self_attn.q_proj.lora_A.weight",
+    "other_prefix": "model.layers.0.self_attn.q_proj.lora_A.weight",
+    "default_name": f"{P}.0.self_attn.q_proj.lora_A.default.weight",
+    "magnitude": f"{P}.0.self_attn.q_proj.lora_magnitude_vector",
     "random": "foo",
 }
 
 
 def _write_cases(root, plain: str) -> dict:
     """name -> (directory, accepted): at least 100 variations of the peft-written ``plain``."""
-    tensors, config = load_file(os.path.join(plain, "adapter_model.safetensors")), json.load(open(os.path.join(plain, "adapter_config.json")))
+    tensors = load_file(os.path.join(plain, "adapter_model.safetensors"))
+    config = json.load(open(os.path.join(plain, "adapter_config.json")))
     cases = {}
 
     def write(name, cfg=None, ts=None, accepted=False, raw_config=None):
@@ -138,14 +150,16 @@ def _write_cases(root, plain: str) -> dict:
                       "json_string": b'"LORA"', "json_nested": b"[" * 100000 + b"]" * 100000}.items():
         write(f"file_{name}", None, tensors, raw_config=raw)
     write("file_garbage", config)
-    open(os.path.join(cases["file_garbage"][0], "adapter_model.safetensors"), "wb").write(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+    garbage = b"\x10\x00\x00\x00\x00\x00\x00\x00garbage"  # a header length longer than the file
+    open(os.path.join(cases["file_garbage"][0], "adapter_model.safetensors"), "wb").write(garbage)
     write("file_truncated", config)
     data = open(os.path.join(plain, "adapter_model.safetensors"), "rb").read()
     open(os.path.join(cases["file_truncated"][0], "adapter_model.safetensors"), "wb").write(data[: len(data) // 2])
     write("file_bin_only", config)
     torch.save(tensors, os.path.join(cases["file_bin_only"][0], "adapter_model.bin"))
     write("file_second_safetensors", config, tensors)
-    save_file({"foo.lora_A.weight": torch.zeros(4, 64)}, os.path.join(cases["file_second_safetensors"][0], "x.safetensors"))
+    second = os.path.join(cases["file_second_safetensors"][0], "x.safetensors")
+    save_file({"foo.lora_A.weight": torch.zeros(4, 64)}, second)
     write("file_extra_harmless", config, tensors, True)
     open(os.path.join(cases["file_extra_harmless"][0], "README.md"), "w").write("# adapter\n")
     cases["file_missing_dir"] = (os.path.join(root, "does_not_exist"), False)
@@ -159,7 +173,7 @@ def sweep(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep")
     hf = tiny_hf_model(tiny_config("llama", vocab_size=16, num_hidden_layers=2))
     hf.save_pretrained(root / "hf")
-    model = get_peft_model(copy.deepcopy(hf), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS,
+    model = get_peft_model(copy.deepcopy(hf), LoraConfig(r=R, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS,
                                                           init_lora_weights=False))
     with torch.no_grad():  # peft's random B is tiny: scale it so the adapters matter far above TOL
         for name, p in model.named_parameters():

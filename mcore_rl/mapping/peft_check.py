@@ -34,6 +34,11 @@ REFUSED = {
 }
 
 
+def suffix_pattern(key: str) -> str:
+    """peft's rank_pattern / alpha_pattern rule: ``key`` matches the end of a module name after a dot."""
+    return rf"(.*\.)?({key})$"
+
+
 class PeftAdapterError(McoreRLError, ValueError):
     """A PEFT adapter mcore_rl cannot import; the message names the file, the value and the fix."""
 
@@ -47,12 +52,13 @@ def _is_alpha(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value != 0
 
 
-def _check_regex(where: str, key: str, pattern) -> None:
+def _check_regex(where: str, key: str, pattern, suffix: bool = False) -> None:
+    """``pattern`` compiles (``suffix``: as peft matches pattern keys, the end of a module name)."""
     if not isinstance(pattern, str):
         raise PeftAdapterError(f"{where}: {key} entry {pattern!r} is not a string; write module names or "
                                "regular expressions.")
     try:
-        re.compile(pattern)
+        re.compile(suffix_pattern(pattern) if suffix else pattern)
     except re.error as e:
         raise PeftAdapterError(f"{where}: {key} entry {pattern!r} is not a valid regular expression ({e}); "
                                "fix or drop it.") from None
@@ -91,7 +97,7 @@ def _check_patterns_and_targets(config: dict, where: str) -> None:
         if not isinstance(patterns, dict):
             raise PeftAdapterError(f"{where}: {key}={patterns!r} must be a mapping of module pattern -> value.")
         for pattern, value in patterns.items():
-            _check_regex(where, key, pattern)
+            _check_regex(where, key, pattern, suffix=True)
             if not valid(value):
                 raise PeftAdapterError(f"{where}: {key}[{pattern!r}]={value!r} must be {what}.")
     for key in ("target_modules", "exclude_modules", "target_parameters"):

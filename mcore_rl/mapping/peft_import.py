@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 
 from mcore_rl.mapping.hf_io import SafetensorsReader
-from mcore_rl.mapping.peft_check import PeftAdapterError, check_adapter_config, check_adapter_names
+from mcore_rl.mapping.peft_check import PeftAdapterError, check_adapter_config, check_adapter_names, suffix_pattern
 from mcore_rl.mapping.peft import peft_name
 from mcore_rl.mapping.peft_experts import experts_from_peft, peft_keys
 from mcore_rl.mapping.weights import WeightMap
@@ -85,7 +85,7 @@ class PeftAdapter:
 def _pattern(patterns: dict, module: str, default):
     """peft's rule: the first key whose regular expression matches the end of ``module`` after a dot."""
     for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        if re.match(suffix_pattern(key), module):
             return value
     return default
 
