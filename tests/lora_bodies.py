@@ -15,7 +15,7 @@ def build_engine(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False
     """A LoRA ModelEngine (actor) loaded from ``hf_dir`` at ``layout_kwargs``."""
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
-    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.lora.config import LoraConfig
     from mcore_rl.models.moe import MoEOptions
     from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
     from mcore_rl.platform import active_platform
@@ -38,7 +38,7 @@ def peft_tensors(engine) -> dict[str, torch.Tensor]:
     from mcore_rl.mapping.peft import AdapterMap, to_peft_tensors
     from mcore_rl.mapping.weights import export_hf_weights
     from mcore_rl.models.hf_weights import weight_map
-    from mcore_rl.models.lora_build import adapter_sites
+    from mcore_rl.lora.build import adapter_sites
 
     amap = AdapterMap(weight_map(engine.args, "actor", engine.layout.tp), adapter_sites(engine.model))
     tensors = to_peft_tensors(export_hf_weights(engine.model, amap, adapters=True), engine.args.arch.model_type)
@@ -109,8 +109,8 @@ def lora_roundtrip(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, ac
     adapter exported as PEFT (out_dir/peft) and merged HF weights (out_dir/merged); log-probs after."""
     import os
 
-    from mcore_rl.models.lora_config import LoraConfig
-    from mcore_rl.models.lora_io import save_merged_hf, save_peft_adapter
+    from mcore_rl.lora.config import LoraConfig
+    from mcore_rl.lora.export import save_merged_hf, save_peft_adapter
     from mcore_rl.rl.actor import Actor, ActorConfig
 
     engine = build_engine(hf_dir, layout_kwargs, lora, moe)
@@ -128,7 +128,7 @@ def adapted_names(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = Fals
     """Canonical names of every adapted linear, gathered from all ranks, sorted."""
     import torch
 
-    from mcore_rl.models.lora_build import adapter_sites
+    from mcore_rl.lora.build import adapter_sites
 
     engine = build_engine(hf_dir, layout_kwargs, lora, moe, optim=None)
     gathered: list = [None] * torch.distributed.get_world_size()
@@ -180,8 +180,8 @@ def import_sweep(hf_dir: str, cases: dict[str, str], batch: dict, actor: dict) -
 
     from mcore_rl.errors import McoreRLError
     from mcore_rl.models.hf_weights import weight_map
-    from mcore_rl.models.lora_build import attach_adapters, linear_sites
-    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.lora.build import attach_adapters, linear_sites
+    from mcore_rl.lora.config import LoraConfig
     from mcore_rl.rl.actor import Actor, ActorConfig
 
     engine = build_engine(hf_dir, {}, dict(rank=1), optim=None)
@@ -214,8 +214,8 @@ def export_expert_parts(hf_dir: str, variants: dict[str, list[str]], batch: dict
     adapters exported as PEFT (out_dir/<name>); name -> its log-probs."""
     import os
 
-    from mcore_rl.models.lora_config import LoraConfig
-    from mcore_rl.models.lora_io import save_peft_adapter
+    from mcore_rl.lora.config import LoraConfig
+    from mcore_rl.lora.export import save_peft_adapter
     from mcore_rl.rl.actor import Actor, ActorConfig
 
     out = {}

@@ -132,7 +132,7 @@ def _canonical_layer_name(layer: torch.nn.Module, rest: str) -> str:
 STATE_BUFFERS = ("mlp.router.expert_bias",)
 
 
-# LoRA adapter factors (models/lora.py): ``<linear>.lora.A`` / ``<linear>.lora.B``
+# LoRA adapter factors (lora/layers.py): ``<linear>.lora.A`` / ``<linear>.lora.B``
 ADAPTER_MARK = ".lora."
 
 

@@ -18,7 +18,7 @@ from mcore_rl.fileio.base_identity import hf_dir_identity, no_base_identity, ten
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.models.builder import BuildOptions, Role, build_model
 from mcore_rl.models.ddp import wrap_with_ddp
-from mcore_rl.models.lora import lora_modules
+from mcore_rl.lora.layers import lora_modules
 from mcore_rl.models.forward import LossFn, run_schedule
 from mcore_rl.models.micro_batch import MicroBatch, as_micro_batch
 from mcore_rl.models.hf_config import ModelArgs

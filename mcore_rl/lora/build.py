@@ -14,7 +14,7 @@ from mcore_rl.mapping.peft import AdapterSite
 from mcore_rl.mapping.peft_import import PeftAdapterError, SitePlan, plan_site, read_peft_adapter
 from mcore_rl.mapping.transforms import Transform
 from mcore_rl.mapping.weights import WeightMap, unwrap
-from mcore_rl.models.lora import (
+from mcore_rl.lora.layers import (
     LORA_LINEARS,
     LoraAdapter,
     LoraColumnParallelLinear,
@@ -23,7 +23,7 @@ from mcore_rl.models.lora import (
     init_full,
     lora_modules,
 )
-from mcore_rl.models.lora_config import LINEARS, LoraConfig, LoraConfigError
+from mcore_rl.lora.config import LINEARS, LoraConfig, LoraConfigError
 
 Tensor = torch.Tensor
 

@@ -24,9 +24,9 @@ from mcore_rl.mapping.weights import export_hf_weights, iter_hf_buckets
 from mcore_rl.models.builder import Role
 from mcore_rl.models.hf_config import ModelArgs
 from mcore_rl.models.hf_weights import weight_map
-from mcore_rl.models.lora import merged_tensor_of
-from mcore_rl.models.lora_build import adapter_sites
-from mcore_rl.models.lora_config import LoraConfig
+from mcore_rl.lora.layers import merged_tensor_of
+from mcore_rl.lora.build import adapter_sites
+from mcore_rl.lora.config import LoraConfig
 
 ADAPTER_FILE = "adapter_model.safetensors"
 TASK_TYPES = {"actor": "CAUSAL_LM", "critic": "TOKEN_CLS"}
@@ -57,7 +57,7 @@ def _module_ranks(chunks: list[torch.nn.Module], args: ModelArgs, role: Role) ->
 
 
 def _fused_rank(chunks: list[torch.nn.Module], name: str) -> int:
-    from mcore_rl.models.lora_build import linear_sites
+    from mcore_rl.lora.build import linear_sites
 
     return next(m.lora.A.shape[0] for c in chunks for n, m in linear_sites(c) if n == name)
 
