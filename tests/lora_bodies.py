@@ -110,7 +110,7 @@ def lora_roundtrip(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, ac
     import os
 
     from mcore_rl.lora.config import LoraConfig
-    from mcore_rl.lora.export import save_merged_hf, save_peft_adapter
+    from mcore_rl.conversion.lora_export import save_merged_hf, save_peft_adapter
     from mcore_rl.rl.actor import Actor, ActorConfig
 
     engine = build_engine(hf_dir, layout_kwargs, lora, moe)
@@ -215,7 +215,7 @@ def export_expert_parts(hf_dir: str, variants: dict[str, list[str]], batch: dict
     import os
 
     from mcore_rl.lora.config import LoraConfig
-    from mcore_rl.lora.export import save_peft_adapter
+    from mcore_rl.conversion.lora_export import save_peft_adapter
     from mcore_rl.rl.actor import Actor, ActorConfig
 
     out = {}

@@ -64,7 +64,7 @@ def test_peft_export_refuses_targets_peft_would_rewrite_even_without_experts():
 
     from mcore_rl.mapping.peft_experts import PeftExpertsError
     from mcore_rl.lora.config import LoraConfig
-    from mcore_rl.lora.export import peft_adapter_config
+    from mcore_rl.conversion.lora_export import peft_adapter_config
 
     ranks = {"model.layers.0.mlp.gate_proj": (4, 2.0), "model.layers.0.self_attn.o_proj": (4, 2.0)}
     cfg = LoraConfig(rank=4, alpha=8.0)
