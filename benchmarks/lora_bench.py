@@ -76,7 +76,7 @@ def optimizer_and_grad_bytes(engine) -> tuple[int, int]:
 def build(layout, platform, lora: dict | None):
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
-    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.lora.config import LoraConfig
     from mcore_rl.rl.actor import Actor, ActorConfig
     from mcore_rl.rl.engine import ModelEngine, OptimConfig
 
@@ -92,8 +92,8 @@ def sync_bytes(engine) -> dict[str, tuple[int, float]]:
     from mcore_rl.mapping.peft import AdapterMap
     from mcore_rl.mapping.weights import iter_hf_buckets
     from mcore_rl.models.hf_weights import export_hf_buckets, weight_map
-    from mcore_rl.models.lora import merged_tensor_of
-    from mcore_rl.models.lora_build import adapter_sites
+    from mcore_rl.lora.layers import merged_tensor_of
+    from mcore_rl.lora.build import adapter_sites
 
     amap = AdapterMap(weight_map(engine.args, "actor", engine.layout.tp), adapter_sites(engine.model))
     runs = {

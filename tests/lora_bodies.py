@@ -15,7 +15,7 @@ def build_engine(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = False
     """A LoRA ModelEngine (actor) loaded from ``hf_dir`` at ``layout_kwargs``."""
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
-    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.lora.config import LoraConfig
     from mcore_rl.models.moe import MoEOptions
     from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
     from mcore_rl.platform import active_platform
@@ -38,7 +38,7 @@ def peft_tensors(engine) -> dict[str, torch.Tensor]:
     from mcore_rl.mapping.peft import AdapterMap, to_peft_tensors
     from mcore_rl.mapping.weights import export_hf_weights
     from mcore_rl.models.hf_weights import weight_map
-    from mcore_rl.models.lora_build import adapter_sites
+    from mcore_rl.lora.build import adapter_sites
 
     amap = AdapterMap(weight_map(engine.args, "actor", engine.layout.tp), adapter_sites(engine.model))
     tensors = to_peft_tensors(export_hf_weights(engine.model, amap, adapters=True), engine.args.arch.model_type)
@@ -109,8 +109,8 @@ def lora_roundtrip(hf_dir: str, layout_kwargs: dict, lora: dict, batch: dict, ac
     adapter exported as PEFT (out_dir/peft) and merged HF weights (out_dir/merged); log-probs after."""
     import os
 
-    from mcore_rl.models.lora_config import LoraConfig
-    from mcore_rl.models.lora_io import save_merged_hf, save_peft_adapter
+    from mcore_rl.lora.config import LoraConfig
+    from mcore_rl.conversion.lora_export import save_merged_hf, save_peft_adapter
     from mcore_rl.rl.actor import Actor, ActorConfig
 
     engine = build_engine(hf_dir, layout_kwargs, lora, moe)
@@ -128,7 +128,7 @@ def adapted_names(hf_dir: str, layout_kwargs: dict, lora: dict, moe: bool = Fals
     """Canonical names of every adapted linear, gathered from all ranks, sorted."""
     import torch
 
-    from mcore_rl.models.lora_build import adapter_sites
+    from mcore_rl.lora.build import adapter_sites
 
     engine = build_engine(hf_dir, layout_kwargs, lora, moe, optim=None)
     gathered: list = [None] * torch.distributed.get_world_size()
@@ -170,3 +170,87 @@ def assert_matches_peft_step(hf, hf_dir: str, batch: dict, lora: dict, ours: dic
     base = SafetensorsReader(hf_dir)
     assert set(base) == set(ours["base_after"])
     assert all(torch.equal(ours["base_after"][k], base[k]) for k in base)
+
+
+def import_sweep(hf_dir: str, cases: dict[str, str], batch: dict, actor: dict) -> dict:
+    """One model built once; every adapter directory of ``cases`` (name -> path) imported into
+    it in turn: name -> ('ok', log-probs) | ('refused', error type, message) | ('crash', traceback).
+    Also a seeded LoRA whose targets match no layer, trainable: ('refused', ...) expected."""
+    import traceback
+
+    from mcore_rl.errors import McoreRLError
+    from mcore_rl.models.hf_weights import weight_map
+    from mcore_rl.lora.build import attach_adapters, linear_sites
+    from mcore_rl.lora.config import LoraConfig
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    engine = build_engine(hf_dir, {}, dict(rank=1), optim=None)
+    act = Actor(engine, ActorConfig(**actor))
+    wmap = weight_map(engine.args, "actor", 1)
+    out = {}
+    for name, path in cases.items():
+        for chunk in engine.model:
+            for _, module in linear_sites(chunk):
+                module.lora = None
+        try:
+            attach_adapters(engine.model, LoraConfig(rank=1, adapter_path=path), wmap, torch.float32)
+            out[name] = ("ok", act.compute_log_prob(batch)["log_probs"])
+        except McoreRLError as e:
+            out[name] = ("refused", type(e).__name__, str(e))
+        except Exception:  # noqa: BLE001 - what the sweep looks for
+            out[name] = ("crash", traceback.format_exc())
+    try:
+        build_engine(hf_dir, {}, dict(rank=2, target_modules=["*.layers.7.*"]))
+        out["no_trainable_parameter"] = ("ok", None)
+    except McoreRLError as e:
+        out["no_trainable_parameter"] = ("refused", type(e).__name__, str(e))
+    except Exception:  # noqa: BLE001
+        out["no_trainable_parameter"] = ("crash", traceback.format_exc())
+    return out
+
+
+def export_expert_parts(hf_dir: str, variants: dict[str, list[str]], batch: dict, actor: dict, out_dir: str) -> dict:
+    """For each variant (name -> target_modules), a qwen3_moe LoRA engine with random non-zero
+    adapters exported as PEFT (out_dir/<name>); name -> its log-probs."""
+    import os
+
+    from mcore_rl.lora.config import LoraConfig
+    from mcore_rl.conversion.lora_export import save_peft_adapter
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    out = {}
+    for name, targets in variants.items():
+        lora = dict(rank=2, alpha=64.0, lora_A_init_method="normal", lora_B_init_method="normal",
+                    target_modules=targets)
+        engine = build_engine(hf_dir, {}, lora, moe=True, optim=None)
+        out[name] = Actor(engine, ActorConfig(**actor)).compute_log_prob(batch)["log_probs"]
+        save_peft_adapter(engine.model, engine.args, "actor", LoraConfig(**lora), os.path.join(out_dir, name), hf_dir)
+    return out
+
+
+def import_each(hf_dir: str, paths: dict[str, str], batch: dict, actor: dict, moe: bool = False) -> dict:
+    """name -> ('ok', log-probs) | ('refused', message) | ('crash', traceback) of an engine built
+    with lora.adapter_path=paths[name]."""
+    import traceback
+
+    from mcore_rl.errors import McoreRLError
+    from mcore_rl.rl.actor import Actor, ActorConfig
+
+    out = {}
+    for name, path in paths.items():
+        try:
+            engine = build_engine(hf_dir, {}, dict(rank=1, adapter_path=path), moe=moe, optim=None)
+            out[name] = ("ok", Actor(engine, ActorConfig(**actor)).compute_log_prob(batch)["log_probs"])
+        except McoreRLError as e:
+            out[name] = ("refused", str(e))
+        except Exception:  # noqa: BLE001 - what the caller looks for
+            out[name] = ("crash", traceback.format_exc())
+    return out
+
+
+def export_then_import(hf_dir: str, variants: dict[str, list[str]], batch: dict, actor: dict, out_dir: str,
+                       mutate) -> dict:
+    """``export_expert_parts``, then ``mutate(out_dir)`` -> {name: adapter directory} imported
+    with ``import_each`` (one world): {'exported': ..., 'imported': ...}."""
+    exported = export_expert_parts(hf_dir, variants, batch, actor, out_dir)
+    return {"exported": exported, "imported": import_each(hf_dir, mutate(out_dir), batch, actor, moe=True)}

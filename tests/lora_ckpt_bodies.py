@@ -21,7 +21,7 @@ def build(hf_dir: str, layout_kwargs: dict, seed: int, role: str = "actor", lora
     (the random init), and its Actor / Critic (2 optimizer steps per update)."""
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.hf_config import model_args_from_hf
-    from mcore_rl.models.lora_config import LoraConfig
+    from mcore_rl.lora.config import LoraConfig
     from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
     from mcore_rl.platform import active_platform
     from mcore_rl.rl.actor import Actor, ActorConfig
@@ -51,7 +51,7 @@ def destroy() -> None:
 def _adapter_map(engine):
     from mcore_rl.mapping.peft import AdapterMap
     from mcore_rl.models.hf_weights import weight_map
-    from mcore_rl.models.lora_build import adapter_sites
+    from mcore_rl.lora.build import adapter_sites
 
     return AdapterMap(weight_map(engine.args, engine.role, engine.layout.tp), adapter_sites(engine.model))
 
@@ -295,7 +295,7 @@ def _critic_leg(hf_critic: str, tmp: str) -> dict:
     """A LoRA critic (value head trained in full) saved with its merged HF export, resumed."""
     from mcore_rl.mapping.hf_io import SafetensorsReader
     from mcore_rl.models.hf_weights import export_hf
-    from mcore_rl.models.lora import merged_tensor_of
+    from mcore_rl.lora.layers import merged_tensor_of
 
     root = f"{tmp}/critic"
     engine, critic = build(hf_critic, {}, seed=1, role="critic")
@@ -324,7 +324,7 @@ def _moe_leg(hf_moe: str, tmp: str) -> dict:
     engine, actor = build(hf_moe, {}, seed=1, moe=moe)
     train(actor, range(1))
     from mcore_rl.models.hf_weights import export_hf
-    from mcore_rl.models.lora import merged_tensor_of
+    from mcore_rl.lora.layers import merged_tensor_of
 
     manager(f"{tmp}/moe").save(1, {"actor": engine}, {"step": 1})
     at_save = base_full(engine)

@@ -20,6 +20,7 @@ LAYERS = (
     ("mcore_rl.platform", "mcore_rl.fileio", "mcore_rl.config_loader"),
     ("mcore_rl.parallel",),
     ("mcore_rl.mapping",),
+    ("mcore_rl.lora",),
     ("mcore_rl.models",),
     ("mcore_rl.rl", "mcore_rl.checkpoint"),
     ("mcore_rl.rollout", "mcore_rl.conversion"),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.models.lora_config import LoraConfig, LoraConfigError, lora_config_from_dict
+from mcore_rl.lora.config import LoraConfig, LoraConfigError, lora_config_from_dict
 
 QKV = "decoder.layers.3.self_attention.linear_qkv"
 DENSE_FC1 = "decoder.layers.0.mlp.linear_fc1"
@@ -63,8 +63,8 @@ def test_peft_export_refuses_targets_peft_would_rewrite_even_without_experts():
     from types import SimpleNamespace
 
     from mcore_rl.mapping.peft_experts import PeftExpertsError
-    from mcore_rl.models.lora_config import LoraConfig
-    from mcore_rl.models.lora_io import peft_adapter_config
+    from mcore_rl.lora.config import LoraConfig
+    from mcore_rl.conversion.lora_export import peft_adapter_config
 
     ranks = {"model.layers.0.mlp.gate_proj": (4, 2.0), "model.layers.0.self_attn.o_proj": (4, 2.0)}
     cfg = LoraConfig(rank=4, alpha=8.0)

@@ -246,7 +246,7 @@ class CheckpointManager:
         still takes part in every gather, then fails the save on every rank). A LoRA engine's
         are merged (``W + s B A``): the model it trained."""
         from mcore_rl.models.hf_weights import export_hf_buckets
-        from mcore_rl.models.lora import merged_tensor_of
+        from mcore_rl.lora.layers import merged_tensor_of
 
         merged = {"tensor_of": merged_tensor_of(engine.model)} if is_lora(engine) else {}
         buckets = export_hf_buckets(engine.model, engine.args, role, parse_size(self.cfg.hf_max_shard_size), **merged)

@@ -45,7 +45,7 @@ def _base_source(step: ModelDir, verify: bool) -> tuple[Mapping[str, Tensor], st
     kind, path = base.get("kind"), base.get("path")
     if kind not in ("hf", "mcore") or not path:
         raise MergeError(f"{step.path} holds LoRA adapters trained on {describe(base)}: no base directory to merge "
-                         "them into; export merged weights from the live engine (models/lora_io.py).")
+                         "them into; export merged weights from the live engine (conversion/lora_export.py).")
     if not os.path.isdir(path):
         raise MergeError(f"{step.path}: its base {path} does not exist here; copy the base there (or merge where it "
                          "is).")

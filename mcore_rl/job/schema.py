@@ -17,7 +17,7 @@ import yaml
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.config_loader import load_config, to_dict
 from mcore_rl.job.task import TaskConfig
-from mcore_rl.models.lora_config import LoraConfig
+from mcore_rl.lora.config import LoraConfig
 from mcore_rl.models.moe import MoEOptions
 from mcore_rl.models.padding_idx import PadEmbeddingGrad
 from mcore_rl.parallel.layout import ParallelLayout

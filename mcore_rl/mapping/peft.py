@@ -143,7 +143,9 @@ def to_peft_tensors(tensors: dict[str, Tensor], model_type: str) -> dict[str, Te
         _, layer, expert, part, factor = name.split(".")
         pair = layers.setdefault(int(layer), {}).setdefault(int(expert), {}).setdefault(part, {})
         pair[factor] = tensor
+    # peft wraps the same expert parameters in every MoE layer: keys are named for all adapted parts
+    every_part = sorted({part for experts in layers.values() for parts in experts.values() for part in parts})
     for layer, experts in sorted(layers.items()):
         factors = {e: {part: (ab["A"], ab["B"]) for part, ab in parts.items()} for e, parts in experts.items()}
-        out.update(experts_to_peft(f"model.layers.{layer}", factors, model_type))
+        out.update(experts_to_peft(f"model.layers.{layer}", factors, model_type, every_part))
     return out

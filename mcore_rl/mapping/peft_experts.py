@@ -150,17 +150,22 @@ def _experts_of(factors: Mapping[int, Mapping[str, FactorPair]], layer_prefix: s
 
 
 def experts_to_peft(layer_prefix: str, factors: Mapping[int, Mapping[str, FactorPair]],
-                    model_type: str) -> dict[str, Tensor]:
+                    model_type: str, named_parts: Sequence[str] | None = None) -> dict[str, Tensor]:
     """One layer's per-expert factors -> its PEFT state-dict entries (exact copies).
 
     ``factors``: {e: {"gate_up": (A [r, h], B [2f, r] rows [gate; up]), "down": (A [r, f],
     B [h, r])}} for every expert e of the layer, all with the same parts and rank r. Returns
-    {lora_A key: [E*r, in] expert-outer, lora_B key: [out, r*E] expert-inner} per part.
+    {lora_A key: [E*r, in] expert-outer, lora_B key: [out, r*E] expert-inner} per part, named
+    as peft nests ``named_parts`` (the model's adapted parts; default: this layer's).
     """
     num = _experts_of(factors, layer_prefix)
     parts = tuple(factors[0])
     layout = _entry(model_type).layout
-    keys = peft_keys(layer_prefix, model_type, parts)
+    named = peft_keys(layer_prefix, model_type, named_parts or parts)
+    if not set(parts) <= set(named):
+        raise PeftExpertsError(f"PEFT expert LoRA: layer {layer_prefix} has parts {sorted(parts)} outside "
+                               f"{sorted(named)}")
+    keys = {part: named[part] for part in parts}
     for e in range(num):
         if set(factors[e]) != set(parts):
             raise PeftExpertsError(
@@ -196,15 +201,18 @@ def _check_shapes(pairs: list[FactorPair], where: str) -> None:
 
 
 def experts_from_peft(layer_prefix: str, state_dict: Mapping[str, Tensor], model_type: str, rank: int,
-                      parts: Sequence[str] = ("gate_up", "down")) -> LayerFactors:
+                      parts: Sequence[str] = ("gate_up", "down"), only: str | None = None) -> LayerFactors:
     """Inverse of ``experts_to_peft``: one layer's PEFT tensors -> {e: {part: (A [r, in], B [out, r])}}.
 
     ``rank``: the adapter's ``r``; ``parts``: the targeted parts (from adapter_config.json's
-    ``target_parameters``; the key names alone cannot tell a lone gate_up from a lone down).
+    ``target_parameters``; the key names alone cannot tell a lone gate_up from a lone down);
+    ``only``: convert that part alone (the keys still named as ``parts`` nest them).
     """
     layout = _entry(model_type).layout
     factors: LayerFactors = {}
     for part, (key_a, key_b) in peft_keys(layer_prefix, model_type, parts).items():
+        if only is not None and part != only:
+            continue
         missing = [k for k in (key_a, key_b) if k not in state_dict]
         if missing:
             raise PeftExpertsError(f"PEFT expert LoRA: {missing} not in the adapter's tensors (parts {list(parts)})")

@@ -82,7 +82,8 @@ class WeightMap:
         hf_templates, transform = self.rows[template]
         return [t.format(layer=layer, expert=expert) for t in hf_templates], transform
 
-    def _layers_for(self, template: str) -> range | list:
+    def layers_for(self, template: str) -> range | list:
+        """The layer indices a row template exists in ([None] for a template without layers)."""
         if "{layer}" not in template:
             return [None]
         kinds = self.moe_layers or (False,) * self.num_layers
@@ -99,7 +100,7 @@ class WeightMap:
             if self.tied_embeddings and template == _TIED_OUTPUT:
                 continue
             experts = range(self.num_experts) if "{expert}" in template else [None]
-            for layer in self._layers_for(template):
+            for layer in self.layers_for(template):
                 for e in experts:
                     keys.update(t.format(layer=layer, expert=e) for t in hf_templates)
         return keys
@@ -131,7 +132,7 @@ def _canonical_layer_name(layer: torch.nn.Module, rest: str) -> str:
 STATE_BUFFERS = ("mlp.router.expert_bias",)
 
 
-# LoRA adapter factors (models/lora.py): ``<linear>.lora.A`` / ``<linear>.lora.B``
+# LoRA adapter factors (lora/layers.py): ``<linear>.lora.A`` / ``<linear>.lora.B``
 ADAPTER_MARK = ".lora."
 
 

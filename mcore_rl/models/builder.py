@@ -14,8 +14,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.hf_weights import weight_map
 from mcore_rl.models.layers import ValueHead
-from mcore_rl.models.lora_build import attach_adapters, keep_input_grad
-from mcore_rl.models.lora_config import LoraConfig
+from mcore_rl.lora.build import attach_adapters, keep_input_grad
+from mcore_rl.lora.config import LoraConfig
 from mcore_rl.models.mla import mla_config_kwargs
 from mcore_rl.models.model_types import Role, padded_vocab_size
 from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
@@ -45,7 +45,7 @@ class BuildOptions:
     # parameters on torch's meta device (shapes only, no memory): a converter's target layout
     meta_device: bool = False
     pad_embedding_grad: PadEmbeddingGrad = "transformers"
-    # LoRA adapters on a frozen base (rank 0: off); models/lora_config.py
+    # LoRA adapters on a frozen base (rank 0: off); lora/config.py
     lora: LoraConfig = LoraConfig()
 
 

@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from mcore_rl.models.layers import RMSNorm, TorchCoreAttention
-from mcore_rl.models.lora import LoraColumnParallelLinear, LoraMLASelfAttention, LoraRowParallelLinear
+from mcore_rl.lora.layers import LoraColumnParallelLinear, LoraMLASelfAttention, LoraRowParallelLinear
 
 # The local spec keeps norms as separate modules; TE fuses them into the next linear. These
 # renames make the local spec's checkpoint keys the TE ones. TE's MoE layers keep a separate

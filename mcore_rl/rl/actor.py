@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from mcore_rl.models.lora import adapters_disabled
+from mcore_rl.lora.layers import adapters_disabled
 from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.rl import losses
 from mcore_rl.models.routing import ROUTED_EXPERTS

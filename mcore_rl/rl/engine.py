@@ -18,7 +18,7 @@ from mcore_rl.fileio.base_identity import hf_dir_identity, no_base_identity, ten
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.models.builder import BuildOptions, Role, build_model
 from mcore_rl.models.ddp import wrap_with_ddp
-from mcore_rl.models.lora import lora_modules
+from mcore_rl.lora.layers import lora_modules
 from mcore_rl.models.forward import LossFn, run_schedule
 from mcore_rl.models.micro_batch import MicroBatch, as_micro_batch
 from mcore_rl.models.hf_config import ModelArgs
@@ -133,6 +133,7 @@ class ModelEngine:
                 c.eval().requires_grad_(False)
             self.model = chunks
             return
+        _check_trainable(chunks, role, options)
         self.model = wrap_with_ddp(chunks, optim.use_distributed_optimizer)
         self.optimizer = get_megatron_optimizer(_megatron_optim_config(optim, options), self.model)
         self.scheduler = build_scheduler(self.optimizer, optim)
@@ -224,6 +225,19 @@ class ModelEngine:
     def train(self, mode: bool = True) -> None:
         for m in self.model:
             m.train(mode)
+
+
+def _check_trainable(chunks: list[torch.nn.Module], role: Role, options: BuildOptions) -> None:
+    """A trainable engine needs a trainable parameter on this rank (megatron's optimizer would
+    be empty and its first step fail far from the cause)."""
+    if any(p.requires_grad for c in chunks for p in c.parameters()):
+        return
+    lora = options.lora
+    where = (f"lora.adapter_path={lora.adapter_path!r} adapts" if lora.adapter_path
+             else f"lora.target_modules={list(lora.target_modules)} match")
+    raise ConfigError(f"the {role} engine has no trainable parameter on this rank: {where} no linear of the "
+                      "layers it holds (with pipeline parallelism every stage needs an adapted layer); target "
+                      "more linears, lower pp, or build it without an optimizer (frozen).")
 
 
 def base_identity_of(source: str | os.PathLike | Mapping[str, Tensor] | None) -> dict:

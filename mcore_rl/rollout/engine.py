@@ -77,7 +77,7 @@ def sync_weights(engine: RolloutEngine | None, chunks: list, args, bucket_bytes:
     A LoRA actor sends merged weights, W + alpha/rank * B A, each computed on its own shard as
     it is exported (one extra weight shard in transit, no merged copy of the model)."""
     from mcore_rl.models.hf_weights import export_hf_buckets
-    from mcore_rl.models.lora import merged_tensor_of
+    from mcore_rl.lora.layers import merged_tensor_of
 
     taken = 0
     merged = merged_tensor_of(chunks)  # every parameter as it is without adapters

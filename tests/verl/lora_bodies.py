@@ -147,7 +147,7 @@ def sft_config(inputs: dict, ckpt: str, steps: int, *overrides: str):
 def _state(engine) -> dict:
     """Adapters (PEFT names), the base weights (HF names, export_hf) and the trainable names."""
     from mcore_rl.models.hf_weights import export_hf
-    from mcore_rl.models.lora_io import peft_adapter_tensors
+    from mcore_rl.conversion.lora_export import peft_adapter_tensors
 
     model = engine.engine
     return {"adapters": {n: t.clone() for n, t in peft_adapter_tensors(model.model, model.args, "actor").items()},

@@ -32,7 +32,7 @@ from mcore_rl.models.forward import run_schedule
 from mcore_rl.models.micro_batch import MicroBatch
 from mcore_rl.models.hf_config import model_args_from_hf
 from mcore_rl.models.hf_weights import export_hf_buckets
-from mcore_rl.models.lora import adapters_disabled, merged_tensor_of
+from mcore_rl.lora.layers import adapters_disabled, merged_tensor_of
 from mcore_rl.models.routing import ROUTED_EXPERTS
 from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
 from mcore_rl.platform import setup_platform

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from mcore_rl.integrations.verl.engine_config import VerlConfigError
-from mcore_rl.models.lora_config import LoraConfig, LoraConfigError, lora_config_from_dict
+from mcore_rl.lora.config import LoraConfig, LoraConfigError, lora_config_from_dict
 
 Tensor = torch.Tensor
 # verl's FSDP-engine LoRA keys: (default, what to set instead)
@@ -94,7 +94,7 @@ class SyncPlan:
 def sync_plan(engine, device: torch.device) -> SyncPlan:
     """The model's ``SyncPlan``, agreed over all ranks (collective: pipeline stages hold
     different adapters)."""
-    from mcore_rl.models.lora import lora_modules
+    from mcore_rl.lora.layers import lora_modules
 
     modules = list(lora_modules(engine.model))
     local = torch.tensor([max((_peft_rank(m.lora) for m in modules), default=0),
@@ -132,8 +132,8 @@ def adapter_tensors(engine, plan: SyncPlan) -> Iterator[tuple[str, Tensor]]:
     from mcore_rl.mapping.peft import AdapterMap
     from mcore_rl.mapping.weights import iter_hf_buckets
     from mcore_rl.models.hf_weights import weight_map
-    from mcore_rl.models.lora import lora_modules
-    from mcore_rl.models.lora_build import adapter_sites
+    from mcore_rl.lora.layers import lora_modules
+    from mcore_rl.lora.build import adapter_sites
 
     fold = {id(m.lora.B): _scaling(m.lora) / plan.scaling for m in lora_modules(engine.model)
             if _scaling(m.lora) != plan.scaling}

@@ -42,7 +42,7 @@ from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from mcore_rl.models.lora_config import LoraConfig, LoraConfigError
+from mcore_rl.lora.config import LoraConfig, LoraConfigError
 
 Tensor = torch.Tensor
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -90,7 +90,7 @@ class LoraAdapter(torch.nn.Module):
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and not self.is_expert
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout > 0 else None
         self.dropout_position = config.dropout_position
-        self.site = None  # its layout for export (mapping.peft.AdapterSite), set by lora_build
+        self.site = None  # its layout for export (mapping.peft.AdapterSite), set by lora.build
         self._mark(base.weight)
 
     def _mark(self, weight: Tensor) -> None:

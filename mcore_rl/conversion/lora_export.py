@@ -19,14 +19,14 @@ from megatron.core import parallel_state
 from mcore_rl.fileio.safetensors_write import write_bucket_shards
 from mcore_rl.fileio.staging import Staging
 from mcore_rl.mapping.peft import AdapterMap, to_peft_tensors
-from mcore_rl.mapping.peft_experts import check_peft_targets, peft_config_entries
+from mcore_rl.mapping.peft_experts import PeftExpertsError, check_peft_targets, peft_config_entries
 from mcore_rl.mapping.weights import export_hf_weights, iter_hf_buckets
 from mcore_rl.models.builder import Role
 from mcore_rl.models.hf_config import ModelArgs
 from mcore_rl.models.hf_weights import weight_map
-from mcore_rl.models.lora import merged_tensor_of
-from mcore_rl.models.lora_build import adapter_sites
-from mcore_rl.models.lora_config import LoraConfig
+from mcore_rl.lora.layers import merged_tensor_of
+from mcore_rl.lora.build import adapter_sites
+from mcore_rl.lora.config import LoraConfig
 
 ADAPTER_FILE = "adapter_model.safetensors"
 TASK_TYPES = {"actor": "CAUSAL_LM", "critic": "TOKEN_CLS"}
@@ -45,8 +45,8 @@ def _module_ranks(chunks: list[torch.nn.Module], args: ModelArgs, role: Role) ->
     wmap, local = weight_map(args, role, tp), {}
     for name, site in adapter_sites(chunks).items():
         hf, transform = wmap.rule(name + ".weight")
-        if transform.expert:
-            local["experts"] = (site.rank, site.scaling)
+        if transform.expert:  # one entry per adapted part: "experts.gate_up" / "experts.down"
+            local["experts." + ("gate_up" if name.endswith("linear_fc1") else "down")] = (site.rank, site.scaling)
             continue
         pieces = [hf[p] for p in site.parts] if site.parts else hf
         rank = site.rank if site.parts else _fused_rank(chunks, name)
@@ -57,15 +57,22 @@ def _module_ranks(chunks: list[torch.nn.Module], args: ModelArgs, role: Role) ->
 
 
 def _fused_rank(chunks: list[torch.nn.Module], name: str) -> int:
-    from mcore_rl.models.lora_build import linear_sites
+    from mcore_rl.lora.build import linear_sites
 
     return next(m.lora.A.shape[0] for c in chunks for n, m in linear_sites(c) if n == name)
 
 
 def peft_adapter_config(ranks: dict[str, tuple[int, float]], config: LoraConfig, args: ModelArgs,
                         role: Role, base: str | None) -> dict:
-    """adapter_config.json for ``ranks`` (HF module -> (r, scaling); 'experts' for routed experts)."""
-    experts = ranks.pop("experts", None)
+    """adapter_config.json for ``ranks`` (HF module -> (r, scaling); 'experts.gate_up' /
+    'experts.down' for the adapted parts of the routed experts: only those become
+    ``target_parameters``, peft wraps exactly the listed ones)."""
+    parts = [p for p in ("gate_up", "down") if f"experts.{p}" in ranks]
+    pairs = {ranks.pop(f"experts.{p}") for p in parts}
+    if len(pairs) > 1:
+        raise PeftExpertsError(f"the routed experts' gate_up and down adapters have (rank, scaling) {sorted(pairs)}; "
+                               "peft's expert adapters share one r and lora_alpha: export merged weights instead.")
+    experts = pairs.pop() if pairs else None
     common = collections.Counter(ranks.values()).most_common(1)
     # the experts' pair is the global one: peft's expert wrappers take r and lora_alpha
     r, scaling = experts if experts is not None else common[0][0]
@@ -77,7 +84,7 @@ def peft_adapter_config(ranks: dict[str, tuple[int, float]], config: LoraConfig,
            "alpha_pattern": {m: v[1] * v[0] for m, v in ranks.items() if v != (r, scaling)}}
     check_peft_targets(args.arch.model_type, targets)  # also without expert adapters
     if experts is not None:
-        out.update(peft_config_entries(args.arch.model_type, ("gate_up", "down"), targets))
+        out.update(peft_config_entries(args.arch.model_type, parts, targets))
         out["target_modules"] = sorted(out["target_modules"]) if out["target_modules"] else targets
     return out
 

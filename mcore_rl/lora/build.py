@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.mapping.peft import AdapterSite
-from mcore_rl.mapping.peft_import import SitePlan, plan_site, read_peft_adapter
+from mcore_rl.mapping.peft_import import PeftAdapterError, SitePlan, plan_site, read_peft_adapter
 from mcore_rl.mapping.transforms import Transform
 from mcore_rl.mapping.weights import WeightMap, unwrap
-from mcore_rl.models.lora import (
+from mcore_rl.lora.layers import (
     LORA_LINEARS,
     LoraAdapter,
     LoraColumnParallelLinear,
@@ -23,7 +23,7 @@ from mcore_rl.models.lora import (
     init_full,
     lora_modules,
 )
-from mcore_rl.models.lora_config import LoraConfig, LoraConfigError
+from mcore_rl.lora.config import LINEARS, LoraConfig, LoraConfigError
 
 Tensor = torch.Tensor
 
@@ -48,18 +48,20 @@ def attach_adapters(chunks: list[torch.nn.Module], config: LoraConfig, wmap: Wei
     ranks and scalings; every other parameter frozen. Returns the number of adapted linears."""
     dtype = adapter_dtype(config, params_dtype)
     adapter = read_peft_adapter(config.adapter_path) if config.adapter_path else None
+    if adapter is not None:
+        adapter.check_against(wmap, LINEARS)  # every tensor used or refused, on every stage
     expert_cache: dict = {}
     count = 0
     for chunk in chunks:
         for name, module in linear_sites(chunk):
             _, transform = wmap.rule(name + ".weight")
             if adapter is not None:
-                plan = plan_site(adapter, wmap, name, config.type, expert_cache)
+                plan = plan_site(adapter, wmap, name, config.type, expert_cache, _full_shape(module, transform))
             else:
                 plan = _seeded_plan(module, name, config, transform, wmap)
             if plan is None:
                 continue
-            module.lora = _build_adapter(module, plan, config, transform, wmap, dtype)
+            module.lora = _build_adapter(module, name, plan, config, transform, wmap, dtype)
             if isinstance(module, LoraColumnParallelLinear):
                 module.lora_glu_rows = transform.name.endswith("gate_up")
             count += 1
@@ -105,11 +107,18 @@ def _seeded_plan(module: torch.nn.Module, name: str, config: LoraConfig, transfo
     return SitePlan(a_full, b_full, config.scaling, parts, config.rank)
 
 
-def _build_adapter(module: torch.nn.Module, plan: SitePlan, config: LoraConfig, transform: Transform,
+def _build_adapter(module: torch.nn.Module, name: str, plan: SitePlan, config: LoraConfig, transform: Transform,
                    wmap: WeightMap, dtype: torch.dtype) -> LoraAdapter:
+    """``module``'s (canonical ``name``) adapter from ``plan``'s full factors, checked to fit the
+    full weight (A [R, in], B [out, R]: a mis-shaped factor is never broadcast), then sharded."""
     split = {0: "column", 1: "row", None: None}[transform.split_dim]
     rank, size = expert_tp_rank_size(transform.expert)
-    full_out, _ = _full_shape(module, transform)
+    full_out, full_in = _full_shape(module, transform)
+    r = plan.A.shape[0]
+    if plan.A.dim() != 2 or plan.B.dim() != 2 or plan.A.shape != (r, full_in) or plan.B.shape != (full_out, r):
+        raise PeftAdapterError(f"the adapter of {name} has A {list(plan.A.shape)} and B "
+                               f"{list(plan.B.shape)}; the weight needs A [r, {full_in}] and B [{full_out}, r]: "
+                               f"check lora.adapter_path={config.adapter_path!r}.")
     mask = None
     if plan.parts:
         mask = _shard(_part_mask(plan.parts, plan.part_rank, transform, wmap, full_out), transform, split, "B",
