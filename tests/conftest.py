@@ -31,6 +31,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def straight_job(tmp_path_factory) -> str:
+    """Output dir of one uninterrupted 10-step run of the main job through launch/run.sh
+    (tests/job_runs.py), the reference the kill/resume tests of both checkpoint files share."""
+    from tests.job_runs import straight_run
+
+    return straight_run(tmp_path_factory.mktemp("straight_job") / "straight")
+
+
 def file_times(reports) -> list[tuple[str, int, float]]:
     """(file, tests, seconds) per test file, slowest first: each test's setup, call and teardown
     durations summed under the file of its node id (a module fixture's setup counts in its file)."""
