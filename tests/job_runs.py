@@ -35,7 +35,7 @@ def job_env(fault: str | None = None, rank: int | None = None, at: int | None = 
     on ``rank`` (else every rank) at its ``at``-th arrival (else the first)."""
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
            "PYTHONPATH": ROOT}
-    for name in (ENV, RANK_ENV, AT_ENV):
+    for name in (ENV, RANK_ENV, AT_ENV, "CUDA_DEVICE_MAX_CONNECTIONS"):  # run.sh must set the last
         env.pop(name, None)
     if fault:
         env[ENV] = fault
@@ -110,9 +110,11 @@ def ckpt_state(out) -> tuple[int | None, list[int], list[int]]:
 
 
 def straight_run(out) -> str:
-    """The uninterrupted 10-step run into ``out``, checked: exit 0, 10 metrics lines, the
-    checkpoint root logged as shared, retention kept steps 8 and 10 (sync saves). Returns ``out``."""
-    done = run_job(out, 10)
+    """The uninterrupted 10-step run into ``out`` (with the progress bar: its output, in
+    ``<out>.run10.log``, is also what test_job.py shows a user sees), checked: exit 0, 10 metrics
+    lines, the checkpoint root logged as shared, retention kept steps 8 and 10 (sync saves).
+    Returns ``out``."""
+    done = run_job(out, 10, extra=("progress_bar=true",))
     assert done.returncode == 0, done.stdout[-3000:]
     assert "shared by all 1 node(s)" in done.stdout, done.stdout[-3000:]  # the storage mode is logged
     assert [m["step"] for m in metric_lines(out)] == list(range(10))
