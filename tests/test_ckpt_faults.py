@@ -4,8 +4,8 @@ MCORE_RL_CKPT_FAULT_RANK, the n-th save via MCORE_RL_CKPT_FAULT_AT), saving ever
 max_ckpt_to_keep=2. After every kill the tracker names a complete step, no complete step is gone
 (a replaced step sits beside its root until the next start finishes the swap), and the next run
 of the same command resumes from the step the tracker names; every run's metrics.jsonl equals the
-prefix of one uninterrupted 10-step run (lines identical but for the wall-clock metrics, keys in
-the order written). One shared sequence of runs keeps the suite small: each kill run is itself
+prefix of one uninterrupted 10-step run (``straight_job``, tests/job_runs.py; lines identical but
+for the wall-clock metrics, keys in the order written). One shared sequence of runs keeps the suite small: each kill run is itself
 the resume check of the kill before it, and the first and last runs save asynchronously (the
 first run's step 2, saved while steps 2-3 train, is the step the next two runs resume from)."""
 from __future__ import annotations
