@@ -18,25 +18,27 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # megatron's TP overlap orders kernels on one CUDA connection (it warns without this)
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 
-# a config mistake is one error line and exit code 2 here, before torchrun starts the ranks;
-# launch/torchrun_job.py is torchrun that ends a refusal in the ranks (a checkpoint it will not
-# load, ...) the same way: one error line, exit code 2
-"$bin/python" launch/train.py --check --config "$config" "$@" || exit $?
-
 multi=(NNODES NODE_RANK MASTER_ADDR MASTER_PORT)
 set_count=0
 missing=()
 for name in "${multi[@]}"; do
   if [ -n "${!name:-}" ]; then set_count=$((set_count + 1)); else missing+=("$name"); fi
 done
-if [ "$set_count" -eq 0 ]; then
-  exec "$bin/python" launch/torchrun_job.py --standalone --nproc_per_node="$nproc" \
-    launch/train.py --config "$config" "$@"
-fi
-if [ "$set_count" -ne "${#multi[@]}" ]; then
+if [ "$set_count" -ne 0 ] && [ "$set_count" -ne "${#multi[@]}" ]; then
   echo "launch/run.sh: multi-node launch needs NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT;" \
     "missing: ${missing[*]} (set all four, or none for a single node)" >&2
   exit 2
+fi
+
+# a config mistake is one error line and exit code 2 here, before torchrun starts the ranks
+# (after the multi-node variables, which need no Python);
+# launch/torchrun_job.py is torchrun that ends a refusal in the ranks (a checkpoint it will not
+# load, ...) the same way: one error line, exit code 2
+"$bin/python" launch/train.py --check --config "$config" "$@" || exit $?
+
+if [ "$set_count" -eq 0 ]; then
+  exec "$bin/python" launch/torchrun_job.py --standalone --nproc_per_node="$nproc" \
+    launch/train.py --config "$config" "$@"
 fi
 echo "launch/run.sh: node ${NODE_RANK} of ${NNODES}, ${nproc} process(es) here," \
   "rendezvous ${MASTER_ADDR}:${MASTER_PORT}" >&2

@@ -4,9 +4,9 @@ Two torchrun agents on this machine (``--nnodes 2``, one process each, c10d rend
 127.0.0.1), each started in its own mount namespace with a private tmpfs at the same checkpoint
 root path, so each node sees only the files its own processes wrote. The agents run
 tests/two_node_ckpt_script.py (storage level). ``test_main_job_two_nodes_node_local_disks_resume``
-runs the main job itself (launch/run.sh, 2 nodes x 1 process) with each node's own directory
-bind-mounted at one path, so the node-local disks outlive a run: a 4-step run saves, the same
-command with steps=6 resumes on both nodes. These tests fail (never skip) when unshare or mount
+runs the main job itself (launch/run.sh's multi-node mode, 2 nodes x 1 process) with each node's
+own directory bind-mounted at one path, so the node-local disks outlive a run: a 4-step run
+saves, the same command with steps=6 resumes on both nodes. These tests fail (never skip) when unshare or mount
 do not work: the issue requires the node-local path to be exercised.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import uuid
 
 from mcore_rl.fileio.faults import ENV, RANK_ENV
-from mcore_rl.job.loop import wall_clock
+from tests.job_runs import JOB_ARGS, metric_lines
 from tests.two_node_ckpt_script import file_digests  # one hashing helper for both
 
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,33 +110,11 @@ def test_run_sh_partial_multinode_env_is_an_error():
     assert "missing: MASTER_ADDR MASTER_PORT" in r.stderr, r.stderr
 
 
-def test_run_sh_two_nodes(tmp_path):
-    """launch/run.sh's multi-node mode: two agents (one process each) form one world of 2."""
-    port, out = str(_free_port()), str(tmp_path / "out")
-    cmd = ["bash", "launch/run.sh", "1", "configs/grpo_demo.yaml", "steps=1", f"output_dir={out}"]
-    procs = [
-        subprocess.Popen(cmd, cwd=ROOT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=_run_sh_env(NNODES="2", NODE_RANK=str(n), MASTER_ADDR="127.0.0.1",
-                                         MASTER_PORT=port))
-        for n in range(2)
-    ]
-    logs = [p.communicate(timeout=400)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-6000:]
-    text = "\n".join(logs)
-    assert "node 0 of 2" in text and "node 1 of 2" in text, text[-3000:]
-    assert "world_size=2" in text, text[-3000:]  # one world across both agents
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        assert len(f.readlines()) == 1
-
-
 # ---- the main job on two simulated nodes with node-local disks ---------------------------------
 
-JOB_ARGS = ["progress_bar=false", "checkpoint.save_freq=2", "actor_optim.total_steps=6",
-            "rollout.prompts_per_step=4", "actor.micro_batch_size=16", "actor.ppo_mini_batch_size=16"]
-
-
 def _job_args(steps: int, base: str) -> list[str]:
-    """The tiny GRPO demo (TP=2 over the two processes), outputs and checkpoints under ``base``."""
+    """The tiny GRPO demo of tests/job_runs.py (TP=2 over the two processes, the straight run's
+    settings), outputs and checkpoints under ``base``."""
     return ["configs/grpo_demo.yaml", f"steps={steps}", f"output_dir={base}/out",
             f"checkpoint.root={base}/ckpt", *JOB_ARGS]
 
@@ -144,7 +122,7 @@ def _job_args(steps: int, base: str) -> list[str]:
 def _wait_all(procs: list[subprocess.Popen], tag: str, timeout: float) -> list:
     """Exit codes (or "timeout"); every process of the run (tagged env) is killed afterwards:
     a rank that died leaves its peer blocked in a collective."""
-    from tests.test_ckpt_faults import tagged
+    from tests.job_runs import tagged
 
     codes = []
     for p in procs:
@@ -166,7 +144,7 @@ def _two_node_job(tmp_path, steps: int, shared: str, disks: list[str],
     """launch/run.sh on 2 nodes x 1 process. Node n runs in its own mount namespace where its own
     disk ``disks[n]`` is bind-mounted at the same path ``shared``: each node sees only the files
     its process wrote there, and the disks outlive the run (the second run resumes from them)."""
-    from tests.test_ckpt_faults import TAG_ENV
+    from tests.job_runs import TAG_ENV
 
     port, tag = str(_free_port()), uuid.uuid4().hex
     job = " ".join(["exec bash launch/run.sh 1", *_job_args(steps, shared)])
@@ -182,11 +160,6 @@ def _two_node_job(tmp_path, steps: int, shared: str, disks: list[str],
                 cwd=ROOT_DIR, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
     codes = _wait_all(procs, tag, timeout=150)
     return codes, [open(p).read() for p in logs]
-
-
-def _metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [{k: v for k, v in json.loads(line).items() if not wall_clock(k)} for line in f]
 
 
 def _disk_state(disk: str) -> dict:
@@ -220,30 +193,25 @@ def _check_full_on_both(disks: list[str], steps: list[int], text: str) -> list[d
     return states
 
 
-def test_main_job_two_nodes_node_local_disks_resume(tmp_path):
-    """The main job on 2 nodes x 1 process with node-local checkpoint disks: a 4-step run saves
-    steps 2 and 4 complete on BOTH nodes (the node without rank 0 receives rank 0's files,
-    trainer_state.json included, and writes its own marker and tracker). The same command with
-    steps=6 is killed between the two nodes' markers of step 6 (rank 1 dies before its node's
-    marker; rank 0's node has one), and the node without the marker is also given an earlier
-    run's copy of rank 0's shard (same size, other bytes) in step 6. The rerun resumes step 4 on
-    both nodes (step 6 is complete on one node only), removes step 6 on both before writing it
-    again, and ends with identical files on both disks and the metrics of a straight run."""
-    straight = str(tmp_path / "straight")  # one node, shared root; runs beside the first 2-node run
-    reference_run = subprocess.Popen(["bash", "launch/run.sh", "2", *_job_args(6, straight)], cwd=ROOT_DIR,
-                                     env=_run_sh_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def test_main_job_two_nodes_node_local_disks_resume(straight_job, tmp_path):
+    """The main job on 2 nodes x 1 process with node-local checkpoint disks, launched by run.sh's
+    multi-node mode (two torchrun agents form one world of 2): a 4-step run saves steps 2 and 4
+    complete on BOTH nodes (the node without rank 0 receives rank 0's files, trainer_state.json
+    included, and writes its own marker and tracker). The same command with steps=6 is killed
+    between the two nodes' markers of step 6 (rank 1 dies before its node's marker; rank 0's node
+    has one), and the node without the marker is also given an earlier run's copy of rank 0's
+    shard (same size, other bytes) in step 6. The rerun resumes step 4 on both nodes (step 6 is
+    complete on one node only), removes step 6 on both before writing it again, and ends with
+    identical files on both disks and the metrics of the straight run (one node, tests/job_runs.py)."""
+    reference = metric_lines(straight_job)[:6]
     shared = str(tmp_path / "node_path")  # the one path both nodes are given
     disks = [str(tmp_path / f"disk{n}") for n in range(2)]
     for d in (shared, *disks):
         os.makedirs(d)
     codes, logs = _two_node_job(tmp_path, 4, shared, disks)
-    straight_log = reference_run.communicate(timeout=150)[0]
-    assert reference_run.returncode == 0, straight_log[-3000:]
-    assert "shared by all 1 node(s)" in straight_log, straight_log[-3000:]  # the mode is logged
-    reference = _metrics(os.path.join(straight, "out", "metrics.jsonl"))
-    assert [m["step"] for m in reference] == list(range(6))
     text = "\n".join(f"--- node {n} ---\n{log[-5000:]}" for n, log in enumerate(logs))
     assert codes == [0, 0], f"exit codes {codes}\n{text}"
+    assert all(f"launch/run.sh: node {n} of 2" in log for n, log in enumerate(logs)), text
     assert os.listdir(shared) == [], "the host's path got files: the nodes did not have own disks"
     states = _check_full_on_both(disks, [2, 4], text)
     # rank 0's node holds metrics.jsonl (written by rank 0 only); the other node holds the step
@@ -251,6 +219,7 @@ def test_main_job_two_nodes_node_local_disks_resume(tmp_path):
     first = [s["metrics"] for s in states].index(True)
     assert [s["metrics"] for s in states] == [n == first for n in range(2)], states
     assert "checkpoint root" in logs[first] and "node-local on 2 nodes" in logs[first], text
+    assert "world_size=2" in logs[first], text  # one world across both agents
     assert "received" in logs[1 - first], text  # the node without rank 0 got files from its peer
 
     codes, logs = _two_node_job(tmp_path, 6, shared, disks, {ENV: "marker", RANK_ENV: "1"})
@@ -273,4 +242,4 @@ def test_main_job_two_nodes_node_local_disks_resume(tmp_path):
     assert "node-local on 2 nodes" in logs[lead[0]], text
     _check_full_on_both(disks, [2, 4, 6], text)  # the stale shard is gone: both disks hold the same files
     # the resumed run's metrics.jsonl (cut after step 4) equals the straight run's, steps 5-6 too
-    assert _metrics(os.path.join(disks[lead[0]], "out", "metrics.jsonl")) == reference
+    assert metric_lines(os.path.join(disks[lead[0]], "out")) == reference

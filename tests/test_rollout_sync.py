@@ -1,7 +1,10 @@
 """A rollout engine (transformers' generate) fed from the trainer after every update: its
-log-probs of its own samples equal the trainer's old log-probs (fp32; TP=3 and PP=2 (9 query heads do not split over TP=2); the broken syncs at TP=1) on every
-step of a short GRPO-style run on the real model; a broken sync (one bucket skipped, one tensor
-transposed) makes the mismatch exceed the bound by at least 10x."""
+log-probs of its own samples equal the trainer's old log-probs (fp32) on every step of a short
+GRPO-style run on the real model, at TP=3 (9 query heads do not split over TP=2; one sync) and
+PP=2 (two syncs: a later sync refreshes what an earlier one sent); a broken sync at TP=1 makes
+the mismatch exceed the bound by at least 10x: one run whose first sync skips one bucket and
+whose second sync (complete again but for it) transposes one tensor.
+"""
 from __future__ import annotations
 
 import os
@@ -17,23 +20,27 @@ BOUND = 1e-4  # max |rollout log-prob - trainer log-prob| of a synced engine (fp
 
 
 class _Broken:
-    """Wraps an engine and breaks the sync: drops every bucket holding ``skip`` or transposes
-    ``transpose``."""
+    """Wraps an engine and breaks the sync after update ``i`` as ``breaks[i]`` = (skip, transpose)
+    says (when given): drops every bucket holding ``skip``, transposes ``transpose``."""
 
-    def __init__(self, engine, skip: str | None, transpose: str | None) -> None:
-        self.engine, self.skip, self.transpose = engine, skip, transpose
+    def __init__(self, engine, breaks: list[tuple[str | None, str | None]]) -> None:
+        self.engine, self.breaks, self.syncs = engine, breaks, 0
 
     def generate(self, *a, **k):
         return self.engine.generate(*a, **k)
 
+    def next_sync(self) -> None:
+        self.syncs += 1
+
     def update_weights(self, named):
+        skip, transpose = self.breaks[self.syncs - 1] if self.syncs <= len(self.breaks) else (None, None)
         named = list(named)
-        if any(n == self.skip for n, _ in named):
+        if any(n == skip for n, _ in named):
             return 0
-        return self.engine.update_weights((n, t.t() if n == self.transpose else t) for n, t in named)
+        return self.engine.update_weights((n, t.t() if n == transpose else t) for n, t in named)
 
 
-def _run(hf_dir: str, layout_kwargs: dict, skip: str | None, transpose: str | None, steps: int) -> list[dict]:
+def _run(hf_dir: str, layout_kwargs: dict, breaks: list[tuple[str | None, str | None]], steps: int) -> list[dict]:
     from transformers import AutoTokenizer
 
     from mcore_rl.models.builder import BuildOptions
@@ -55,7 +62,7 @@ def _run(hf_dir: str, layout_kwargs: dict, skip: str | None, transpose: str | No
     src, replica = replica_group()
     rollout = None
     if torch.distributed.get_rank() == src:
-        rollout = _Broken(TransformersRollout(hf_dir), skip, transpose)
+        rollout = _Broken(TransformersRollout(hf_dir), breaks)
     tok = AutoTokenizer.from_pretrained(hf_dir)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True)
                for q in QUESTIONS]
@@ -66,32 +73,40 @@ def _run(hf_dir: str, layout_kwargs: dict, skip: str | None, transpose: str | No
         batch = broadcast_rollout(r, src, group=replica).batch()
         old = actor.compute_log_prob(batch)["log_probs"]
         mask = response_mask(batch)
-        metrics = rollout_corr_metrics(old, batch["rollout_log_probs"], mask)
+        out.append(rollout_corr_metrics(old, batch["rollout_log_probs"], mask))
+        if step == steps - 1:
+            break  # the last step's samples are scored; an update after them would not be
         # a fixed +-1 advantage per row: the update moves the policy in every step
         sign = torch.tensor([1.0, -1.0] * (len(prompts) // 2)).unsqueeze(1)
         batch.update(old_log_probs=old, advantages=sign * mask)
         actor.update_policy(batch)
+        if rollout is not None:
+            rollout.next_sync()
         sync_weights(rollout, engine.model, args, bucket_bytes=64 << 20)
-        out.append(metrics)
     return out
 
 
-@pytest.mark.parametrize("world,layout", [(3, dict(tp=3)), (2, dict(pp=2))], ids=["tp3", "pp2"])
-def test_synced_engine_matches_trainer_every_step(world, layout):
+@pytest.mark.parametrize("world,layout,steps", [(3, dict(tp=3), 2), (2, dict(pp=2), 3)], ids=["tp3", "pp2"])
+def test_synced_engine_matches_trainer_every_step(world, layout, steps):
     hf_dir = os.path.join(smollm2_dir(), "hf")
-    steps = run_ranks(world, _run, hf_dir, layout, None, None, 3)[0]
-    for i, m in enumerate(steps):
+    history = run_ranks(world, _run, hf_dir, layout, [], steps)[0]
+    assert len(history) == steps
+    for i, m in enumerate(history):
         print(f"{layout} step {i}: max |diff| {m['rollout_corr/max_abs_log_prob_diff']:.2e}, "
               f"k3_kl {m['rollout_corr/k3_kl']:.2e}, log_ppl_diff {m['rollout_corr/log_ppl_diff']:.2e}")
         assert m["rollout_corr/max_abs_log_prob_diff"] <= BOUND, (i, m)
 
 
-@pytest.mark.parametrize("skip,transpose", [("model.layers.20.mlp.down_proj.weight", None), (None, "model.layers.7.self_attn.o_proj.weight")],
-                         ids=["bucket_skipped", "tensor_transposed"])
-def test_broken_sync_is_caught_by_the_mismatch_metric(skip, transpose):
+# after update 1 one bucket is not sent; after update 2 everything is sent (the skipped bucket
+# too) but one tensor transposed: each step's mismatch shows its own sync's fault
+BREAKS = [("model.layers.20.mlp.down_proj.weight", None), (None, "model.layers.7.self_attn.o_proj.weight")]
+
+
+def test_broken_sync_is_caught_by_the_mismatch_metric():
     hf_dir = os.path.join(smollm2_dir(), "hf")
-    steps = run_ranks(1, _run, hf_dir, {}, skip, transpose, 2)[0]
-    assert steps[0]["rollout_corr/max_abs_log_prob_diff"] <= BOUND  # before any sync: the same weights
-    for m in steps[1:]:
-        print(f"broken: max |diff| {m['rollout_corr/max_abs_log_prob_diff']:.2e}, k3_kl {m['rollout_corr/k3_kl']:.2e}")
-        assert m["rollout_corr/max_abs_log_prob_diff"] >= 10 * BOUND, m
+    history = run_ranks(1, _run, hf_dir, {}, BREAKS, 3)[0]
+    assert history[0]["rollout_corr/max_abs_log_prob_diff"] <= BOUND  # before any sync: the same weights
+    for (skip, transpose), m in zip(BREAKS, history[1:]):
+        print(f"skipped {skip}, transposed {transpose}: max |diff| {m['rollout_corr/max_abs_log_prob_diff']:.2e}, "
+              f"k3_kl {m['rollout_corr/k3_kl']:.2e}")
+        assert m["rollout_corr/max_abs_log_prob_diff"] >= 10 * BOUND, (skip, transpose, m)

@@ -92,15 +92,15 @@ def assert_every_step_trains_on_policy(run, steps: int) -> None:
 
 
 def test_grpo_from_a_verl_megatron_script_at_tp2_stays_on_policy(head, inputs, tmp_path):
-    run = launch(head, str(tmp_path), [*migrated(MEGATRON_SCRIPT), *common(inputs, 3), "trainer.save_freq=3",
+    run = launch(head, str(tmp_path), [*migrated(MEGATRON_SCRIPT), *common(inputs, 2), "trainer.save_freq=2",
                                         f"trainer.default_local_dir={tmp_path / 'ckpt'}"])
-    assert_every_step_trains_on_policy(run, 3)
-    assert all(len(run.generations[s]) == 32 for s in (1, 2, 3))  # 8 prompts x 4 samples per step
-    with open(tmp_path / "ckpt" / "global_step_3" / "actor" / "mcore_rl.json") as f:
+    assert_every_step_trains_on_policy(run, 2)  # step 2 samples from the weights synced after step 1
+    assert all(len(run.generations[s]) == 32 for s in (1, 2))  # 8 prompts x 4 samples per step
+    with open(tmp_path / "ckpt" / "global_step_2" / "actor" / "mcore_rl.json") as f:
         layout = json.load(f)["layout"]
     assert (layout["tp"], layout["pp"]) == (2, 1), layout  # the megatron.* keys reached the engine
-    scores = [sum(g["score"] for g in run.generations[s]) / 32 for s in (1, 2, 3)]
-    assert len(set(scores)) == 3 and all(0 < s < 1 for s in scores), scores  # shaped: partial credit varies
+    scores = [sum(g["score"] for g in run.generations[s]) / 32 for s in (1, 2)]
+    assert len(set(scores)) == 2 and all(0 < s < 1 for s in scores), scores  # shaped: partial credit varies
 
 
 def test_control_without_weight_sync_exceeds_the_bound(head, inputs, tmp_path):

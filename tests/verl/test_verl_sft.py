@@ -1,7 +1,8 @@
 """verl's own SFT trainer (``python -m verl.trainer.sft_trainer`` under torchrun, no Ray) drives
 mcore_rl on CPU: the loss falls, verl saves through our engine, a rerun resumes exactly, and other
-layouts (TP=2 + SP packed, PP=2 padded) and micro-batchings (size 1, dynamic) compute the same
-losses."""
+layouts and micro-batchings compute the same losses as DP=2 with padded rows: TP=2 + SP with
+packed rows in dynamic micro-batches, PP=2 with padded rows in micro-batches of 1 (each differs
+from the reference in both, so a fault in either shows)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,10 +28,15 @@ def inputs(tmp_path_factory):
             "dir": str(d)}
 
 
+PADDED = "model.use_remove_padding=False"
+
+
 @pytest.fixture(scope="module")
-def dp_padded(inputs, tmp_path_factory):
-    """3 steps at DP=2 without remove-padding: the reference for the other layouts."""
-    return sft(inputs, str(tmp_path_factory.mktemp("dp")), 3, "model.use_remove_padding=False")
+def dp_padded(inputs, tmp_path_factory) -> tuple[list[tuple[float, float]], str]:
+    """3 steps at DP=2 without remove-padding, saving step 3: the reference for the other layouts
+    and the first run of the resume test; (losses and grad norms, checkpoint dir)."""
+    root = str(tmp_path_factory.mktemp("dp") / "ckpt")
+    return sft(inputs, root, 3, PADDED), root
 
 
 def sft(inputs: dict, ckpt: str, steps: int, *overrides: str) -> list[tuple[float, float]]:
@@ -52,11 +59,10 @@ def sft(inputs: dict, ckpt: str, steps: int, *overrides: str) -> list[tuple[floa
     return [(float(v), float(g)) for _, (v, g) in sorted({int(s): (v, g) for s, v, g in found}.items())]
 
 
-def test_sft_trainer_trains_saves_and_resumes_exactly(inputs, tmp_path):
-    straight = sft(inputs, str(tmp_path / "a"), 6)
+def test_sft_trainer_trains_saves_and_resumes_exactly(inputs, dp_padded, tmp_path):
+    straight = sft(inputs, str(tmp_path / "a"), 6, PADDED)
     assert len(straight) == 6 and straight[-1][0] < 0.5 * straight[0][0], straight
-    root = tmp_path / "b"
-    first = sft(inputs, str(root), 3)
+    first, root = dp_padded[0], Path(dp_padded[1])  # this test is the first to use it: step 3 only
     assert first == straight[:3]
     step = root / "global_step_3"
     # the engine wrote its role part (record last); verl then its data files and its tracker; the
@@ -64,7 +70,7 @@ def test_sft_trainer_trains_saves_and_resumes_exactly(inputs, tmp_path):
     assert (step / "actor" / "PART").is_file() and (step / "actor" / "mcore_rl.json").is_file()
     assert (step / "data_0.pt").is_file() and not (step / "COMPLETE").exists()
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
-    resumed = sft(inputs, str(root), 6)
+    resumed = sft(inputs, str(root), 6, PADDED)
     assert resumed == straight[3:], (resumed, straight)  # steps 4..6, bit for bit
     assert sorted(os.listdir(root)) == ["global_step_3", "global_step_6", "latest_checkpointed_iteration.txt"]
     sealed = json.loads((step / "COMPLETE").read_text())  # sealed at the resume: the model and verl's files
@@ -73,14 +79,13 @@ def test_sft_trainer_trains_saves_and_resumes_exactly(inputs, tmp_path):
 
 
 @pytest.mark.parametrize("overrides", [
-    ("engine.tensor_model_parallel_size=2", "engine.sequence_parallel=True", "model.use_remove_padding=True"),
-    ("engine.pipeline_model_parallel_size=2", "model.use_remove_padding=False"),
+    ("engine.tensor_model_parallel_size=2", "engine.sequence_parallel=True", "model.use_remove_padding=True",
+     "data.use_dynamic_bsz=True", "data.max_token_len_per_gpu=24"),
     # more micro-batches: the loss scaling by their count must keep the gradient the same
-    ("data.micro_batch_size_per_gpu=1", "model.use_remove_padding=False"),
-    ("data.use_dynamic_bsz=True", "data.max_token_len_per_gpu=24", "model.use_remove_padding=True"),
-], ids=["tp2_sp_packed", "pp2_padded", "micro1_padded", "dynamic_packed"])
+    ("engine.pipeline_model_parallel_size=2", "data.micro_batch_size_per_gpu=1", PADDED),
+], ids=["tp2_sp_packed_dynamic", "pp2_padded_micro1"])
 def test_sft_trainer_other_layouts_same_losses(inputs, tmp_path, dp_padded, overrides):
-    reference = dp_padded
+    reference = dp_padded[0]
     other = sft(inputs, str(tmp_path / "other"), 3, *overrides)
     assert len(other) == len(reference) == 3
     for (loss, norm), (ref_loss, ref_norm) in zip(other, reference):
