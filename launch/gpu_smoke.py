@@ -128,9 +128,6 @@ def training(platform, tmp: str) -> dict:
     """Two updates (fp32, bf16), then checkpoints: sync and async save, load into fresh engines."""
     from megatron.core import parallel_state
 
-    from mcore_rl.checkpoint.config import CheckpointConfig
-    from mcore_rl.checkpoint.manager import CheckpointManager
-
     path, results = os.path.join(tmp, "qwen3_moe"), {}
     device = platform.device()
     for dtype in (torch.float32, torch.bfloat16):
@@ -154,8 +151,6 @@ def training(platform, tmp: str) -> dict:
 
 def checkpoints(platform, tmp, path, engine, actor, batch) -> dict:
     """Saves the trained engine (sync, then async), loads each into a fresh engine, compares."""
-    from megatron.core import parallel_state
-
     from mcore_rl.checkpoint.config import CheckpointConfig
     from mcore_rl.checkpoint.manager import CheckpointManager
 

@@ -237,7 +237,6 @@ def test_tiling_check_is_bounded(tmp_path):
     """A crafted .metadata with thousands of chunks per key: the tiling check takes milliseconds
     (it was pairwise: 8M box comparisons here), and a grid of more than MAX_CELLS cells is refused."""
     import time
-    from types import SimpleNamespace
 
     from mcore_rl.fileio.torch_dist_read import TorchDistReadError, check_tiling
 

@@ -100,7 +100,7 @@ def test_merge_equals_engine_export_and_scores(saved, tmp_path, name):
 
 def test_rules_agree_with_weight_map(saved):
     """The merge enumerates the table as WeightMap(tp=1) does (mapping/weights.py imports megatron)."""
-    from mcore_rl.conversion.merge import canonical_rules, open_model_dir
+    from mcore_rl.conversion.merge_io import canonical_rules, open_model_dir
     from mcore_rl.models.hf_weights import weight_map
 
     for name, (local, _, _, _) in saved.items():

@@ -25,8 +25,8 @@ import torch
 from mcore_rl.conversion.convert_input import HF_DTYPE_NAMES
 from mcore_rl.conversion.merge_fp8 import STORED_KEY, out_specs, tensor_formats
 from mcore_rl.conversion.merge_io import (  # noqa: F401 - re-exported: callers import them from here
-    _WEIGHT_FILE, MergeError, MergeSummary, ModelClass, ModelDir, Unit, _adapter_only, _hf_config, canonical_rules,
-    check_target, dist_key, hf_class, open_model_dir, plan_units, same_dir,
+    _WEIGHT_FILE, MergeError, MergeSummary, ModelClass, ModelDir, Unit, _adapter_only, _hf_config,
+    check_target, hf_class, open_model_dir, plan_units, same_dir,
 )
 from mcore_rl.conversion.merge_lora import merge_adapter_step
 from mcore_rl.fileio.files import META, peak_rss_mb
