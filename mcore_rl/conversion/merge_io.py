@@ -216,6 +216,7 @@ def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str]
     rows = table.rows(role, args.features)
     tied = args.tie_embeddings and role == "actor"
     kinds = args.moe.moe_layers if args.moe else (False,) * args.num_layers
+    linear = args.hybrid.linear_layers if args.hybrid else (False,) * args.num_layers
     experts = range(args.moe.num_experts) if args.moe else range(0)
     layered = {t: r for t, r in rows.items() if "{layer}" in t}
     first = [t for t in rows if "{layer}" not in t and t.startswith("embedding.")]
@@ -226,6 +227,9 @@ def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str]
     for layer in range(args.num_layers):
         for template, (hf_templates, transform) in layered.items():
             if (template in table.moe_mlp and not kinds[layer]) or (template in table.dense_mlp and kinds[layer]):
+                continue
+            gdn_row, attention_row = template in table.linear_attention, args.hybrid and template in table.attention
+            if (gdn_row and not linear[layer]) or (attention_row and linear[layer]):
                 continue
             for e in experts if "{expert}" in template else [None]:
                 yield (template.format(layer=layer, expert=e),
@@ -249,6 +253,7 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
             continue
         key, index = found
         used.add(key)
+        transform = transform.bind(dims)
         info = reader.tensors[key]
         probe = torch.empty(info.shape[len(index):], dtype=info.dtype, device="meta")
         try:

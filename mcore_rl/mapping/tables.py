@@ -18,6 +18,10 @@ from mcore_rl.mapping.transforms import (
     EXPERT_GATE_UP,
     EXPERT_ROW,
     GATE_UP,
+    GATED_QKV,
+    GDN_CONV,
+    GDN_IN_PROJ_GROUPED,
+    GDN_IN_PROJ_SPLIT,
     MLA_KV_DOWN,
     MLA_QUERY,
     QKV,
@@ -41,13 +45,17 @@ class MappingTable:
     lm_head: dict[str, Row] = field(default_factory=dict)
     value_head: dict[str, Row] = field(default_factory=dict)
     variants: dict[str, dict[str, Row]] = field(default_factory=dict)
+    # hybrid models: rows of Gated DeltaNet layers; ``attention`` rows then exist only in the
+    # full-attention layers (``ModelArgs.hybrid.linear_layers`` tells which layer is which)
+    linear_attention: dict[str, Row] = field(default_factory=dict)
 
     def rows(self, role: str, features: frozenset[str] = frozenset()) -> dict[str, Row]:
         """Every row for ``role`` ('actor' has the LM head, 'critic' the value head) of a model
         with ``features`` (names of ``variants``)."""
         head = {"actor": self.lm_head, "critic": self.value_head}[role]
         extra = {k: v for name in sorted(features & self.variants.keys()) for k, v in self.variants[name].items()}
-        return {**self.globals_, **self.attention, **extra, **self.dense_mlp, **self.moe_mlp, **head}
+        return {**self.globals_, **self.attention, **self.linear_attention, **extra, **self.dense_mlp,
+                **self.moe_mlp, **head}
 
 
 _L = "model.layers.{layer}"
@@ -143,6 +151,40 @@ _MLA_Q_LORA: dict[str, Row] = {
 }
 _MLA_Q_FULL: dict[str, Row] = {f"{_S}.linear_q_proj.weight": ((f"{_A}.q_proj.weight",), MLA_QUERY)}
 
+# Qwen3-Next / Qwen3.5 gated full attention: q_proj holds each head's query and output gate
+# ([q_h | gate_h]); megatron's linear_qkv per query group [q heads | gate heads | k | v]
+_GATED_ATTENTION: dict[str, Row] = {
+    **_ATTENTION,
+    f"{_D}.self_attention.linear_qkv.weight": (
+        (f"{_L}.self_attn.q_proj.weight", f"{_L}.self_attn.k_proj.weight", f"{_L}.self_attn.v_proj.weight"),
+        GATED_QKV,
+    ),
+    **_QK_NORM,
+}
+
+# Gated DeltaNet layers (megatron's GatedDeltaNet as ``self_attention``; TE's key spelling: the
+# input norm is fused into in_proj)
+_G, _H = f"{_D}.self_attention", f"{_L}.linear_attn"
+_GDN_COMMON: dict[str, Row] = {
+    f"{_G}.in_proj.layer_norm_weight": ((f"{_L}.input_layernorm.weight",), REPLICATED),
+    f"{_G}.conv1d.weight": ((f"{_H}.conv1d.weight",), GDN_CONV),
+    f"{_G}.dt_bias": ((f"{_H}.dt_bias",), COLUMN),
+    f"{_G}.A_log": ((f"{_H}.A_log",), COLUMN),
+    f"{_G}.out_norm.weight": ((f"{_H}.norm.weight",), REPLICATED),
+    f"{_G}.out_proj.weight": ((f"{_H}.out_proj.weight",), ROW),
+}
+_GDN_QWEN3_NEXT: dict[str, Row] = {
+    **_GDN_COMMON,
+    f"{_G}.in_proj.weight": ((f"{_H}.in_proj_qkvz.weight", f"{_H}.in_proj_ba.weight"), GDN_IN_PROJ_GROUPED),
+}
+_GDN_QWEN3_5: dict[str, Row] = {
+    **_GDN_COMMON,
+    f"{_G}.in_proj.weight": (
+        (f"{_H}.in_proj_qkv.weight", f"{_H}.in_proj_z.weight", f"{_H}.in_proj_b.weight", f"{_H}.in_proj_a.weight"),
+        GDN_IN_PROJ_SPLIT,
+    ),
+}
+
 _LM_HEAD: dict[str, Row] = {"output_layer.weight": (("lm_head.weight",), VOCAB)}
 
 # The critic's hidden -> 1 head, named as in transformers' *ForTokenClassification.
@@ -181,5 +223,21 @@ DEEPSEEK_V3 = MappingTable(
     dense_mlp=_DENSE_MLP,  # first_k_dense_replace
     moe_mlp=_SIGMOID_MOE,
     variants={"q_lora": _MLA_Q_LORA, "q_full": _MLA_Q_FULL},
+    **_HEADS,
+)
+QWEN3_NEXT = MappingTable(
+    _GLOBALS,
+    _GATED_ATTENTION,
+    dense_mlp=_DENSE_MLP,  # decoder_sparse_step / mlp_only_layers
+    moe_mlp={**_QWEN_MOE, **_QWEN2_SHARED_EXPERT},
+    linear_attention=_GDN_QWEN3_NEXT,
+    **_HEADS,
+)
+QWEN3_5 = MappingTable(_GLOBALS, _GATED_ATTENTION, dense_mlp=_DENSE_MLP, linear_attention=_GDN_QWEN3_5, **_HEADS)
+QWEN3_5_MOE = MappingTable(
+    _GLOBALS,
+    _GATED_ATTENTION,
+    moe_mlp={**_QWEN_MOE, **_QWEN2_SHARED_EXPERT},
+    linear_attention=_GDN_QWEN3_5,
     **_HEADS,
 )

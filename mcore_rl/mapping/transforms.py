@@ -29,6 +29,18 @@ class Dims:
     qk_rope_head_dim: int = 0
     kv_lora_rank: int = 0
     rope_rows_split: bool = False  # HF rope_interleave=False: rows [first halves | second halves]
+    # Gated DeltaNet layers (hybrid models): key/value heads and head sizes (0: no such layers)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+
+    @property
+    def linear_pieces(self) -> tuple[int, int, int, int, int, int]:
+        """Rows of megatron's GDN in_proj pieces [q | k | v | z | beta | alpha] (TP=1)."""
+        qk = self.linear_key_heads * self.linear_key_head_dim
+        v = self.linear_value_heads * self.linear_value_head_dim
+        return qk, qk, v, v, self.linear_value_heads, self.linear_value_heads
 
 
 class Transform:
@@ -47,6 +59,11 @@ class Transform:
 
     def __repr__(self) -> str:
         return self.name
+
+    def bind(self, dims: Dims) -> Transform:
+        """This transform for a model of ``dims`` (those whose TP split depends on the model's
+        sizes return a copy that knows them; the others are shared as they are)."""
+        return self
 
     def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
         (tensor,) = hf
@@ -115,6 +132,28 @@ class _Qkv(Transform):
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
+class _GatedQkv(Transform):
+    """Gated attention: HF q_proj rows per head [q_h | gate_h], k_proj, v_proj -> megatron's
+    linear_qkv rows per query group g [q heads of g | gate heads of g | k_g | v_g]. TP splits
+    dim 0 contiguously (ranks sharing a group hold equal parts of its rows)."""
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        qg, k, v = hf
+        g, d, per = dims.num_kv_heads, dims.head_dim, dims.num_heads // dims.num_kv_heads
+        rest = qg.shape[1:]
+        q, gate = qg.reshape(g, per, 2, d, *rest).unbind(2)
+        parts = [q.reshape(g, per * d, *rest), gate.reshape(g, per * d, *rest),
+                 k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        g, d, per = dims.num_kv_heads, dims.head_dim, dims.num_heads // dims.num_kv_heads
+        rest = full.shape[1:]
+        q, gate, k, v = full.reshape(g, 2 * per * d + 2 * d, *rest).split([per * d, per * d, d, d], dim=1)
+        qg = torch.stack([q.reshape(g, per, d, *rest), gate.reshape(g, per, d, *rest)], dim=2)
+        return [t.reshape(-1, *rest).contiguous() for t in (qg, k, v)]
+
+
 class _GateUp(Transform):
     """SwiGLU fc1: full = [gate; up]; TP rank r holds [gate_r; up_r]."""
 
@@ -177,8 +216,100 @@ COLUMN = Transform("column", split_dim=0)
 ROW = Transform("row", split_dim=1)
 VOCAB = _Vocab("vocab", split_dim=0)
 QKV = _Qkv("qkv", split_dim=0)
+GATED_QKV = _GatedQkv("gated_qkv", split_dim=0)
 GATE_UP = _GateUp("gate_up", split_dim=0)
 EXPERT_GATE_UP = _GateUp("expert_gate_up", split_dim=0, expert=True)
 EXPERT_ROW = Transform("expert_row", split_dim=1, expert=True)
 MLA_QUERY = _MlaRopeRows("mla_query", split_dim=0, per_head=True)
 MLA_KV_DOWN = _MlaRopeRows("mla_kv_down", split_dim=None, per_head=False)
+
+
+class _Pieces(Transform):
+    """A tensor stacked from pieces along dim 0, each piece split over TP on its own: TP rank r
+    holds [piece_0 part r | piece_1 part r | ...] (megatron's GDN in_proj and conv1d). The piece
+    sizes come from the model (``bind``)."""
+
+    def __init__(self, name: str, sizes: tuple[int, ...] = ()) -> None:
+        super().__init__(name, split_dim=0)
+        self.sizes = sizes
+
+    def piece_sizes(self, dims: Dims) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def bind(self, dims: Dims) -> Transform:
+        bound = type(self)(self.name, self.piece_sizes(dims))
+        return bound
+
+    def _sizes(self, total: int) -> tuple[int, ...]:
+        if not self.sizes or sum(self.sizes) != total:
+            raise ShardError(f"{self.name}: {total} rows do not fit the model's pieces {self.sizes}; the "
+                             "config does not match this tensor.")
+        return self.sizes
+
+    def shard(self, full: Tensor, rank: int, size: int) -> Tensor:
+        pieces = full.split(self._sizes(full.shape[0]), dim=0)
+        return torch.cat([_chunk(p, 0, rank, size) for p in pieces], dim=0)
+
+    def unshard(self, locals_: list[Tensor]) -> Tensor:
+        size = len(locals_)
+        local_sizes = [s // size for s in self._sizes(locals_[0].shape[0] * size)]
+        parts = [t.split(local_sizes, dim=0) for t in locals_]
+        return torch.cat([parts[r][i] for i in range(len(local_sizes)) for r in range(size)], dim=0)
+
+
+class _GdnConv(_Pieces):
+    """GDN depthwise conv weight [q | k | v channels, 1, kernel] (same layout in HF and megatron)."""
+
+    def piece_sizes(self, dims: Dims) -> tuple[int, ...]:
+        return dims.linear_pieces[:3]
+
+
+class _GdnInProjSplit(_Pieces):
+    """Qwen3.5's GDN input projections (each flat over heads): in_proj_qkv [q | k | v], in_proj_z,
+    in_proj_b, in_proj_a -> megatron's in_proj [q | k | v | z | beta | alpha]."""
+
+    def piece_sizes(self, dims: Dims) -> tuple[int, ...]:
+        return dims.linear_pieces
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        return torch.cat(hf, dim=0)
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        q, k, v, z, b, a = full.split(dims.linear_pieces, dim=0)
+        return [torch.cat([q, k, v]), z.contiguous(), b.contiguous(), a.contiguous()]
+
+
+class _GdnInProjGrouped(_Pieces):
+    """Qwen3-Next's fused GDN input projections, grouped per key head h: in_proj_qkvz rows
+    [q_h | k_h | v_h (value heads of h) | z_h] and in_proj_ba rows [b_h | a_h], h after h ->
+    megatron's in_proj [q | k | v | z | beta | alpha], each flat over heads."""
+
+    def piece_sizes(self, dims: Dims) -> tuple[int, ...]:
+        return dims.linear_pieces
+
+    @staticmethod
+    def _group(dims: Dims) -> tuple[int, list[int], list[int]]:
+        hk, per = dims.linear_key_heads, dims.linear_value_heads // dims.linear_key_heads
+        dk, dv = dims.linear_key_head_dim, dims.linear_value_head_dim
+        return hk, [dk, dk, per * dv, per * dv], [per, per]
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        qkvz, ba = hf
+        hk, qkvz_rows, ba_rows = self._group(dims)
+        rest = qkvz.shape[1:]
+        q, k, v, z = qkvz.reshape(hk, sum(qkvz_rows), *rest).split(qkvz_rows, dim=1)
+        b, a = ba.reshape(hk, sum(ba_rows), *rest).split(ba_rows, dim=1)
+        return torch.cat([t.reshape(-1, *rest) for t in (q, k, v, z, b, a)], dim=0)
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        hk, qkvz_rows, ba_rows = self._group(dims)
+        rest = full.shape[1:]
+        q, k, v, z, b, a = (t.reshape(hk, -1, *rest) for t in full.split(dims.linear_pieces, dim=0))
+        qkvz = torch.cat([q, k, v, z], dim=1).reshape(-1, *rest)
+        ba = torch.cat([b, a], dim=1).reshape(-1, *rest)
+        return [qkvz.contiguous(), ba.contiguous()]
+
+
+GDN_CONV = _GdnConv("gdn_conv")
+GDN_IN_PROJ_SPLIT = _GdnInProjSplit("gdn_in_proj_split")
+GDN_IN_PROJ_GROUPED = _GdnInProjGrouped("gdn_in_proj_grouped")

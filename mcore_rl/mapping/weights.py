@@ -11,7 +11,7 @@ import itertools
 import logging
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from megatron.core import parallel_state
@@ -57,8 +57,15 @@ class WeightMap:
     num_experts: int = 0
     skipped: frozenset[str] = frozenset()  # megatron names left as initialised (e.g. a new head)
     mtp_layers: int = 0  # HF layers after the last one: multi-token prediction, not loaded
+    # hybrid models: ``linear_layers[i]`` tells a Gated DeltaNet layer (rows ``linear_only``) from
+    # a full-attention one (rows ``attention_only``); None: every layer has attention rows
+    linear_layers: tuple[bool, ...] | None = None
+    attention_only: frozenset[str] = frozenset()
+    linear_only: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        # transforms whose TP split depends on the model's sizes learn them here
+        object.__setattr__(self, "rows", {k: (hf, tr.bind(self.dims)) for k, (hf, tr) in self.rows.items()})
         if self.tied_embeddings:  # the last stage's copy of the embedding comes from it
             embed = self.rows["embedding.word_embeddings.weight"]
             object.__setattr__(self, "rows", {**self.rows, _TIED_OUTPUT: embed})
@@ -86,12 +93,7 @@ class WeightMap:
         """The layer indices a row template exists in ([None] for a template without layers)."""
         if "{layer}" not in template:
             return [None]
-        kinds = self.moe_layers or (False,) * self.num_layers
-        if template in self.moe_only:
-            return [i for i in range(self.num_layers) if kinds[i]]
-        if template in self.dense_only:
-            return [i for i in range(self.num_layers) if not kinds[i]]
-        return range(self.num_layers)
+        return [i for i in range(self.num_layers) if layer_has_row(self, template, i)]
 
     def hf_keys(self) -> set[str]:
         """Every HF tensor name this model has (what a full HF checkpoint must contain)."""
@@ -104,6 +106,17 @@ class WeightMap:
                 for e in experts:
                     keys.update(t.format(layer=layer, expert=e) for t in hf_templates)
         return keys
+
+
+def layer_has_row(wmap: WeightMap | Any, template: str, layer: int) -> bool:
+    """Whether row ``template`` exists in ``layer``: MoE-only rows in sparse layers, dense-MLP rows
+    in dense ones, attention rows in full-attention layers and GDN rows in GDN layers of a hybrid
+    model. ``wmap``: anything with WeightMap's ``moe_layers``, ``linear_layers`` and row sets."""
+    moe = bool(wmap.moe_layers[layer]) if wmap.moe_layers else False
+    linear = bool(wmap.linear_layers[layer]) if wmap.linear_layers else False
+    if (template in wmap.moe_only and not moe) or (template in wmap.dense_only and moe):
+        return False
+    return not ((template in wmap.attention_only and linear) or (template in wmap.linear_only and not linear))
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:

@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.hf_weights import weight_map
+from mcore_rl.models.hybrid import check_hybrid_layout, hybrid_config_kwargs
 from mcore_rl.models.layers import ValueHead
 from mcore_rl.lora.build import attach_adapters, keep_input_grad
 from mcore_rl.lora.config import LoraConfig
@@ -53,6 +54,8 @@ def check_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
     """Errors for model sizes the layout cannot split, each naming the values and the fix."""
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp or 1
     check_attention_split(args, tp)
+    if args.hybrid is not None:
+        check_hybrid_layout(args.hybrid, tp, layout.cp)
     checks = []
     if args.moe is None or not all(args.moe.moe_layers):  # dense MLP layers exist
         checks.append((args.ffn_hidden_size, "intermediate_size"))
@@ -143,6 +146,7 @@ def transformer_config(
     if args.mla is not None:
         config_class = MLATransformerConfig
         mla = mla_config_kwargs(args.mla, args.rope, args.max_position_embeddings)
+    hybrid = hybrid_config_kwargs(args.hybrid) if args.hybrid else {}
     return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -192,6 +196,7 @@ def transformer_config(
         **recompute,
         **moe,
         **mla,
+        **hybrid,
     )
 
 
@@ -211,6 +216,7 @@ def _build_chunk(
             args.moe.moe_layers if args.moe else None,
             mla=args.mla is not None,
             lora=lora,
+            linear_layers=args.hybrid.linear_layers if args.hybrid else None,
         ),
         vocab_size=padded_vocab_size(args.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,

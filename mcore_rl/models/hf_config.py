@@ -12,6 +12,7 @@ from typing import Any
 
 from mcore_rl.mapping.transforms import Dims
 from mcore_rl.models.hf_json import CLASS_DEFAULTS, JsonHFConfig, read_config_json
+from mcore_rl.models.hybrid import HybridArgs, hybrid_args_from_hf
 from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.registry import ArchSpec, lookup_arch
@@ -46,6 +47,7 @@ class ModelArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     mla: MLAArgs | None = None  # multi-latent attention (head_dim is then its q/k head size)
+    hybrid: HybridArgs | None = None  # Gated DeltaNet layers mixed with gated attention
     mtp_layers: int = 0  # multi-token-prediction layers a HF checkpoint may hold (not built)
     # the word embedding's padding row (transformers' padding_idx, in [0, vocab_size)): its
     # lookup sends no gradient to that row (models/padding_idx.py); None: no padding row
@@ -79,6 +81,12 @@ class ModelArgs:
             qk_rope_head_dim=mla.qk_rope_head_dim if mla else 0,
             kv_lora_rank=mla.kv_lora_rank if mla else 0,
             rope_rows_split=bool(mla and not mla.rope_interleave),
+            **({} if self.hybrid is None else dict(
+                linear_key_heads=self.hybrid.key_heads,
+                linear_value_heads=self.hybrid.value_heads,
+                linear_key_head_dim=self.hybrid.key_head_dim,
+                linear_value_head_dim=self.hybrid.value_head_dim,
+            )),
         )
 
 
@@ -232,11 +240,12 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     else:
         rope = rope_spec_from_hf(cfg, head_dim)
     vocab = _require(cfg, "vocab_size")
+    moe = moe_args_from_hf(cfg, arch.moe, num_layers) if arch.moe else None
     return ModelArgs(
         arch=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        ffn_hidden_size=_require(cfg, "intermediate_size"),
+        ffn_hidden_size=_dense_ffn(cfg, moe),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=heads if mla else getattr(cfg, "num_key_value_heads", None) or heads,
@@ -248,7 +257,8 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_std=float(getattr(cfg, "initializer_range", 0.02)),
         value_head_bias=bool(getattr(cfg, "token_classification_bias", True)),
-        moe=moe_args_from_hf(cfg, arch.moe, num_layers) if arch.moe else None,
+        moe=moe,
+        hybrid=hybrid_args_from_hf(cfg, num_layers) if arch.hybrid else None,
         qkv_bias=_switch(cfg, arch.qkv_bias, arch.qkv_bias_field),
         qk_norm=_switch(cfg, arch.qk_norm, arch.qk_norm_field),
         mla=mla,
@@ -256,6 +266,13 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
                       if arch.pad_row_field else None),
     )
+
+
+def _dense_ffn(cfg: Any, moe: MoEArgs | None) -> int:
+    """The dense MLP width; a model whose every layer is sparse may leave it out (Qwen3.5-MoE)."""
+    if moe is not None and all(moe.moe_layers) and getattr(cfg, "intermediate_size", None) is None:
+        return moe.ffn_hidden_size
+    return _require(cfg, "intermediate_size")
 
 
 def _pad_row(value: Any, vocab_size: int, source: str) -> int | None:

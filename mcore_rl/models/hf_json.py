@@ -28,6 +28,11 @@ class ClassDefaults:
     aliases: Mapping[str, str] = field(default_factory=dict)
 
 
+# Qwen3-Next / Qwen3.5: gated attention (head_dim 256, 1/4 of it rotary) and Gated DeltaNet sizes
+_HYBRID = {**_DENSE, "attention_bias": False, "head_dim": 256, "max_position_embeddings": 32768,
+           "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+           "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+           "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 _EXPERTS = {"num_experts": "num_local_experts"}  # mixtral, qwen3_moe
 _SIGMOID = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
 
@@ -87,6 +92,18 @@ CLASS_DEFAULTS: dict[str, ClassDefaults] = {
         "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4, "q_lora_rank": 1536, "kv_lora_rank": 512,
         "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rope_interleave": True,
         "rope_theta": 10000.0}, _SIGMOID),
+    "qwen3_next": ClassDefaults({
+        **_HYBRID, "num_key_value_heads": 2, "hidden_size": 2048, "num_attention_heads": 16,
+        "num_hidden_layers": 48, "vocab_size": 151936, "intermediate_size": 5632, "num_experts": 512,
+        "moe_intermediate_size": 512, "num_experts_per_tok": 10, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "shared_expert_intermediate_size": 512}),
+    "qwen3_5_text": ClassDefaults({
+        **_HYBRID, "num_key_value_heads": 4, "hidden_size": 4096, "num_attention_heads": 16,
+        "num_hidden_layers": 32, "vocab_size": 248320, "intermediate_size": 12288}),
+    "qwen3_5_moe_text": ClassDefaults({
+        **_HYBRID, "num_key_value_heads": 2, "hidden_size": 2048, "num_attention_heads": 16,
+        "num_hidden_layers": 40, "vocab_size": 248320, "num_experts": 256, "moe_intermediate_size": 512,
+        "num_experts_per_tok": 8, "shared_expert_intermediate_size": 512}),
 }
 
 

@@ -34,6 +34,9 @@ def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> 
         num_experts=args.moe.num_experts if args.moe else 0,
         skipped=frozenset() if with_head else frozenset(head),
         mtp_layers=args.mtp_layers,
+        linear_layers=args.hybrid.linear_layers if args.hybrid else None,
+        attention_only=frozenset(table.attention) if args.hybrid else frozenset(),
+        linear_only=frozenset(table.linear_attention),
     )
 
 

@@ -121,23 +121,43 @@ def _init_device(config: TransformerConfig) -> torch.device:
 
 
 class RMSNorm(torch.nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)), computed in fp32 as HF does. x: [..., hidden]."""
+    """y = weight * (x / sqrt(mean(x^2) + eps)), computed in fp32 as HF does. x: [..., hidden].
+
+    With ``config.layernorm_zero_centered_gamma`` (Qwen3-Next / Qwen3.5) the weight is centred on
+    0: y = (x / rms(x)) * (1 + weight), all in fp32 and rounded once, as those HF norms do."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.config = config
         self.eps = eps
+        self.zero_centered = self._zero_centered(config)
+        init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(
-            torch.ones(hidden_size, dtype=config.params_dtype, device=_init_device(config))
+            init(hidden_size, dtype=config.params_dtype, device=_init_device(config))
         )
         # with sequence parallel each TP rank sees part of the sequence: grads must be summed
         self.weight.sequence_parallel = config.sequence_parallel
+
+    @staticmethod
+    def _zero_centered(config: TransformerConfig) -> bool:
+        return bool(config.layernorm_zero_centered_gamma)
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
+
+
+class PlainRMSNorm(RMSNorm):
+    """RMSNorm with its weight as is, whatever the config says: the Gated DeltaNet output norm,
+    the one Qwen norm that is not zero-centred (megatron's zero-centred TE norm would store w - 1)."""
+
+    @staticmethod
+    def _zero_centered(config: TransformerConfig) -> bool:
+        return False
 
 
 class ValueHead(MegatronModule):

@@ -4,7 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from mcore_rl.mapping.tables import DEEPSEEK_V3, GLM4_MOE, LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE, MappingTable
+from mcore_rl.mapping.tables import (
+    DEEPSEEK_V3, GLM4_MOE, LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT,
+    MappingTable,
+)
 from mcore_rl.models.moe import MoEFields
 from mcore_rl.errors import McoreRLError
 
@@ -31,12 +34,18 @@ class ArchSpec:
     moe: MoEFields | None = None  # None: dense
     attention: Literal["gqa", "mla"] = "gqa"  # mla: DeepSeek's multi-latent attention
     mtp_layers_field: str | None = None  # config field counting multi-token-prediction layers
+    # Qwen3-Next / Qwen3.5: Gated DeltaNet layers mixed with gated full attention (layer_types),
+    # zero-centred RMSNorms (x * (1 + w)); models/hybrid.py
+    hybrid: bool = False
     # the config field transformers passes as the word embedding's padding_idx
     # (nn.Embedding(vocab, hidden, padding_idx=config.<field>): that token's row gets no gradient
     # through the lookup); None: its embedding has no padding_idx. All nine architectures below
     # read pad_token_id (checked in transformers 5.10 and 5.24).
     pad_row_field: str | None = "pad_token_id"
 
+
+# Qwen3-Next / Qwen3.5-MoE: softmax router, a shared expert scaled by sigmoid(gate(x))
+QWEN_SHARED_GATED_MOE = MoEFields(shared_expert_ffn="shared_expert_intermediate_size", shared_expert_gate=True)
 
 # DeepSeek-V3 and GLM-4.5 routers: sigmoid scores + correction bias, groups, scaled weights
 SIGMOID_MOE = MoEFields(
@@ -113,6 +122,34 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             moe=SIGMOID_MOE,
             attention="mla",
             mtp_layers_field="num_nextn_predict_layers",
+        ),
+        ArchSpec(
+            "qwen3_next",
+            "Qwen3NextForCausalLM",
+            "Qwen3NextForTokenClassification",
+            QWEN3_NEXT,
+            qk_norm=True,
+            moe=QWEN_SHARED_GATED_MOE,
+            hybrid=True,
+        ),
+        ArchSpec(
+            "qwen3_5_text",
+            "Qwen3_5ForCausalLM",
+            "Qwen3_5ForTokenClassification",
+            QWEN3_5,
+            qk_norm=True,
+            hybrid=True,
+        ),
+        ArchSpec(
+            "qwen3_5_moe_text",
+            "Qwen3_5MoeForCausalLM",
+            "Qwen3_5MoeForTokenClassification",
+            QWEN3_5_MOE,
+            qk_norm=True,
+            # every layer is sparse and top-k weights are always renormalised
+            moe=MoEFields(shared_expert_ffn="shared_expert_intermediate_size", shared_expert_gate=True,
+                          norm_topk_prob=None, sparse_step=None, mlp_only_layers=None),
+            hybrid=True,
         ),
     )
 }

@@ -32,8 +32,10 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 
-from mcore_rl.models.layers import RMSNorm, TorchCoreAttention
+from mcore_rl.models.gdn import PackedGatedDeltaNet
+from mcore_rl.models.layers import PlainRMSNorm, RMSNorm, TorchCoreAttention
 from mcore_rl.lora.layers import LoraColumnParallelLinear, LoraMLASelfAttention, LoraRowParallelLinear
 
 # The local spec keeps norms as separate modules; TE fuses them into the next linear. These
@@ -140,6 +142,31 @@ def local_layer_spec(qk_norm: bool, moe: bool = False, mla: bool = False,
     )
 
 
+def gdn_layer_spec(moe: bool, lin: Linears = LOCAL_LINEARS) -> ModuleSpec:
+    """A Gated DeltaNet layer of a hybrid model (models/gdn.py) with a dense or MoE MLP; its
+    checkpoint keys are TE's (the input norm fused into in_proj). The output norm is plain
+    (Qwen's one norm that is not zero-centred)."""
+    keys = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+    if not moe:
+        keys["pre_mlp_layernorm."] = DENSE_TO_TE_KEYS["pre_mlp_layernorm."]
+    mixer = ModuleSpec(
+        module=PackedGatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=lin.column, out_norm=PlainRMSNorm, out_proj=lin.row),
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=mixer,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=_local_moe(lin) if moe else ModuleSpec(module=MLP, submodules=_mlp(lin)),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys,
+        ),
+    )
+
+
 def te_layer_spec(qk_norm: bool, num_experts: int | None = None, mla: bool = False) -> ModuleSpec:
     """GPU spec: megatron's Transformer Engine layer (grouped-GEMM experts for MoE layers),
     attention switched to padding_causal. MLA: qk_layernorm fuses its q/kv norms."""
@@ -161,6 +188,7 @@ def block_spec(
     moe_layers: tuple[bool, ...] | None = None,
     mla: bool = False,
     lora: bool = False,
+    linear_layers: tuple[bool, ...] | None = None,
 ) -> TransformerBlockSubmodules:
     """The decoder block of one pipeline (virtual) stage: its layers and the final norm.
 
@@ -168,7 +196,11 @@ def block_spec(
     ``lora``: the local spec with LoRA-capable linears, on GPU too (the Transformer Engine spec
     fuses the layer norm into linear_qkv/linear_fc1, whose adapters would need the normed input,
     and runs grouped expert GEMMs; both specs have the same checkpoint keys).
+    ``linear_layers[i]`` (a hybrid model): layer i is a Gated DeltaNet layer; hybrid models use
+    the local spec on GPU too (megatron 0.16.1's hybrid spec needs TE and refuses packing).
     """
+    if linear_layers is not None:
+        return _hybrid_block_spec(config, vp_stage, moe_layers, linear_layers, lora)
     if use_te and not lora:
         from megatron.core.extensions.transformer_engine import TENorm
 
@@ -183,3 +215,16 @@ def block_spec(
     kinds = moe_layers or (False,) * config.num_layers
     layers = [moe if kinds[i] else dense for i in range(first, first + count)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
+
+
+def _hybrid_block_spec(config: TransformerConfig, vp_stage: int | None, moe_layers: tuple[bool, ...] | None,
+                       linear_layers: tuple[bool, ...], lora: bool) -> TransformerBlockSubmodules:
+    lin = LORA_LINEARS if lora else LOCAL_LINEARS
+    kinds = moe_layers or (False,) * config.num_layers
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage)
+    layers = [
+        gdn_layer_spec(kinds[i], lin) if linear_layers[i] else local_layer_spec(True, kinds[i], lin=lin)
+        for i in range(first, first + count)
+    ]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
