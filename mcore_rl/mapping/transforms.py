@@ -115,6 +115,35 @@ class _Qkv(Transform):
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
 
 
+class _GatedQkv(Transform):
+    """Gated attention (Qwen3-Next, Qwen3.5): HF ``q_proj`` holds, per head h, [q_h | gate_h]
+    (head_dim rows each); megatron's ``linear_qkv`` (``attention_output_gate``) holds, per query
+    group g, [q heads of g | gate heads of g | k_g | v_g], each part flat over its heads.
+
+    hf = [q_proj [2*heads*d, ...], k_proj [kv*d, ...], v_proj [kv*d, ...]] (weights [rows, hidden]
+    or biases [rows]) <-> full [kv * (2*heads/kv + 2) * d, ...]. TP splits dim 0 contiguously
+    (ColumnParallelLinear): whole groups, or equal parts of a group that several ranks share.
+    """
+
+    def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
+        q_gate, k, v = hf
+        g, d, heads = dims.num_kv_heads, dims.head_dim, dims.num_heads
+        rest = q_gate.shape[1:]
+        per_head = q_gate.reshape(g, heads // g, 2, d, *rest)  # [group, head in group, q|gate, d]
+        q = per_head[:, :, 0].reshape(g, -1, *rest)
+        gate = per_head[:, :, 1].reshape(g, -1, *rest)
+        return torch.cat([q, gate, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1).reshape(-1, *rest)
+
+    def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
+        g, d, heads = dims.num_kv_heads, dims.head_dim, dims.num_heads
+        per_group_q = (heads // g) * d
+        rest = full.shape[1:]
+        grouped = full.reshape(g, 2 * per_group_q + 2 * d, *rest)
+        q, gate, k, v = grouped.split([per_group_q, per_group_q, d, d], dim=1)
+        q_gate = torch.stack([q.reshape(heads, d, *rest), gate.reshape(heads, d, *rest)], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q_gate, k, v)]
+
+
 class _GateUp(Transform):
     """SwiGLU fc1: full = [gate; up]; TP rank r holds [gate_r; up_r]."""
 
@@ -177,6 +206,7 @@ COLUMN = Transform("column", split_dim=0)
 ROW = Transform("row", split_dim=1)
 VOCAB = _Vocab("vocab", split_dim=0)
 QKV = _Qkv("qkv", split_dim=0)
+GATED_QKV = _GatedQkv("gated_qkv", split_dim=0)
 GATE_UP = _GateUp("gate_up", split_dim=0)
 EXPERT_GATE_UP = _GateUp("expert_gate_up", split_dim=0, expert=True)
 EXPERT_ROW = Transform("expert_row", split_dim=1, expert=True)
