@@ -151,4 +151,5 @@ def test_fix_gate_follows_query_is_needed(runs):
     (4) while the attention output has the rank's 2, so its view in _apply_output_gate fails."""
     _, ranks = runs
     for rank in ranks:
-        assert rank["without_fix"] == "RuntimeError: shape '[5, 2, 8]' is invalid for input of size 160", rank["without_fix"]
+        expected = "RuntimeError: shape '[5, 2, 8]' is invalid for input of size 160"
+        assert rank["without_fix"] == expected, rank["without_fix"]
