@@ -8,7 +8,7 @@ import pytest
 
 from mcore_rl.mapping.transforms import Dims
 from mcore_rl.mapping.weights import MappingError, WeightMap, check_hf_keys
-from mcore_rl.models.builder import check_divisibility
+from mcore_rl.models.builder import check_attention_split, check_divisibility
 from mcore_rl.models.hf_config import ConfigError, model_args_from_hf
 from mcore_rl.models.registry import UnknownArchitectureError, lookup_arch
 from mcore_rl.models.rope import RopeError
@@ -108,6 +108,24 @@ def test_tp_splitting_a_kv_group_unevenly():
     with pytest.raises(LayoutError, match=r"fused qkv rows \(60 = .* over 8 ranks unevenly"):
         check_divisibility(args, ParallelLayout(tp=8))
     check_divisibility(args, ParallelLayout(tp=4))
+
+
+def test_tp_splitting_a_gated_kv_group_unevenly():
+    """Gated attention (Qwen3-Next): a KV head's rows are [query heads | gate heads | k | v]."""
+    args = model_args_from_hf(tiny_config("llama", num_attention_heads=8, num_key_value_heads=1, head_dim=6))
+    with pytest.raises(LayoutError) as e:
+        check_attention_split(args, 8, gated=True)
+    assert (
+        "tp(8) splits each KV head's fused qkv and output-gate rows (108 = (2 * num_attention_heads(8) "
+        "/ num_key_value_heads(1) + 2) * head_dim(6)) over 8 ranks unevenly; choose tp among the "
+        "divisors of 8 that are multiples or divisors of num_key_value_heads(1) with tp / "
+        "num_key_value_heads dividing 108."
+    ) in str(e.value)
+    for tp in (1, 2, 4):  # 108 rows in 1, 2 or 4 equal parts
+        check_attention_split(args, tp, gated=True)
+    two_kv = model_args_from_hf(tiny_config("llama", num_attention_heads=4, num_key_value_heads=2, head_dim=6))
+    for tp in (2, 4):  # a group each, or (4 + 2) * 6 rows in halves
+        check_attention_split(two_kv, tp, gated=True)
 
 
 def test_layers_not_dividing_pipeline():

@@ -133,25 +133,32 @@ class _Qkv(Transform):
 
 
 class _GatedQkv(Transform):
-    """Gated attention: HF q_proj rows per head [q_h | gate_h], k_proj, v_proj -> megatron's
-    linear_qkv rows per query group g [q heads of g | gate heads of g | k_g | v_g]. TP splits
-    dim 0 contiguously (ranks sharing a group hold equal parts of its rows)."""
+    """Gated attention (Qwen3-Next, Qwen3.5): HF ``q_proj`` holds, per head h, [q_h | gate_h]
+    (head_dim rows each); megatron's ``linear_qkv`` (``attention_output_gate``) holds, per query
+    group g, [q heads of g | gate heads of g | k_g | v_g], each part flat over its heads.
+
+    hf = [q_proj [2*heads*d, ...], k_proj [kv*d, ...], v_proj [kv*d, ...]] (weights [rows, hidden]
+    or biases [rows]) <-> full [kv * (2*heads/kv + 2) * d, ...]. TP splits dim 0 contiguously
+    (ColumnParallelLinear): whole groups, or equal parts of a group that several ranks share.
+    """
 
     def to_mcore(self, hf: list[Tensor], dims: Dims) -> Tensor:
-        qg, k, v = hf
-        g, d, per = dims.num_kv_heads, dims.head_dim, dims.num_heads // dims.num_kv_heads
-        rest = qg.shape[1:]
-        q, gate = qg.reshape(g, per, 2, d, *rest).unbind(2)
-        parts = [q.reshape(g, per * d, *rest), gate.reshape(g, per * d, *rest),
-                 k.reshape(g, d, *rest), v.reshape(g, d, *rest)]
-        return torch.cat(parts, dim=1).reshape(-1, *rest)
+        q_gate, k, v = hf
+        g, d, heads = dims.num_kv_heads, dims.head_dim, dims.num_heads
+        rest = q_gate.shape[1:]
+        per_head = q_gate.reshape(g, heads // g, 2, d, *rest)  # [group, head in group, q|gate, d]
+        q = per_head[:, :, 0].reshape(g, -1, *rest)
+        gate = per_head[:, :, 1].reshape(g, -1, *rest)
+        return torch.cat([q, gate, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1).reshape(-1, *rest)
 
     def to_hf(self, full: Tensor, dims: Dims) -> list[Tensor]:
-        g, d, per = dims.num_kv_heads, dims.head_dim, dims.num_heads // dims.num_kv_heads
+        g, d, heads = dims.num_kv_heads, dims.head_dim, dims.num_heads
+        per_group_q = (heads // g) * d
         rest = full.shape[1:]
-        q, gate, k, v = full.reshape(g, 2 * per * d + 2 * d, *rest).split([per * d, per * d, d, d], dim=1)
-        qg = torch.stack([q.reshape(g, per, d, *rest), gate.reshape(g, per, d, *rest)], dim=2)
-        return [t.reshape(-1, *rest).contiguous() for t in (qg, k, v)]
+        grouped = full.reshape(g, 2 * per_group_q + 2 * d, *rest)
+        q, gate, k, v = grouped.split([per_group_q, per_group_q, d, d], dim=1)
+        q_gate = torch.stack([q.reshape(heads, d, *rest), gate.reshape(heads, d, *rest)], dim=1)
+        return [t.reshape(-1, *rest).contiguous() for t in (q_gate, k, v)]
 
 
 class _GateUp(Transform):

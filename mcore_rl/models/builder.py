@@ -53,7 +53,7 @@ class BuildOptions:
 def check_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
     """Errors for model sizes the layout cannot split, each naming the values and the fix."""
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp or 1
-    check_attention_split(args, tp)
+    check_attention_split(args, tp, gated=args.hybrid is not None)
     if args.hybrid is not None:
         check_hybrid_layout(args.hybrid, tp, layout.cp)
     checks = []
@@ -73,10 +73,13 @@ def check_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
         )
 
 
-def check_attention_split(args: ModelArgs, tp: int) -> None:
+def check_attention_split(args: ModelArgs, tp: int, gated: bool = False) -> None:
     """Attention heads over TP as megatron-core splits them: query heads evenly, and either the
     KV heads evenly (tp divides them) or each KV head shared by tp / kv_heads ranks (megatron
-    all-gathers the interleaved qkv and slices its group when num_query_groups < tp)."""
+    all-gathers the interleaved qkv and slices its group when num_query_groups < tp).
+
+    ``gated``: megatron's ``attention_output_gate`` (Qwen3-Next, Qwen3.5): each KV head's fused
+    rows are [query heads | gate heads | k | v], (2 * heads / kv_heads + 2) * head_dim of them."""
     heads, kv = args.num_heads, args.num_kv_heads
     fix = (
         f"choose tp among the divisors of {heads} that are multiples or divisors of "
@@ -88,13 +91,16 @@ def check_attention_split(args: ModelArgs, tp: int) -> None:
             f"tp must divide the query heads and either divide or be a multiple of the KV heads; "
             f"{fix}."
         )
-    # ranks sharing a KV head each hold an equal, contiguous part of its [q..., k, v] rows
+    # ranks sharing a KV head each hold an equal, contiguous part of its [q..., (gate...,) k, v] rows
     ranks_per_group = max(tp // kv, 1)
-    group_rows = (heads // kv + 2) * args.head_dim
+    factor = 2 if gated else 1
+    group_rows = (factor * heads // kv + 2) * args.head_dim
     if group_rows % ranks_per_group != 0:
+        what = "fused qkv and output-gate rows" if gated else "fused qkv rows"
+        count = "2 * num_attention_heads" if gated else "num_attention_heads"
         raise LayoutError(
-            f"tp({tp}) splits each KV head's fused qkv rows ({group_rows} = (num_attention_heads"
-            f"({heads}) / num_key_value_heads({kv}) + 2) * head_dim({args.head_dim})) over "
+            f"tp({tp}) splits each KV head's {what} ({group_rows} = ({count}({heads}) / "
+            f"num_key_value_heads({kv}) + 2) * head_dim({args.head_dim})) over "
             f"{ranks_per_group} ranks unevenly; {fix} with tp / num_key_value_heads dividing "
             f"{group_rows}."
         )

@@ -296,6 +296,31 @@ def _mla_yarn_on_host() -> Callable[[], None]:
     return lambda: setattr(mla, "YarnRotaryEmbedding", original)
 
 
+def _gate_follows_query_heads() -> Callable[[], None]:
+    """With ``attention_output_gate`` and fewer KV heads than TP ranks, ``SelfAttention.
+    get_query_key_value_tensors`` all-gathers the fused qkv, slices the rank's KV group and
+    narrows ``query`` to the rank's share of that group's heads, but returns ``gate`` with all
+    of the group's heads: ``_apply_output_gate`` cannot view it as the attention output. The
+    gate is narrowed as the query is (same rank index, same head count)."""
+    from megatron.core.transformer import attention
+
+    def make(original):
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                        output_gate=False, split_qkv=True):
+            out = original(self, hidden_states, key_value_states, output_gate, split_qkv)
+            sharing = self.world_size // self.config.num_query_groups  # ranks per KV head
+            if not output_gate or sharing <= 1:
+                return out
+            query, key, value, gate = out  # gate [sq, b, heads of the group, hn]
+            size = self.num_attention_heads_per_partition // sharing
+            idx = attention.get_tensor_model_parallel_rank() % sharing
+            return query, key, value, gate[:, :, idx * size : (idx + 1) * size, :]
+
+        return get_query_key_value_tensors
+
+    return _wrap_method(attention.SelfAttention, "get_query_key_value_tensors", make)
+
+
 def _frozen_linear_dgrad_folded() -> Callable[[], None]:
     """``LinearWithFrozenWeight.backward`` computes ``grad_output.matmul(weight)``. GPTModel gives
     its output layer the gradient of ``logits.transpose(0, 1)``: a non-contiguous [s, b, V] view,
@@ -401,6 +426,16 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=True,
         apply=_mla_yarn_on_host,
+    ),
+    Fix(
+        name="gated_attention_gate_follows_query",
+        defect="attention_output_gate with num_query_groups < TP: the gate keeps all heads of the "
+        "shared KV group while the query is narrowed to the rank's (RuntimeError in "
+        "_apply_output_gate's view)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=_gate_follows_query_heads,
     ),
     Fix(
         name="frozen_linear_dgrad_folded",
