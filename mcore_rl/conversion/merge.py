@@ -26,7 +26,7 @@ from mcore_rl.conversion.convert_input import HF_DTYPE_NAMES
 from mcore_rl.conversion.merge_fp8 import STORED_KEY, out_specs, tensor_formats
 from mcore_rl.conversion.merge_io import (  # noqa: F401 - re-exported: callers import them from here
     _WEIGHT_FILE, MergeError, MergeSummary, ModelClass, ModelDir, Unit, _adapter_only, _hf_config,
-    check_target, hf_class, open_model_dir, plan_units, same_dir,
+    check_target, hf_class, open_model_dir, plan_units, read_unit, same_dir,
 )
 from mcore_rl.conversion.merge_lora import merge_adapter_step
 from mcore_rl.fileio.files import META, peak_rss_mb
@@ -45,7 +45,7 @@ def iter_hf_tensors(model: ModelDir, units: list[Unit], dims: Dims,
     hold is a CastOverflowError naming the tensor: ``casts.cast_checked``); one unit's part in
     memory at a time."""
     for unit in units:
-        part = model.reader.read(unit.key, unit.index)
+        part = read_unit(model.reader, unit)
         for spec, tensor in zip(unit.specs, unit.transform.to_hf(part, dims)):
             yield spec.name, tensor if dtype is None else cast_checked(tensor, dtype, spec.name, wider_dtypes(dtype))
         del part
@@ -59,7 +59,7 @@ def written_dtype(model: ModelDir, units: list[Unit], dtype: str | None = None) 
         if dtype not in HF_DTYPE_NAMES:
             raise MergeError(f"dtype={dtype!r}; use one of {sorted(HF_DTYPE_NAMES)} (or none: the checkpoint's).")
         return getattr(torch, HF_DTYPE_NAMES[dtype])
-    stored = {model.reader.tensors[u.key].dtype for u in units}
+    stored = {model.reader.tensors[k].dtype for u in units for k in u.keys}
     if len(stored) == 1:
         return stored.pop()
     named = str(model.meta.get("params_dtype", "")).removeprefix("torch.")
@@ -80,7 +80,7 @@ def head_units(model: ModelDir, units: list[Unit], cls: str) -> list[Unit]:
         if [spec.name for spec in unit.specs] != ["score.bias"]:
             kept.append(unit)
             continue
-        bias = model.reader.read(unit.key, unit.index)
+        bias = read_unit(model.reader, unit)
         if bool((bias != 0).any()):
             raise MergeError(f"{model.path}: the value head's bias is {bias.flatten().tolist()}, not 0: {cls} "
                              "has no score bias to hold it; merge with --model_class token_classification.")

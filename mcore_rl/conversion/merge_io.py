@@ -48,6 +48,32 @@ class Unit:
     index: tuple[int, ...]
     transform: Transform
     specs: tuple[TensorSpec, ...]
+    pieces: tuple[str, ...] = ()  # on disk as ``key.<piece>`` keys, concatenated along dim 0
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The on-disk keys read for this unit."""
+        return tuple(f"{self.key}.{p}" for p in self.pieces) or (self.key,)
+
+
+# parameters megatron's sharded state splits into one key per piece (GatedDeltaNet): the
+# pieces, concatenated in this order along dim 0, are the parameter's TP=1 layout
+SPLIT_KEYS = {
+    "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+    "self_attention.conv1d.weight": ("query", "key", "value"),
+}
+
+
+def read_located(reader: TorchDistReader, key: str, index: tuple[int, ...], pieces: tuple[str, ...] = ()) -> torch.Tensor:
+    """The tensor at ``key`` (and leading ``index``), or its ``pieces`` concatenated along dim 0."""
+    if not pieces:
+        return reader.read(key, index)
+    return torch.cat([reader.read(f"{key}.{p}", index) for p in pieces], dim=0)
+
+
+def read_unit(reader: TorchDistReader, unit: Unit) -> torch.Tensor:
+    """The unit's tensor (its pieces concatenated)."""
+    return read_located(reader, unit.key, unit.index, unit.pieces)
 
 
 @dataclass(frozen=True)
@@ -199,12 +225,15 @@ def dist_key(canonical: str, stacked: bool = True) -> tuple[str, tuple[int, ...]
     return f"{prefix}.{m[2]}", lead
 
 
-def _locate(reader: TorchDistReader, canonical: str) -> tuple[str, tuple[int, ...]] | None:
-    """Where ``canonical`` is on disk (stacked or per-layer key), or None."""
+def _locate(reader: TorchDistReader, canonical: str) -> tuple[str, tuple[int, ...], tuple[str, ...]] | None:
+    """Where ``canonical`` is on disk (stacked or per-layer key, whole or in pieces), or None."""
+    pieces = next((p for suffix, p in SPLIT_KEYS.items() if canonical.endswith(suffix)), ())
     for stacked in (True, False):
         key, index = dist_key(canonical, stacked)
         if key in reader.tensors and reader.covers(key, index):
-            return key, index
+            return key, index, ()
+        if pieces and all(f"{key}.{p}" in reader.tensors and reader.covers(f"{key}.{p}", index) for p in pieces):
+            return key, index, pieces
     return None
 
 
@@ -251,11 +280,13 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
             key, index = dist_key(canonical)
             missing.append(f"{canonical} (key {key!r}, index {index}) for {hf_names}")
             continue
-        key, index = found
-        used.add(key)
+        key, index, pieces = found
+        unit_keys = tuple(f"{key}.{p}" for p in pieces) or (key,)
+        used.update(unit_keys)
         transform = transform.bind(dims)
-        info = reader.tensors[key]
-        probe = torch.empty(info.shape[len(index):], dtype=info.dtype, device="meta")
+        infos = [reader.tensors[k] for k in unit_keys]
+        info = infos[0]
+        probe = torch.cat([torch.empty(i.shape[len(index):], dtype=i.dtype, device="meta") for i in infos])
         try:
             outs = transform.to_hf(probe, dims)
         except (RuntimeError, ValueError, TypeError, IndexError, ZeroDivisionError) as e:
@@ -263,7 +294,7 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
                              f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); merge the checkpoint with "
                              "the config it was saved with.") from None
         specs = tuple(TensorSpec(n, tuple(t.shape), info.dtype) for n, t in zip(hf_names, outs))
-        units.append(Unit(canonical, key, index, transform, specs))
+        units.append(Unit(canonical, key, index, transform, specs, pieces))
     if args.tie_embeddings and model.role == "actor":
         used.add("output_layer.weight")  # the last stage's copy of the tied embedding, if saved
     unused = sorted(k for k in reader.tensors if k not in used and not _NOT_WEIGHTS.search(k))

@@ -21,7 +21,7 @@ import torch
 from mcore_rl.checkpoint import model_record
 from mcore_rl.conversion.merge_io import (
     _WEIGHT_FILE, MergeError, MergeSummary, ModelDir, _hf_config, _locate, canonical_rules, check_target, hf_class,
-    open_model_dir, plan_units,
+    open_model_dir, plan_units, read_located, read_unit,
 )
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.base_identity import (describe, differences, hf_dir_identity, model_dir_identity,
@@ -80,7 +80,7 @@ class _UnitReader(Mapping[str, Tensor]):
     def __getitem__(self, name: str) -> Tensor:
         unit = self.of[name]
         if self.cached is None or self.cached[0] != unit.canonical:
-            part = self.model.reader.read(unit.key, unit.index)
+            part = read_unit(self.model.reader, unit)
             self.cached = (unit.canonical, {s.name: t for s, t in zip(unit.specs, unit.transform.to_hf(part, self.dims))})
         return self.cached[1][name]
 
@@ -93,12 +93,13 @@ class _UnitReader(Mapping[str, Tensor]):
 
 def _step_tensor(step: ModelDir, canonical: str) -> Tensor | None:
     found = _locate(step.reader, canonical)
-    return None if found is None else step.reader.read(*found)
+    return None if found is None else read_located(step.reader, *found)
 
 
 def _merged_rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iterator[tuple[str, Tensor]]:
     """(HF name, merged tensor) for every row of the model's table, in file order."""
     for canonical, hf_names, transform in canonical_rules(step.args, step.role):
+        transform = transform.bind(dims)
         own = _step_tensor(step, canonical)  # trained in full (value head) or a moved buffer
         if own is not None:
             yield from zip(hf_names, transform.to_hf(own, dims))
