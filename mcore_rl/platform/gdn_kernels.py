@@ -4,7 +4,7 @@ megatron-core's ``GatedDeltaNet`` calls flash-linear-attention's (FLA, Triton) `
 ``chunk_gated_delta_rule`` and, when installed, the ``causal_conv1d`` package's
 ``causal_conv1d_fn``. These functions have the same arguments and results, in plain torch
 (differentiable through autograd); the platform installs them where megatron looks for the real
-ones (fix ``gdn_torch_kernels`` in :mod:`mcore_rl.platform.fixes`).
+ones (fix ``gdn_torch_kernels``, applied by :mod:`mcore_rl.platform.gdn_fixes`).
 
 The gated delta rule, per sequence and head (state S: [K, V], q_t and k_t: [K], v_t: [V])::
 
@@ -89,13 +89,14 @@ def _to_chunk_stream(x: Tensor, lengths: list[int], chunk: int) -> Tensor:
 
 
 def _stream_positions(lengths: list[int], chunk: int, device: torch.device) -> Tensor:
-    """Where each packed token lands in the chunk-aligned stream: [T] int64."""
-    counts = torch.tensor(lengths, dtype=torch.long)
-    chunk_starts = torch.cumsum(-(-counts // chunk), 0) - (-(-counts // chunk))
+    """Where each packed token lands in the chunk-aligned stream: [T] int64 on ``device``."""
+    counts = torch.tensor(lengths, dtype=torch.long, device=device)
+    n_chunks = -(-counts // chunk)
+    chunk_starts = torch.cumsum(n_chunks, 0) - n_chunks
     seq_starts = torch.cumsum(counts, 0) - counts
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths)), counts)
-    dest = torch.arange(int(counts.sum())) - seq_starts[seq_of_token] + chunk_starts[seq_of_token] * chunk
-    return dest.to(device)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), counts)
+    token = torch.arange(sum(lengths), device=device)
+    return token - seq_starts[seq_of_token] + chunk_starts[seq_of_token] * chunk
 
 
 def _intra_chunk(q, k, v, g, beta):
@@ -276,3 +277,4 @@ def causal_conv1d_fn(
     if bias is not None:
         out = out + bias.unsqueeze(-1)
     return F.silu(out) if activation is not None else out
+
