@@ -19,6 +19,7 @@ import torch
 from packaging.version import Version
 
 from mcore_rl.errors import McoreRLError
+from mcore_rl.platform.gdn_fixes import conv1d_on_host, install_torch_kernels
 
 
 class FixError(McoreRLError, LookupError):
@@ -445,6 +446,24 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=True,
         apply=_frozen_linear_dgrad_folded,
+    ),
+    Fix(
+        name="gdn_torch_kernels",
+        defect="GatedDeltaNet raises ImportError without flash-linear-attention (a Triton/GPU "
+        "package) and its forward calls FLA's l2norm and chunk_gated_delta_rule",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=install_torch_kernels,
+    ),
+    Fix(
+        name="gdn_conv1d_on_host",
+        defect="GatedDeltaNet builds nn.Conv1d(device=torch.cuda.current_device()): a CPU-only "
+        "torch raises (RuntimeError: Cannot access accelerator device)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=True,
+        apply=conv1d_on_host,
     ),
     Fix(
         name="jit_fuser_compiles_at_import",
