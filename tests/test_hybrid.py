@@ -73,8 +73,10 @@ def test_layouts_gdn_cannot_take_are_refused():
     args = model_args_from_hf(tiny_config(model_type, **overrides))
     with pytest.raises(HybridConfigError, match=r"cp\(2\) with Gated DeltaNet layers .* set cp=1"):
         check_divisibility(args, ParallelLayout(cp=2))
-    with pytest.raises(HybridConfigError, match=r"tp\(8\) does not divide linear_num_key_heads\(4\)"):
-        check_divisibility(args, ParallelLayout(tp=8))
+    odd = model_args_from_hf(tiny_config(model_type, **{**overrides, "linear_num_key_heads": 3,
+                                                         "linear_num_value_heads": 6}))
+    with pytest.raises(HybridConfigError, match=r"tp\(2\) does not divide linear_num_key_heads\(3\)"):
+        check_divisibility(odd, ParallelLayout(tp=2))
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -19,7 +19,10 @@ import torch
 from packaging.version import Version
 
 from mcore_rl.errors import McoreRLError
-from mcore_rl.platform.gdn_fixes import conv1d_on_host, install_torch_kernels
+from mcore_rl.platform.patching import wrap_method as _wrap_method
+from mcore_rl.platform.hybrid_fixes import (
+    conv1d_on_host, gate_follows_query_heads, gated_output_eager, install_torch_kernels,
+)
 
 
 class FixError(McoreRLError, LookupError):
@@ -103,28 +106,6 @@ def _experts_reduce_over_expert_dp() -> Callable[[], None]:
 
     MoELayer.__init__ = __init__
     return lambda: setattr(MoELayer, "__init__", original)
-
-
-def _wrap_method(cls, name: str, make: Callable[[Callable], Callable]) -> Callable[[], None]:
-    """Replaces ``cls.name`` by ``make(original)``; the undo restores the original, or, when
-    another fix has wrapped the method since, turns this wrapper into a pass-through (so fixes
-    on one method can be reverted in any order)."""
-    original = cls.__dict__[name]
-    state = {"on": True}
-    fixed = make(original)
-
-    @functools.wraps(original)
-    def wrapper(*args, **kwargs):
-        return (fixed if state["on"] else original)(*args, **kwargs)
-
-    setattr(cls, name, wrapper)
-
-    def undo() -> None:
-        if cls.__dict__.get(name) is wrapper:
-            setattr(cls, name, original)
-        state["on"] = False
-
-    return undo
 
 
 def _distopt_load_under_no_grad() -> Callable[[], None]:
@@ -297,31 +278,6 @@ def _mla_yarn_on_host() -> Callable[[], None]:
     return lambda: setattr(mla, "YarnRotaryEmbedding", original)
 
 
-def _gate_follows_query_heads() -> Callable[[], None]:
-    """With ``attention_output_gate`` and fewer KV heads than TP ranks, ``SelfAttention.
-    get_query_key_value_tensors`` all-gathers the fused qkv, slices the rank's KV group and
-    narrows ``query`` to the rank's share of that group's heads, but returns ``gate`` with all
-    of the group's heads: ``_apply_output_gate`` cannot view it as the attention output. The
-    gate is narrowed as the query is (same rank index, same head count)."""
-    from megatron.core.transformer import attention
-
-    def make(original):
-        def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
-                                        output_gate=False, split_qkv=True):
-            out = original(self, hidden_states, key_value_states, output_gate, split_qkv)
-            sharing = self.world_size // self.config.num_query_groups  # ranks per KV head
-            if not output_gate or sharing <= 1:
-                return out
-            query, key, value, gate = out  # gate [sq, b, heads of the group, hn]
-            size = self.num_attention_heads_per_partition // sharing
-            idx = attention.get_tensor_model_parallel_rank() % sharing
-            return query, key, value, gate[:, :, idx * size : (idx + 1) * size, :]
-
-        return get_query_key_value_tensors
-
-    return _wrap_method(attention.SelfAttention, "get_query_key_value_tensors", make)
-
-
 def _frozen_linear_dgrad_folded() -> Callable[[], None]:
     """``LinearWithFrozenWeight.backward`` computes ``grad_output.matmul(weight)``. GPTModel gives
     its output layer the gradient of ``logits.transpose(0, 1)``: a non-contiguous [s, b, V] view,
@@ -436,7 +392,7 @@ FIXES: list[Fix] = [
         min_version="0.16.0",
         max_version="0.16.1",
         cpu_only=False,
-        apply=_gate_follows_query_heads,
+        apply=gate_follows_query_heads,
     ),
     Fix(
         name="frozen_linear_dgrad_folded",
@@ -464,6 +420,15 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=True,
         apply=conv1d_on_host,
+    ),
+    Fix(
+        name="gated_output_eager_on_cpu",
+        defect="Attention._apply_output_gate (gated attention) is a jit_fuser (torch.compile) function: "
+        "its first call compiles it with inductor, 2.6-4.4 s per CPU process and again per new shape",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=True,
+        apply=gated_output_eager,
     ),
     Fix(
         name="jit_fuser_compiles_at_import",

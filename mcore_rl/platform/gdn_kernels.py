@@ -4,7 +4,7 @@ megatron-core's ``GatedDeltaNet`` calls flash-linear-attention's (FLA, Triton) `
 ``chunk_gated_delta_rule`` and, when installed, the ``causal_conv1d`` package's
 ``causal_conv1d_fn``. These functions have the same arguments and results, in plain torch
 (differentiable through autograd); the platform installs them where megatron looks for the real
-ones (fix ``gdn_torch_kernels``, applied by :mod:`mcore_rl.platform.gdn_fixes`).
+ones (fix ``gdn_torch_kernels``, applied by :mod:`mcore_rl.platform.hybrid_fixes`).
 
 The gated delta rule, per sequence and head (state S: [K, V], q_t and k_t: [K], v_t: [V])::
 
@@ -103,21 +103,24 @@ def _intra_chunk(q, k, v, g, beta):
     """The per-chunk quantities (all chunks at once) of inputs [R, H, NC, C, *] (g, beta
     [R, H, NC, C]): the in-chunk decay products and the solved delta system, see module doc."""
     c = g.shape[-1]
-    gc = g.cumsum(-1)  # G_r: log decay from the chunk start to position r (inclusive)
+    # G_r: log decay from the chunk start to position r (inclusive), summed in float64: the
+    # differences G_r - G_s of sums reaching -1e3 lose ~1e-4 in fp32, and a packed stream and
+    # a padded row align chunks differently (fp32 sums put 3e-5 between their logits)
+    gc = g.double().cumsum(-1)
     later = torch.ones(c, c, dtype=torch.bool, device=g.device).triu(1)
     # D[r, s] = exp(G_r - G_s) for s <= r (<= 1 for g <= 0), 0 above the diagonal
-    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(later, float("-inf")).exp().to(g.dtype)
     # (I + A) u = beta v - beta exp(G) k S0, A[r, s] = beta_r D[r, s] k_r.k_s for s < r
     strictly_lower = (beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * decay).tril(-1)
     system = strictly_lower + torch.eye(c, dtype=g.dtype, device=g.device)
     u0 = torch.linalg.solve_triangular(system, beta.unsqueeze(-1) * v, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(
-        system, (beta * gc.exp()).unsqueeze(-1) * k, upper=False, unitriangular=True
+        system, (beta * gc.exp().to(g.dtype)).unsqueeze(-1) * k, upper=False, unitriangular=True
     )
     qk = (q @ k.transpose(-1, -2)) * decay  # causal in-chunk scores, scale already in q
-    q_decayed = q * gc.exp().unsqueeze(-1)
-    k_to_end = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)
-    chunk_decay = gc[..., -1].exp()[..., None, None]
+    q_decayed = q * gc.exp().to(g.dtype).unsqueeze(-1)
+    k_to_end = k * (gc[..., -1:] - gc).exp().to(g.dtype).unsqueeze(-1)
+    chunk_decay = gc[..., -1].exp().to(g.dtype)[..., None, None]
     return u0, w, qk, q_decayed, k_to_end, chunk_decay
 
 

@@ -1,4 +1,4 @@
-"""The two platform fixes that let megatron-core's ``GatedDeltaNet`` run without
+"""Platform fixes for hybrid models (Qwen3-Next, Qwen3.5). The first two let megatron-core's ``GatedDeltaNet`` run without
 flash-linear-attention and without a GPU (registered in :mod:`mcore_rl.platform.fixes` as
 ``gdn_torch_kernels`` and ``gdn_conv1d_on_host``). Each patches globals of megatron's
 ``gated_delta_net`` module only and returns the undo."""
@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from mcore_rl.platform import gdn_kernels
+from mcore_rl.platform.patching import wrap_method
 from mcore_rl.platform.cpu_shim import NamespaceProxy
 from mcore_rl.platform.cpu_standins import cpu_if_cuda
 
@@ -64,3 +65,43 @@ def conv1d_on_host() -> Callable[[], None]:
     from megatron.core.ssm import gated_delta_net as gdn
 
     return _set_globals(gdn, {"nn": NamespaceProxy(torch.nn, {"Conv1d": _host_conv1d})})
+
+
+def gate_follows_query_heads() -> Callable[[], None]:
+    """With ``attention_output_gate`` and fewer KV heads than TP ranks, ``SelfAttention.
+    get_query_key_value_tensors`` all-gathers the fused qkv, slices the rank's KV group and
+    narrows ``query`` to the rank's share of that group's heads, but returns ``gate`` with all
+    of the group's heads: ``_apply_output_gate`` cannot view it as the attention output. The
+    gate is narrowed as the query is (same rank index, same head count)."""
+    from megatron.core.transformer import attention
+
+    def make(original):
+        def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                        output_gate=False, split_qkv=True):
+            out = original(self, hidden_states, key_value_states, output_gate, split_qkv)
+            sharing = self.world_size // self.config.num_query_groups  # ranks per KV head
+            if not output_gate or sharing <= 1:
+                return out
+            query, key, value, gate = out  # gate [sq, b, heads of the group, hn]
+            size = self.num_attention_heads_per_partition // sharing
+            idx = attention.get_tensor_model_parallel_rank() % sharing
+            return query, key, value, gate[:, :, idx * size : (idx + 1) * size, :]
+
+        return get_query_key_value_tensors
+
+    return wrap_method(attention.SelfAttention, "get_query_key_value_tensors", make)
+
+
+def gated_output_eager() -> Callable[[], None]:
+    """``Attention._apply_output_gate`` (x * sigmoid(gate) in fp32) is decorated with megatron's
+    ``jit_fuser`` (torch.compile): on the CPU its first call compiles it with inductor (2.6 s
+    measured, 4.4 s under load, again for every new shape). The same Python function, uncompiled,
+    computes the same values (inductor fuses it, nothing more)."""
+    from megatron.core.transformer.attention import Attention
+
+    compiled = Attention.__dict__["_apply_output_gate"]
+    eager = getattr(compiled, "_torchdynamo_orig_callable", None) or getattr(compiled, "__wrapped__", None)
+    if eager is None:  # not compiled (jit_fuser is a no-op in this process): nothing to undo
+        return lambda: None
+    Attention._apply_output_gate = eager
+    return lambda: setattr(Attention, "_apply_output_gate", compiled)
