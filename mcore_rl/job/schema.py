@@ -27,18 +27,23 @@ from mcore_rl.rl.engine import OptimConfig
 from mcore_rl.rollout.engine import DEFAULT_SYNC_BUCKET_BYTES
 
 SIGMOID_MOE_TYPES = ("glm4_moe", "deepseek_v3")  # num_experts is written as n_routed_experts
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", *SIGMOID_MOE_TYPES)
+HYBRID_MOE_TYPES = ("qwen3_next", "qwen3_5_moe_text")
+HYBRID_TYPES = ("qwen3_5_text", *HYBRID_MOE_TYPES)  # Gated DeltaNet + gated attention
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", *SIGMOID_MOE_TYPES, *HYBRID_MOE_TYPES)
+_GDN_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # MoE and MLA keys of TinyModelConfig -> the model types that read them
 _MOE_KEYS = {
     "num_experts": MOE_MODEL_TYPES,
     "num_experts_per_tok": MOE_MODEL_TYPES,
     # mixtral's experts use intermediate_size
-    "moe_intermediate_size": ("qwen2_moe", "qwen3_moe", *SIGMOID_MOE_TYPES),
-    "shared_expert_intermediate_size": ("qwen2_moe",),
-    "norm_topk_prob": ("qwen2_moe", "qwen3_moe", *SIGMOID_MOE_TYPES),  # mixtral always renormalises
-    "decoder_sparse_step": ("qwen2_moe", "qwen3_moe"),
-    "mlp_only_layers": ("qwen2_moe", "qwen3_moe"),
+    "moe_intermediate_size": ("qwen2_moe", "qwen3_moe", *SIGMOID_MOE_TYPES, *HYBRID_MOE_TYPES),
+    "shared_expert_intermediate_size": ("qwen2_moe", *HYBRID_MOE_TYPES),
+    # mixtral and qwen3_5_moe_text always renormalise
+    "norm_topk_prob": ("qwen2_moe", "qwen3_moe", "qwen3_next", *SIGMOID_MOE_TYPES),
+    "decoder_sparse_step": ("qwen2_moe", "qwen3_moe", "qwen3_next"),
+    "mlp_only_layers": ("qwen2_moe", "qwen3_moe", "qwen3_next"),
+    **{k: HYBRID_TYPES for k in ("layer_types", "linear_conv_kernel_dim", *_GDN_KEYS)},
     **{k: SIGMOID_MOE_TYPES for k in ("n_shared_experts", "first_k_dense_replace", "n_group",
                                        "topk_group", "routed_scaling_factor")},
     **{k: ("deepseek_v3",) for k in _MLA_KEYS},
@@ -50,6 +55,9 @@ _MOE_REQUIRED = {  # HF's defaults are full-size models (60 experts, ...): tiny 
     "glm4_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
     "deepseek_v3": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
                     "n_group", "topk_group", *_MLA_KEYS),
+    "qwen3_5_text": _GDN_KEYS,
+    **{t: ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+           *_GDN_KEYS) for t in HYBRID_MOE_TYPES},
 }
 
 
@@ -57,8 +65,9 @@ _MOE_REQUIRED = {  # HF's defaults are full-size models (60 experts, ...): tiny 
 class TinyModelConfig:
     """A HF config built in memory (nothing downloaded) and randomly initialised with ``seed``.
 
-    MoE model types (qwen2_moe, qwen3_moe, mixtral, glm4_moe, deepseek_v3) need the MoE sizes
-    (deepseek_v3 also its multi-latent attention sizes); a key on a model type that does not read
+    MoE model types (qwen2_moe, qwen3_moe, mixtral, glm4_moe, deepseek_v3, qwen3_next,
+    qwen3_5_moe_text) need the MoE sizes (deepseek_v3 also its multi-latent attention sizes,
+    hybrids their Gated DeltaNet sizes); a key on a model type that does not read
     it is an error (it would be ignored).
     """
 
@@ -91,6 +100,15 @@ class TinyModelConfig:
     qk_nope_head_dim: int | None = None
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
+    # hybrid models (qwen3_next, qwen3_5_text, qwen3_5_moe_text): which layer is which
+    # ('linear_attention' = Gated DeltaNet, 'full_attention'; default: every 4th is full) and the
+    # Gated DeltaNet sizes
+    layer_types: tuple[str, ...] | None = None
+    linear_conv_kernel_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -111,8 +129,9 @@ class TinyModelConfig:
         """The transformers config kwargs (None fields left to HF; mixtral's expert count renamed)."""
         skip = ("model_type", "seed")
         kwargs = {k: v for k, v in vars(self).items() if k not in skip and v is not None}
-        if "mlp_only_layers" in kwargs:
-            kwargs["mlp_only_layers"] = list(kwargs["mlp_only_layers"])
+        for key in ("mlp_only_layers", "layer_types"):
+            if key in kwargs:
+                kwargs[key] = list(kwargs[key])
         if self.model_type == "mixtral":
             kwargs["num_local_experts"] = kwargs.pop("num_experts")
         if self.model_type in SIGMOID_MOE_TYPES:
