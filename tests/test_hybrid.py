@@ -121,3 +121,22 @@ def test_converter_round_trips_bit_exact(hybrids, tmp_path):
     checks = run_ranks(1, _verify, {n: (out[n], hybrids[n][0]) for n in hybrids})[0]
     for name, (diff, cos) in checks.items():
         assert diff <= TOL and cos > 0.9999, f"{name}: max |diff| {diff:.3g}, cosine {cos:.6f}"
+
+
+def test_checkpoint_resumes_exactly_at_another_layout(tmp_path):
+    """A Qwen3.5 actor (a GDN layer, then gated attention) trained 2 steps at TP=2 + SP, saved
+    fully_reshardable and model_space, resumed at PP=2 (one layer kind per stage): model and
+    Adam state bit-equal, the next update equal within fp32 reordering (tests/test_ckpt_reshard)."""
+    from tests.ckpt_reshard_bodies import hf_dir, load_worlds, save_worlds
+    from tests.test_ckpt_reshard import FULLY, SPACE, _check_loaded
+
+    _, overrides = VARIANTS["qwen3_5"]
+    hf = hf_dir(str(tmp_path), "qwen3_5_text", **{**overrides, "layer_types": ["linear_attention", "full_attention"]})
+    roots = {s: str(tmp_path / s) for s in (FULLY, SPACE)}
+    saved = run_ranks(2, save_worlds, [(hf, dict(tp=2, sequence_parallel=True), roots)], daemon=False)[0]
+    loads = run_ranks(2, load_worlds, [("load", hf, dict(pp=2), roots[FULLY]), ("load", hf, dict(pp=2), roots[SPACE])],
+                      daemon=False)[0]
+    old, new = "tp=2,pp=1,vpp=None,cp=1,ep=1,etp=2,dp=1", "tp=1,pp=2,vpp=None,cp=1,ep=1,etp=1,dp=1"
+    for job in (0, 1):
+        _check_loaded(saved[0], loads[job], old, new)
+    assert any(".linear_attn.in_proj_qkv" in k for k in saved[0]["at_save"]["opt/exp_avg"])
