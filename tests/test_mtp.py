@@ -71,8 +71,9 @@ def test_mtp_converted_loaded_at_tp2_pp2_ep2_and_merged_bit_exact(mtp_models, tm
 
 @pytest.mark.parametrize("world,layout", [(1, {}), (2, dict(pp=2))], ids=["single", "pp2"])
 def test_mtp_off_forward_equals_model_without_mtp(mtp_models, world, layout):
-    """Built but not trained on: logits and the loss's gradients path identical (torch.equal) to the
-    model built without MTP layers; with PP=2 the block sits on the last stage only."""
+    """Built but not trained on: logits and every gradient of one forward/backward identical
+    (torch.equal) to the model built without MTP layers; with PP=2 the block sits on the last
+    stage only (with its copy of the word embedding, which gets no gradient here)."""
     batch = padded_batch(200)
     for name, (d, _, _) in mtp_models.items():
         for rank, r in enumerate(run_ranks(world, off_forward_equal, d, layout, batch)):
@@ -80,3 +81,38 @@ def test_mtp_off_forward_equals_model_without_mtp(mtp_models, world, layout):
             assert r["mtp_here"] == [r["pp_rank"] == world - 1], (name, rank)
             assert torch.equal(r["with"], r["without"]), f"{name} rank {rank}"
             assert r["with"].abs().max() > 0.1
+            grads = r["with_grads"]
+            assert grads.keys() == r["without_grads"].keys() and len(grads) > 5, (name, rank, len(grads))
+            for key, g in grads.items():
+                assert torch.equal(g, r["without_grads"][key]), f"{name} rank {rank}: gradient of {key}"
+
+
+@pytest.fixture(scope="module")
+def ds_two_depths(tmp_path_factory):
+    """deepseek_v3 with two MTP layers (the second fed by the first) and its reference model."""
+    from tests.mtp_bodies import deeper_model
+
+    d, hf, extra = save_mtp_model(tmp_path_factory.mktemp("ds_mtp2"), "deepseek_v3", depth=2, seed=4,
+                                  num_hidden_layers=2)
+    return d, hf, extra, deeper_model("deepseek_v3", hf, 2, 4, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, dict(tp=2, sequence_parallel=True))], ids=["single", "tp2"])
+def test_mtp_loss_equals_independent_reference(ds_two_depths, world, layout):
+    """With mtp.enable_train the per-depth MTP losses equal a plain-torch implementation from the
+    HF weights within 1e-5 (padding rows and positions excluded); the MTP loss alone gives the
+    trunk and eh_proj gradients, and detach_encoder keeps it from the trunk."""
+    from tests.mtp_bodies import mtp_train_losses, reference_mtp_losses
+
+    d, hf, extra, deeper = ds_two_depths
+    batch = padded_batch(200)
+    ref = reference_mtp_losses(hf, deeper, extra, batch, 2)
+    for rank, r in enumerate(run_ranks(world, mtp_train_losses, d, layout, batch)):
+        diff = (r["losses"][0] - ref).abs().max().item()
+        assert diff <= 1e-5, f"rank {rank}: MTP losses {r['losses'][0].tolist()} vs reference {ref.tolist()}"
+        assert all(g > 0 for g in r["grads"].values()), r["grads"]
+    if world == 1:  # detach_encoder: the same losses, no gradient into the trunk
+        detached = run_ranks(1, mtp_train_losses, d, {}, batch, True)[0]
+        assert (detached["losses"][0] - ref).abs().max().item() <= 1e-5
+        trunk = [g for n, g in detached["grads"].items() if "decoder" in n]
+        assert trunk == [0.0] and all(g > 0 for n, g in detached["grads"].items() if "eh_proj" in n)

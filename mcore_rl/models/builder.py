@@ -19,7 +19,7 @@ from mcore_rl.lora.config import LoraConfig
 from mcore_rl.models.mla import mla_config_kwargs
 from mcore_rl.models.model_types import Role, padded_vocab_size
 from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
-from mcore_rl.models.mtp import mtp_spec_of, restore_padding_causal
+from mcore_rl.models.mtp import finish_mtp_model, mtp_spec_of
 from mcore_rl.models.mtp_model import MtpGPTModel
 from mcore_rl.models.padding_idx import PadEmbeddingGrad, hold_pad_row
 from mcore_rl.models.rope import inv_freq
@@ -237,7 +237,7 @@ def _build_chunk(
     if post and role == "critic":
         model.output_layer = ValueHead(config, args.hidden_size, bias=args.value_head_bias)
     if mtp is not None:
-        restore_padding_causal(model)
+        finish_mtp_model(model, args.vocab_size)
     return model
 
 

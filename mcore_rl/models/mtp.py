@@ -142,8 +142,10 @@ def mtp_block_spec(layer_spec: ModuleSpec, count: int, use_te: bool) -> MultiTok
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * count)
 
 
-def restore_padding_causal(model: Any) -> None:
-    """The MTP layers' attention back to padding_causal (see ``mtp_block_spec``)."""
+def finish_mtp_model(model: Any, vocab_size: int) -> None:
+    """After the build: the MTP layers' attention back to padding_causal (see
+    ``mtp_block_spec``) and the real vocabulary size the MTP loss softmaxes over."""
+    model.real_vocab_size = vocab_size
     for module in model.mtp.modules():
         if hasattr(module, "attn_mask_type") and module.attn_mask_type == AttnMaskType.causal:
             module.attn_mask_type = AttnMaskType.padding_causal

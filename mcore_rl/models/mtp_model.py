@@ -71,6 +71,7 @@ class MtpGPTModel(GPTModel):
         super().__init__(*args, **kwargs)
         self.mtp_train: MtpConfig | None = None
         self.mtp_losses: list[Tensor] = []
+        self.real_vocab_size: int | None = None  # the rows past it are TP padding: out of the softmax
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
                      rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None,
@@ -110,6 +111,7 @@ class MtpGPTModel(GPTModel):
         losses = []
         for k, h in enumerate(torch.chunk(stacked, 1 + depth, dim=0)[1:], start=1):
             logits, _ = self.output_layer(h, weight=weight)
+            logits = self._without_padded_vocab(logits)
             labels, mask = mtp_targets(input_ids, seg, k)
             per_token = self.compute_language_model_loss(labels, logits).float()
             loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
@@ -118,6 +120,18 @@ class MtpGPTModel(GPTModel):
             hidden_states = MTPLossAutoScaler.apply(hidden_states, scaled.to(hidden_states.dtype))
         self.mtp_losses.append(torch.stack(losses))
         return hidden_states
+
+    def _without_padded_vocab(self, logits: Tensor) -> Tensor:
+        """[s, b, V/tp] logits with the TP-padding rows of the vocabulary at -inf (HF's softmax
+        has only the real vocabulary)."""
+        if self.real_vocab_size is None:
+            return logits
+        from megatron.core import parallel_state
+
+        local = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        padded = torch.arange(start, start + local, device=logits.device) >= self.real_vocab_size
+        return logits.masked_fill(padded, float("-inf")) if bool(padded.any()) else logits
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """megatron's, with the data-parallel group its MTP stage's embedding copy needs when the
