@@ -152,8 +152,9 @@ def test_yarn_stays_refused_for_grouped_query_attention():
 
 
 def test_mtp_layers_are_skipped_with_a_log_line(hf_models, caplog):
-    """A checkpoint with multi-token-prediction layers (HF layer num_hidden_layers) loads its base
-    model; the skipped tensors are named in a warning, not dropped silently."""
+    """A checkpoint with multi-token-prediction layers (HF layer num_hidden_layers) built without
+    them (``with_mtp(False)``) loads its base model; the skipped tensors are named in a warning,
+    not dropped silently (built with them: tests/test_mtp.py)."""
     from mcore_rl.mapping.hf_io import SafetensorsReader
     from mcore_rl.mapping.weights import MappingError, check_hf_keys
     from mcore_rl.models.hf_weights import weight_map
@@ -162,7 +163,7 @@ def test_mtp_layers_are_skipped_with_a_log_line(hf_models, caplog):
     keys = set(SafetensorsReader(d)) | {"model.layers.4.eh_proj.weight", "model.layers.4.enorm.weight"}
     cfg = tiny_config("deepseek_v3", num_nextn_predict_layers=1)
     with caplog.at_level(logging.WARNING, logger="mcore_rl"):
-        check_hf_keys(weight_map(model_args_from_hf(cfg), "actor", 1), keys)
+        check_hf_keys(weight_map(model_args_from_hf(cfg).with_mtp(False), "actor", 1), keys)
     assert "skipping 2 tensors of multi-token-prediction layers [4]" in caplog.text
     with pytest.raises(MappingError, match="model.layers.4.eh_proj.weight"):  # not declared: an error
         check_hf_keys(weight_map(model_args_from_hf(tiny_config("deepseek_v3")), "actor", 1), keys)

@@ -36,6 +36,12 @@ MOE = {  # 4 experts, top-2; expert ffn != dense ffn so a mix-up shows as a shap
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                         num_key_value_heads=4, num_nextn_predict_layers=0),
 }
+# hybrids: Gated DeltaNet sizes (HF's defaults are full-size); MoE hybrids also their experts
+_GDN = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8)
+_HYBRID_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       shared_expert_intermediate_size=80)
+MOE.update(qwen3_5_text=_GDN, qwen3_next={**_GDN, **_HYBRID_EXPERTS}, qwen3_5_moe_text={**_GDN, **_HYBRID_EXPERTS})
 
 
 def tiny_config(model_type: str, **overrides):

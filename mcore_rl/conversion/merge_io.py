@@ -24,6 +24,7 @@ from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import TensorSpec
 from mcore_rl.fileio.torch_dist_read import TorchDistReader
 from mcore_rl.mapping.transforms import Dims, Transform
+from mcore_rl.mapping.mtp import mtp_dist_key, mtp_rules, with_copies
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
 
 ModelClass = Literal["auto", "causal_lm", "token_classification", "sequence_classification"]
@@ -215,7 +216,7 @@ def dist_key(canonical: str, stacked: bool = True) -> tuple[str, tuple[int, ...]
     MoE layers keep the layer in the key: (``decoder.layers.3.mlp.experts.experts.linear_fc2.weight``, (1,))."""
     m = re.match(r"^decoder\.layers\.(\d+)\.(.*)$", canonical)
     if m is None:
-        return canonical, ()
+        return mtp_dist_key(canonical) or (canonical, ())
     layer = () if stacked else (m[1],)
     prefix = ".".join(("decoder.layers",) + layer)
     e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$", m[2])
@@ -244,6 +245,9 @@ def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str]
     table = args.arch.table
     rows = table.rows(role, args.features)
     tied = args.tie_embeddings and role == "actor"
+    mtp = args.mtp_built if role == "actor" else 0
+    if mtp:  # the MTP layers' HF copies of the embedding and head come with those rows
+        rows = with_copies(rows, table.mtp, args.num_layers, mtp, args.tie_embeddings)
     kinds = args.moe.moe_layers if args.moe else (False,) * args.num_layers
     linear = args.hybrid.linear_layers if args.hybrid else (False,) * args.num_layers
     experts = range(args.moe.num_experts) if args.moe else range(0)
@@ -265,6 +269,9 @@ def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str]
                        [t.format(layer=layer, expert=e) for t in hf_templates], transform)
     for template in last:
         yield template, list(rows[template][0]), rows[template][1]
+    if mtp:
+        yield from mtp_rules(rows, table.mtp, args.num_layers, mtp, bool(args.moe and kinds[-1]),
+                             frozenset(table.moe_mlp), frozenset(table.dense_mlp), len(experts))
 
 
 def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:

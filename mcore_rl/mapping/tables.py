@@ -48,6 +48,8 @@ class MappingTable:
     # hybrid models: rows of Gated DeltaNet layers; ``attention`` rows then exist only in the
     # full-attention layers (``ModelArgs.hybrid.linear_layers`` tells which layer is which)
     linear_attention: dict[str, Row] = field(default_factory=dict)
+    # multi-token-prediction rows an architecture opts into (mapping/mtp.py reads them)
+    mtp: dict[str, Row] = field(default_factory=dict)
 
     def rows(self, role: str, features: frozenset[str] = frozenset()) -> dict[str, Row]:
         """Every row for ``role`` ('actor' has the LM head, 'critic' the value head) of a model
@@ -185,6 +187,19 @@ _GDN_QWEN3_5: dict[str, Row] = {
     ),
 }
 
+# DeepSeek-V3 / GLM-4.5 multi-token prediction: MTP layer {mtp} is HF layer {layer} =
+# num_hidden_layers + {mtp}; its decoder layer maps as a decoder layer of that index. Rows named
+# after a main-model parameter are the HF copies of it each MTP layer holds (megatron shares them).
+_MTP = "mtp.layers.{mtp}"
+_DEEPSEEK_MTP: dict[str, Row] = {
+    f"{_MTP}.enorm.weight": ((f"{_L}.enorm.weight",), REPLICATED),
+    f"{_MTP}.hnorm.weight": ((f"{_L}.hnorm.weight",), REPLICATED),
+    f"{_MTP}.eh_proj.weight": ((f"{_L}.eh_proj.weight",), COLUMN),
+    f"{_MTP}.final_layernorm.weight": ((f"{_L}.shared_head.norm.weight",), REPLICATED),
+    "embedding.word_embeddings.weight": ((f"{_L}.embed_tokens.weight",), VOCAB),
+    "output_layer.weight": ((f"{_L}.shared_head.head.weight",), VOCAB),
+}
+
 _LM_HEAD: dict[str, Row] = {"output_layer.weight": (("lm_head.weight",), VOCAB)}
 
 # The critic's hidden -> 1 head, named as in transformers' *ForTokenClassification.
@@ -215,6 +230,7 @@ GLM4_MOE = MappingTable(
     dense_mlp=_DENSE_MLP,  # first_k_dense_replace
     moe_mlp=_SIGMOID_MOE,
     variants={"qkv_bias": _QKV_BIAS, "qk_norm": _QK_NORM},
+    mtp=_DEEPSEEK_MTP,
     **_HEADS,
 )
 DEEPSEEK_V3 = MappingTable(
@@ -223,6 +239,7 @@ DEEPSEEK_V3 = MappingTable(
     dense_mlp=_DENSE_MLP,  # first_k_dense_replace
     moe_mlp=_SIGMOID_MOE,
     variants={"q_lora": _MLA_Q_LORA, "q_full": _MLA_Q_FULL},
+    mtp=_DEEPSEEK_MTP,
     **_HEADS,
 )
 QWEN3_NEXT = MappingTable(

@@ -10,13 +10,14 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from megatron.core import parallel_state
 
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, is_quantized, quantize_block_fp8
+from mcore_rl.mapping.mtp import mtp_canonical_params, mtp_hf_keys, mtp_rule
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.platform import active_platform
@@ -28,6 +29,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # Transformer Engine's grouped experts name their weights linear_fc1.weight<i> instead
 _TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _TIED_OUTPUT = "output_layer.weight"
+_EMBEDDING = "embedding.word_embeddings.weight"
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -56,7 +58,9 @@ class WeightMap:
     moe_layers: tuple[bool, ...] | None = None
     num_experts: int = 0
     skipped: frozenset[str] = frozenset()  # megatron names left as initialised (e.g. a new head)
-    mtp_layers: int = 0  # HF layers after the last one: multi-token prediction, not loaded
+    mtp_layers: int = 0  # HF layers after the last one: multi-token prediction (MTP)
+    mtp_rows: dict[str, Row] = field(default_factory=dict)  # empty: MTP layers not built, skipped
+    mtp_moe: bool = False  # the MTP layers' decoder layer is an MoE layer
     # hybrid models: ``linear_layers[i]`` tells a Gated DeltaNet layer (rows ``linear_only``) from
     # a full-attention one (rows ``attention_only``); None: every layer has attention rows
     linear_layers: tuple[bool, ...] | None = None
@@ -72,6 +76,9 @@ class WeightMap:
 
     def rule(self, canonical: str) -> tuple[list[str], Transform]:
         """HF names and transform for one canonical megatron name."""
+        mtp = mtp_rule(canonical, self.num_layers, self.mtp_rows, self.rule) if self.mtp_rows else None
+        if mtp is not None:
+            return mtp
         layer = expert = None
         template = canonical
         m = _LAYER.match(canonical)
@@ -105,6 +112,9 @@ class WeightMap:
             for layer in self.layers_for(template):
                 for e in experts:
                     keys.update(t.format(layer=layer, expert=e) for t in hf_templates)
+        if self.mtp_rows:
+            keys |= mtp_hf_keys(self.rows, self.mtp_rows, self.num_layers, self.mtp_layers, self.mtp_moe,
+                                self.moe_only, self.dense_only, self.num_experts)
         return keys
 
 
@@ -157,7 +167,7 @@ def canonical_params(chunk: torch.nn.Module, adapters: bool = False) -> Iterator
     model = unwrap(chunk)
     buffers = ((n, b) for n, b in model.named_buffers() if n.endswith(STATE_BUFFERS))
     for name, param in itertools.chain(model.named_parameters(), buffers):
-        if (ADAPTER_MARK in name) != adapters:
+        if (ADAPTER_MARK in name) != adapters or name.startswith("mtp."):
             continue
         m = _LAYER.match(name)
         if m is None:
@@ -165,6 +175,7 @@ def canonical_params(chunk: torch.nn.Module, adapters: bool = False) -> Iterator
             continue
         layer = model.decoder.layers[int(m[1])]
         yield f"decoder.layers.{layer.layer_number - 1}.{_canonical_layer_name(layer, m[2])}", param
+    yield from mtp_canonical_params(model, _canonical_layer_name, adapters)
 
 
 def _mtp_keys(wmap: WeightMap, source_keys: set[str]) -> set[str]:
@@ -182,7 +193,8 @@ def _mtp_keys(wmap: WeightMap, source_keys: set[str]) -> set[str]:
 def check_hf_keys(wmap: WeightMap, source_keys: set[str], ignore: set[str] = frozenset()) -> None:
     """Errors naming HF tensors the table cannot place and tensors the model needs but lacks
     (multi-token-prediction layers are skipped with a log line)."""
-    source_keys = source_keys - _mtp_keys(wmap, source_keys)
+    if not wmap.mtp_rows:
+        source_keys = source_keys - _mtp_keys(wmap, source_keys)
     expected = wmap.hf_keys()
     aliases = {"lm_head.weight"} if wmap.tied_embeddings else set()
     unmapped = sorted(source_keys - expected - aliases - set(ignore))
@@ -285,6 +297,8 @@ def _local_items(
         for position, (name, param) in enumerate(canonical_params(chunk, adapters)):
             if wmap.tied_embeddings and name == _TIED_OUTPUT:
                 continue  # the embedding on the first stage is the exported copy
+            if name == _EMBEDDING and not unwrap(chunk).pre_process:
+                continue  # the MTP layers' copy on the last stage: the first stage's is exported
             hf_names, transform = wmap.rule(name)
             tensor = tensor_of(param)
             shapes = _hf_shapes(transform, tensor.shape, wmap.dims)

@@ -20,6 +20,8 @@ from mcore_rl.lora.config import LoraConfig
 from mcore_rl.models.mla import mla_config_kwargs
 from mcore_rl.models.model_types import Role, padded_vocab_size
 from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
+from mcore_rl.models.mtp import finish_mtp_model, mtp_spec_of
+from mcore_rl.models.mtp_model import MtpGPTModel
 from mcore_rl.models.padding_idx import PadEmbeddingGrad, hold_pad_row
 from mcore_rl.models.rope import inv_freq
 from mcore_rl.models.specs import block_spec
@@ -131,9 +133,10 @@ def _check_moe_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
 
 
 def transformer_config(
-    args: ModelArgs, layout: ParallelLayout, options: BuildOptions, platform: Platform
+    args: ModelArgs, layout: ParallelLayout, options: BuildOptions, platform: Platform, mtp_layers: int = 0
 ) -> TransformerConfig:
-    """megatron TransformerConfig for ``args`` under ``layout``."""
+    """megatron TransformerConfig for ``args`` under ``layout``; ``mtp_layers``: the
+    multi-token-prediction layers the model is built with (models/mtp.py)."""
     check_divisibility(args, layout)
     recompute = {}
     if options.recompute == "full":
@@ -199,6 +202,7 @@ def transformer_config(
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        mtp_num_layers=mtp_layers or None,
         **recompute,
         **moe,
         **mla,
@@ -212,18 +216,21 @@ def _build_chunk(
 ) -> GPTModel:
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-    model = GPTModel(
+    spec = block_spec(
+        config,
+        args.qk_norm,
+        platform.transformer_engine,
+        vp_stage,
+        args.moe.moe_layers if args.moe else None,
+        mla=args.mla is not None,
+        lora=lora,
+        linear_layers=args.hybrid.linear_layers if args.hybrid else None,
+    )
+    mtp = mtp_spec_of(args, config, spec, platform.transformer_engine, lora) if post else None
+    model = (MtpGPTModel if mtp is not None else GPTModel)(
         config=config,
-        transformer_layer_spec=block_spec(
-            config,
-            args.qk_norm,
-            platform.transformer_engine,
-            vp_stage,
-            args.moe.moe_layers if args.moe else None,
-            mla=args.mla is not None,
-            lora=lora,
-            linear_layers=args.hybrid.linear_layers if args.hybrid else None,
-        ),
+        transformer_layer_spec=spec,
+        mtp_block_spec=mtp,
         vocab_size=padded_vocab_size(args.vocab_size, config.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre,
@@ -241,6 +248,8 @@ def _build_chunk(
         model.rotary_pos_emb.inv_freq = inv_freq(args.rope).to(device)
     if post and role == "critic":
         model.output_layer = ValueHead(config, args.hidden_size, bias=args.value_head_bias)
+    if mtp is not None:
+        finish_mtp_model(model, args.vocab_size)
     return model
 
 
@@ -257,7 +266,7 @@ def build_model(
     """
     if role not in ("actor", "critic"):
         raise ConfigError(f"role={role!r}; use 'actor' or 'critic'.")
-    config = transformer_config(args, layout, options, platform)
+    config = transformer_config(args, layout, options, platform, args.mtp_built if role == "actor" else 0)
     stages = range(layout.vpp) if layout.vpp else [None]
     device = torch.device("meta") if options.meta_device else platform.device()
     with torch.device("meta") if options.meta_device else contextlib.nullcontext():

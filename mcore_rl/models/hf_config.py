@@ -15,6 +15,7 @@ from mcore_rl.models.hf_json import CLASS_DEFAULTS, JsonHFConfig, read_config_js
 from mcore_rl.models.hybrid import HybridArgs, hybrid_args_from_hf
 from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
+from mcore_rl.models.mtp import resolve_mtp_layers
 from mcore_rl.models.registry import ArchSpec, lookup_arch
 from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf
 from mcore_rl.errors import McoreRLError
@@ -48,7 +49,8 @@ class ModelArgs:
     qk_norm: bool = False
     mla: MLAArgs | None = None  # multi-latent attention (head_dim is then its q/k head size)
     hybrid: HybridArgs | None = None  # Gated DeltaNet layers mixed with gated attention
-    mtp_layers: int = 0  # multi-token-prediction layers a HF checkpoint may hold (not built)
+    mtp_layers: int = 0  # multi-token-prediction layers the HF checkpoint holds (models/mtp.py)
+    mtp_build: bool = True  # build, load and export them (False: left out, their tensors skipped)
     # the word embedding's padding row (transformers' padding_idx, in [0, vocab_size)): its
     # lookup sends no gradient to that row (models/padding_idx.py); None: no padding row
     pad_token_id: int | None = None
@@ -60,6 +62,15 @@ class ModelArgs:
         if self.arch.pad_row_field is None:
             return self
         return replace(self, pad_token_id=_pad_row(pad_token_id, self.vocab_size, source))
+
+    @property
+    def mtp_built(self) -> int:
+        """The MTP layers an actor is built with (0: none)."""
+        return self.mtp_layers if self.mtp_build else 0
+
+    def with_mtp(self, build: bool) -> ModelArgs:
+        """These args with the checkpoint's MTP layers built (True) or left out (False)."""
+        return replace(self, mtp_build=build)
 
     @property
     def features(self) -> frozenset[str]:
@@ -262,7 +273,7 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         qkv_bias=_switch(cfg, arch.qkv_bias, arch.qkv_bias_field),
         qk_norm=_switch(cfg, arch.qk_norm, arch.qk_norm_field),
         mla=mla,
-        mtp_layers=int(getattr(cfg, arch.mtp_layers_field, 0) or 0) if arch.mtp_layers_field else 0,
+        mtp_layers=_mtp_layers(source, cfg, arch, num_layers),
         pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
                       if arch.pad_row_field else None),
     )
@@ -273,6 +284,24 @@ def _dense_ffn(cfg: Any, moe: MoEArgs | None) -> int:
     if moe is not None and all(moe.moe_layers) and getattr(cfg, "intermediate_size", None) is None:
         return moe.ffn_hidden_size
     return _require(cfg, "intermediate_size")
+
+
+def _mtp_layers(source: Any, cfg: Any, arch: ArchSpec, num_layers: int) -> int:
+    """The checkpoint's MTP layer count: the config's field, checked against (or, when the
+    config is silent, taken from) a directory's tensor names."""
+    if not arch.mtp_layers_field:
+        return 0
+    keys = None
+    if isinstance(source, (str, os.PathLike)):
+        from mcore_rl.mapping.hf_io import SafetensorsReader
+
+        try:
+            keys = set(SafetensorsReader(source)) or None  # no weights (a config copy): the config alone
+        except (OSError, ValueError):  # unreadable weights: their reader names the problem later
+            keys = None
+    where = f"{os.fspath(source)}/config.json" if keys is not None else f"config (model_type {cfg.model_type!r})"
+    return resolve_mtp_layers(getattr(cfg, arch.mtp_layers_field, None), keys, num_layers, arch.mtp_layers_field,
+                              where)
 
 
 def _pad_row(value: Any, vocab_size: int, source: str) -> int | None:

@@ -8,6 +8,7 @@ import torch
 
 from mcore_rl.mapping.fp8_quant import BlockFp8
 from mcore_rl.mapping.hf_io import SafetensorsReader
+from mcore_rl.mapping.mtp import with_copies
 from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.model_types import Role, padded_vocab_size
@@ -22,6 +23,9 @@ def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> 
     head = table.lm_head if role == "actor" else table.value_head
     if not with_head:
         rows = {k: v for k, v in rows.items() if k not in head}
+    mtp = args.mtp_built if role == "actor" else 0
+    if mtp:
+        rows = with_copies(rows, table.mtp, args.num_layers, mtp, args.tie_embeddings)
     return WeightMap(
         model_type=args.arch.model_type,
         rows=rows,
@@ -37,6 +41,8 @@ def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> 
         linear_layers=args.hybrid.linear_layers if args.hybrid else None,
         attention_only=frozenset(table.attention) if args.hybrid else frozenset(),
         linear_only=frozenset(table.linear_attention),
+        mtp_rows=table.mtp if mtp else {},
+        mtp_moe=bool(args.moe is not None and args.moe.moe_layers[-1]),
     )
 
 

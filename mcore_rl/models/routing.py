@@ -74,12 +74,14 @@ class EngineRouting:
         self.num_layers, self.top_k, self.num_experts = len(ordinal), top_k, num_experts
         self.sequence_parallel = sequence_parallel
         self.slots: list[_Slot] = []
+        mine = set()
         for c, chunk in enumerate(chunks):
             for module in chunk.modules():
                 replay = getattr(module, "router_replay", None)
                 if isinstance(replay, RouterReplay):
-                    self.slots.append(_Slot(c, ordinal[module.layer_number - 1], replay))
-        mine = {id(s.replay) for s in self.slots}
+                    mine.add(id(replay))
+                    if module.layer_number - 1 in ordinal:  # not an MTP layer's router (routes freely)
+                        self.slots.append(_Slot(c, ordinal[module.layer_number - 1], replay))
         # scoping: megatron's static helpers (and other engines) no longer reach these routers
         RouterReplay.global_router_replay_instances[:] = [
             r for r in RouterReplay.global_router_replay_instances if id(r) not in mine

@@ -1,0 +1,173 @@
+"""Multi-token-prediction (MTP) layers of DeepSeek-V3 / GLM-4.5 checkpoints on megatron-core's
+``MultiTokenPredictionBlock``: how many a checkpoint has, the switches a trainer sets
+(``MtpConfig``, verl's ``model.mtp.*`` names), and the block spec the builder places on the last
+pipeline stage. The forward that runs them on request is ``models/mtp_model.py``.
+
+HF layout (DeepSeek-V3 and GLM-4.5): MTP layer i is HF layer ``num_hidden_layers + i`` with
+``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, a full decoder layer, and copies of the
+word embedding (``embed_tokens``) and LM head (``shared_head.head``) that megatron shares with
+the main model (mapping: ``mapping/mtp_rows.py``).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mcore_rl.errors import McoreRLError
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class MtpConfigError(McoreRLError, ValueError):
+    """MTP switches or an MTP layer count that cannot be honoured; the message names the value."""
+
+
+@dataclass(frozen=True)
+class MtpConfig:
+    """The MTP switches, named as verl 0.9.1's ``actor_rollout_ref.model.mtp.*``.
+
+    enable: build the checkpoint's MTP layers (loaded, checkpointed, exported, not run).
+    enable_train: run them in the training forward and add megatron's MTP loss
+        (``mtp_loss_scaling_factor`` / depth count times each depth's mean cross-entropy).
+    detach_encoder: the MTP loss trains the MTP layers and the output head only (the trunk's
+        hidden states and the token embeddings enter the MTP layers detached), as verl's.
+    enable_rollout: speculative decoding in the rollout engine, the engine's business: mcore_rl
+        only sends it the MTP weights (kept for verl's config shape).
+    """
+
+    enable: bool = True
+    enable_train: bool = False
+    enable_rollout: bool = False
+    detach_encoder: bool = False
+    mtp_loss_scaling_factor: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("enable", "enable_train", "enable_rollout", "detach_encoder"):
+            if not isinstance(getattr(self, name), bool):
+                raise MtpConfigError(f"mtp.{name}={getattr(self, name)!r} must be true or false.")
+        scale = self.mtp_loss_scaling_factor
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 0:
+            raise MtpConfigError(f"mtp.mtp_loss_scaling_factor={scale!r} must be a number >= 0 (verl's default 0.1).")
+        if self.enable_train and not self.enable:
+            raise MtpConfigError("mtp.enable_train=true with mtp.enable=false: training the MTP layers needs them "
+                                 "built; set mtp.enable=true.")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any] | None) -> MtpConfig:
+        """From verl's ``model.mtp`` section (or the job's ``actor.mtp``); unknown keys refused
+        except verl's rollout-engine settings (method, speculative-*), which are not ours."""
+        values = dict(values or {})
+        known = {f for f in cls.__dataclass_fields__}
+        ours = {k: v for k, v in values.items() if k in known}
+        unknown = sorted(k for k in values if k not in known and not _rollout_key(k))
+        if unknown:
+            raise MtpConfigError(f"unknown mtp settings {unknown}; known: {sorted(known)}.")
+        return cls(**ours)
+
+
+def _rollout_key(key: str) -> bool:
+    """verl's MtpConfig also carries the rollout engines' speculative-decoding settings."""
+    return key in ("method", "num_speculative_tokens") or key.startswith("speculative") or "-" in key
+
+
+def mtp_layers_in(keys: Iterable[str], num_layers: int) -> list[int]:
+    """Sorted MTP depths (0-based) whose HF tensors ``model.layers.{num_layers + i}.*`` are in ``keys``."""
+    found = {int(m[1]) - num_layers for k in keys if (m := _HF_LAYER.match(k)) and int(m[1]) >= num_layers}
+    return sorted(found)
+
+
+def resolve_mtp_layers(declared: int | None, keys: Iterable[str] | None, num_layers: int, field: str,
+                       where: str) -> int:
+    """The MTP layer count: the config's ``field`` (``declared``), else the HF layers after
+    ``num_layers`` in ``keys``; a disagreement between the two is refused. A config that declares
+    layers a checkpoint does not hold at all (transformers' save_pretrained drops them) counts 0,
+    with a log line. ``keys`` None: only the config is known."""
+    if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared < 0):
+        raise MtpConfigError(f"{where}: {field}={declared!r} must be an integer >= 0; fix config.json.")
+    if keys is None:
+        return declared or 0
+    depths = mtp_layers_in(keys, num_layers)
+    if depths and depths != list(range(len(depths))):
+        raise MtpConfigError(f"{where}: the checkpoint's layers after num_hidden_layers={num_layers} are HF layers "
+                             f"{[num_layers + d for d in depths]}, not consecutive from {num_layers}; the checkpoint "
+                             "does not match its config.")
+    if declared is None:
+        return len(depths)
+    if depths and len(depths) != declared:
+        raise MtpConfigError(f"{where}: {field}={declared} but the checkpoint holds {len(depths)} multi-token-"
+                             f"prediction layers (HF layers {[num_layers + d for d in depths]}); set {field} to "
+                             f"{len(depths)} in config.json or use the checkpoint that matches it.")
+    if declared and not depths:
+        logging.getLogger("mcore_rl").warning(
+            "%s: %s=%d but the checkpoint holds no multi-token-prediction tensors (model.layers.%d.*): "
+            "built without MTP layers", where, field, declared, num_layers)
+        return 0
+    return declared
+
+
+def mtp_block_spec(layer_spec: ModuleSpec, count: int, use_te: bool) -> MultiTokenPredictionBlockSubmodules:
+    """``count`` MTP layers whose transformer layer is ``layer_spec`` (the decoder layer kind of
+    HF layer num_hidden_layers); norms and projection as the decoder's own spec places them."""
+    # megatron's MTP layer refuses padding_causal by name; our core attention always applies the
+    # causal and the key-padding mask, so 'causal' builds the same computation (TE: restored by
+    # restore_padding_causal after the build)
+    layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.causal
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+        norm, linear = TENorm, TEColumnParallelLinear
+    else:
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        from mcore_rl.models.layers import RMSNorm
+
+        norm, linear = RMSNorm, ColumnParallelLinear
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=norm, hnorm=norm, eh_proj=linear, transformer_layer=layer_spec, layer_norm=norm),
+    )
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * count)
+
+
+def finish_mtp_model(model: Any, vocab_size: int) -> None:
+    """After the build: the MTP layers' attention back to padding_causal (see
+    ``mtp_block_spec``) and the real vocabulary size the MTP loss softmaxes over."""
+    model.real_vocab_size = vocab_size
+    for module in model.mtp.modules():
+        if hasattr(module, "attn_mask_type") and module.attn_mask_type == AttnMaskType.causal:
+            module.attn_mask_type = AttnMaskType.padding_causal
+
+
+def mtp_spec_of(args: Any, config: Any, decoder_spec: Any, use_te: bool, lora: bool) -> MultiTokenPredictionBlockSubmodules | None:
+    """The MTP block spec of a last-stage chunk of ``args`` (ModelArgs) under ``config`` (a
+    TransformerConfig whose ``mtp_num_layers`` says how many; None: no block). The MTP layer is
+    of the kind HF gives layer num_hidden_layers: MoE where the last decoder layer is."""
+    del decoder_spec  # the stage's own layers; the MTP layer's kind is the last decoder layer's
+    if not config.mtp_num_layers:
+        return None
+    if lora:
+        raise MtpConfigError(f"LoRA adapters on a model built with {config.mtp_num_layers} multi-token-prediction "
+                             "layers are not supported; build without them (mtp.enable=false, "
+                             "ModelArgs.with_mtp(False)).")
+    from mcore_rl.models.specs import local_layer_spec, te_layer_spec
+
+    moe = bool(args.moe is not None and args.moe.moe_layers[-1])
+    mla = args.mla is not None
+    if use_te:
+        layer = te_layer_spec(args.qk_norm, config.num_moe_experts if moe else None, mla)
+    else:
+        layer = local_layer_spec(args.qk_norm, moe, mla)
+    return mtp_block_spec(layer, config.mtp_num_layers, use_te)

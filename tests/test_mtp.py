@@ -1,0 +1,118 @@
+"""Multi-token-prediction (MTP) layers of DeepSeek-V3 and GLM-4.5 on megatron-core's
+MultiTokenPredictionBlock: the count (config or tensors, a disagreement refused), converted,
+loaded at TP=2 x PP=2 x EP=2, merged back bit-exact; off by default in the forward (outputs
+bit-identical to the model built without them, at world 1 and PP=2)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from mcore_rl.models.hf_config import model_args_from_hf
+from mcore_rl.models.mtp import MtpConfigError, resolve_mtp_layers
+from tests.dist import run_ranks
+from tests.mtp_bodies import off_forward_equal, save_mtp_model
+from tests.test_convert import _assert_same_hf, _convert_all, _load_and_export
+from tests.tiny import padded_batch
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory):
+    """deepseek_v3 (declared num_nextn_predict_layers=1, 2 layers) and glm4_moe (count from the
+    tensors only: the config is silent), each with one MTP layer."""
+    ds = save_mtp_model(tmp_path_factory.mktemp("ds_mtp"), "deepseek_v3", num_hidden_layers=2)
+    glm = save_mtp_model(tmp_path_factory.mktemp("glm_mtp"), "glm4_moe", declare=False, num_hidden_layers=2)
+    return {"deepseek_v3": ds, "glm4_moe": glm}
+
+
+def test_mtp_count_from_config_or_tensors(mtp_models, caplog):
+    assert model_args_from_hf(mtp_models["deepseek_v3"][0]).mtp_layers == 1
+    assert model_args_from_hf(mtp_models["glm4_moe"][0]).mtp_layers == 1  # config silent
+    keys = {"model.layers.4.enorm.weight", "model.layers.5.enorm.weight", "model.norm.weight"}
+    assert resolve_mtp_layers(None, keys, 4, "num_nextn_predict_layers", "x") == 2
+    with pytest.raises(MtpConfigError, match=r"num_nextn_predict_layers=1 but the checkpoint holds 2 .*\[4, 5\]"):
+        resolve_mtp_layers(1, keys, 4, "num_nextn_predict_layers", "x")
+    with pytest.raises(MtpConfigError, match=r"HF layers \[5\], not consecutive"):
+        resolve_mtp_layers(None, {"model.layers.5.enorm.weight"}, 4, "num_nextn_predict_layers", "x")
+    with caplog.at_level(logging.WARNING, logger="mcore_rl"):  # transformers' save_pretrained drops them
+        assert resolve_mtp_layers(1, {"model.norm.weight"}, 4, "num_nextn_predict_layers", "x") == 0
+    assert "holds no multi-token-prediction tensors" in caplog.text
+    assert resolve_mtp_layers(2, None, 4, "num_nextn_predict_layers", "x") == 2  # a config object alone
+
+
+def test_mtp_converted_loaded_at_tp2_pp2_ep2_and_merged_bit_exact(mtp_models, tmp_path):
+    """HF -> converter (one rank, and EP=2) -> loaded at TP=2 x PP=2 x EP=2 -> export_hf, and ->
+    merge: every tensor, MTP ones included, bit-identical; the dist checkpoint holds the MTP keys."""
+    from safetensors import safe_open
+
+    from mcore_rl.conversion.merge import merge
+
+    jobs = [(d, str(tmp_path / f"out_{n}")) for n, (d, _, _) in mtp_models.items()]
+    run_ranks(1, _convert_all, jobs)
+    run_ranks(2, _convert_all, [(mtp_models["deepseek_v3"][0], str(tmp_path / "ds_ep2"))], dict(ep=2))
+    dirs = {n: str(tmp_path / f"out_{n}") for n in mtp_models} | {"ds_ep2": str(tmp_path / "ds_ep2")}
+    results = run_ranks(4, _load_and_export, dirs)[0]
+    for name, d in dirs.items():
+        hf_dir, _, extra = mtp_models["deepseek_v3" if name == "ds_ep2" else name]
+        exported, keys = results[name]
+        assert set(extra) <= set(exported), name
+        _assert_same_hf(name, exported, hf_dir)
+        assert "mtp.layers.0.eh_proj.weight" in keys and "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in keys
+        target = tmp_path / f"merged_{name}"
+        merge(d, str(target))
+        merged = {}
+        for f in sorted(target.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                merged.update({k: st.get_tensor(k) for k in st.keys()})
+        _assert_same_hf(f"{name} merged", merged, hf_dir)
+    assert results["ds_ep2"][1] == results["deepseek_v3"][1]
+
+
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, dict(pp=2))], ids=["single", "pp2"])
+def test_mtp_off_forward_equals_model_without_mtp(mtp_models, world, layout):
+    """Built but not trained on: logits and every gradient of one forward/backward identical
+    (torch.equal) to the model built without MTP layers; with PP=2 the block sits on the last
+    stage only (with its copy of the word embedding, which gets no gradient here)."""
+    batch = padded_batch(200)
+    for name, (d, _, _) in mtp_models.items():
+        for rank, r in enumerate(run_ranks(world, off_forward_equal, d, layout, batch)):
+            assert r["mismatch"] == [], (name, rank, r["mismatch"])
+            assert r["mtp_here"] == [r["pp_rank"] == world - 1], (name, rank)
+            assert torch.equal(r["with"], r["without"]), f"{name} rank {rank}"
+            assert r["with"].abs().max() > 0.1
+            grads = r["with_grads"]
+            assert grads.keys() == r["without_grads"].keys() and len(grads) > 5, (name, rank, len(grads))
+            for key, g in grads.items():
+                assert torch.equal(g, r["without_grads"][key]), f"{name} rank {rank}: gradient of {key}"
+
+
+@pytest.fixture(scope="module")
+def ds_two_depths(tmp_path_factory):
+    """deepseek_v3 with two MTP layers (the second fed by the first) and its reference model."""
+    from tests.mtp_bodies import deeper_model
+
+    d, hf, extra = save_mtp_model(tmp_path_factory.mktemp("ds_mtp2"), "deepseek_v3", depth=2, seed=4,
+                                  num_hidden_layers=2)
+    return d, hf, extra, deeper_model("deepseek_v3", hf, 2, 4, num_hidden_layers=2)
+
+
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, dict(tp=2, sequence_parallel=True))], ids=["single", "tp2"])
+def test_mtp_loss_equals_independent_reference(ds_two_depths, world, layout):
+    """With mtp.enable_train the per-depth MTP losses equal a plain-torch implementation from the
+    HF weights within 1e-5 (padding rows and positions excluded); the MTP loss alone gives the
+    trunk and eh_proj gradients, and detach_encoder keeps it from the trunk."""
+    from tests.mtp_bodies import mtp_train_losses, reference_mtp_losses
+
+    d, hf, extra, deeper = ds_two_depths
+    batch = padded_batch(200)
+    ref = reference_mtp_losses(hf, deeper, extra, batch, 2)
+    for rank, r in enumerate(run_ranks(world, mtp_train_losses, d, layout, batch)):
+        diff = (r["losses"][0] - ref).abs().max().item()
+        assert diff <= 1e-5, f"rank {rank}: MTP losses {r['losses'][0].tolist()} vs reference {ref.tolist()}"
+        assert all(g > 0 for g in r["grads"].values()), r["grads"]
+    if world == 1:  # detach_encoder: the same losses, no gradient into the trunk
+        detached = run_ranks(1, mtp_train_losses, d, {}, batch, True)[0]
+        assert (detached["losses"][0] - ref).abs().max().item() <= 1e-5
+        trunk = [g for n, g in detached["grads"].items() if "decoder" in n]
+        assert trunk == [0.0] and all(g > 0 for n, g in detached["grads"].items() if "eh_proj" in n)
