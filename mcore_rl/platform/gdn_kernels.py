@@ -125,13 +125,14 @@ def _scan_chunks(parts, starts: dict[int, Tensor], ends: set[int]) -> tuple[Tens
     """Carries the state [R, H, K, V] across the chunks: ``starts[j]`` replaces it before chunk
     j (a sequence start), the state after each chunk in ``ends`` is kept. Returns the outputs
     [R, H, NC, C, V] and {chunk: state after it}."""
-    u0, w, qk, q_decayed, k_to_end, chunk_decay = parts
+    # unbind once: indexing [:, :, j] in the loop would cost a full-size zero gradient per chunk
+    u0, w, qk, q_decayed, k_to_end, chunk_decay = (x.unbind(2) for x in parts)
     outs, kept, state = [], {}, None
-    for j in range(u0.shape[2]):
+    for j in range(len(u0)):
         state = starts.get(j, state)
-        delta = u0[:, :, j] - w[:, :, j] @ state  # u of every token of the chunk: [R, H, C, V]
-        outs.append(q_decayed[:, :, j] @ state + qk[:, :, j] @ delta)
-        state = state * chunk_decay[:, :, j] + k_to_end[:, :, j].transpose(-1, -2) @ delta
+        delta = u0[j] - w[j] @ state  # u of every token of the chunk: [R, H, C, V]
+        outs.append(q_decayed[j] @ state + qk[j] @ delta)
+        state = state * chunk_decay[j] + k_to_end[j].transpose(-1, -2) @ delta
         if j in ends:
             kept[j] = state
     return torch.stack(outs, dim=2), kept
