@@ -132,6 +132,13 @@ def test_defaults_zero_state_no_final_and_bf16_output_dtype():
     assert (half.double() - ref_out * 4**-0.5 / 0.3).abs().max() < 0.05  # bf16 inputs
 
 
+def test_empty_stream_returns_the_initial_states():
+    x = _inputs(1, 0, 2, 4, 3, 2)
+    out, final = chunk_gated_delta_rule(*(x[n] for n in ("q", "k", "v", "g", "beta")), initial_state=x["h0"],
+                                        output_final_state=True, cu_seqlens=torch.tensor([0, 0, 0]))
+    assert out.shape == (1, 0, 2, 3) and torch.equal(final, x["h0"])
+
+
 def test_rule_refuses_inconsistent_arguments():
     x = _inputs(2, 10, 2, 4, 3, 2)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
@@ -140,6 +147,8 @@ def test_rule_refuses_inconsistent_arguments():
     one_row = [a[:1] for a in args]
     with pytest.raises(GDNKernelError, match=r"\[0, 4, 9\] must rise from 0 to the 10 tokens"):
         chunk_gated_delta_rule(*one_row, cu_seqlens=torch.tensor([0, 4, 9]))
+    with pytest.raises(GDNKernelError, match=r"cu_seqlens \[\] must rise"):
+        chunk_gated_delta_rule(*one_row, cu_seqlens=torch.tensor([[0, 10]]))
     with pytest.raises(GDNKernelError, match="initial_state"):
         chunk_gated_delta_rule(*one_row, initial_state=x["h0"], cu_seqlens=torch.tensor([0, 4, 7, 10]))
     with pytest.raises(GDNKernelError, match="beta"):

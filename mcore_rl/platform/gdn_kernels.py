@@ -60,14 +60,14 @@ def _sequence_lengths(cu_seqlens: Tensor | None, batch: int, length: int) -> lis
     """Per-sequence token counts: the rows of the batch, or the cu_seqlens segments of one row."""
     if cu_seqlens is None:
         return [length] * batch
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else []
     if batch != 1:
         raise GDNKernelError(
             f"chunk_gated_delta_rule: cu_seqlens needs batch size 1, got {batch}; flatten the "
             "packed sequences into one row [1, total_tokens, ...]."
         )
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    if cu_seqlens.dim() != 1 or not lengths or bounds[0] != 0 or bounds[-1] != length or min(lengths) < 0:
+    if not lengths or bounds[0] != 0 or bounds[-1] != length or min(lengths) < 0:
         raise GDNKernelError(
             f"chunk_gated_delta_rule: cu_seqlens {bounds} must rise from 0 to the {length} tokens "
             "of the stream ([N+1] sequence boundaries)."
@@ -128,13 +128,14 @@ def _scan_chunks(parts, starts: dict[int, Tensor], ends: set[int]) -> tuple[Tens
     """Carries the state [R, H, K, V] across the chunks: ``starts[j]`` replaces it before chunk
     j (a sequence start), the state after each chunk in ``ends`` is kept. Returns the outputs
     [R, H, NC, C, V] and {chunk: state after it}."""
-    u0, w, qk, q_decayed, k_to_end, chunk_decay = parts
+    # unbind once: indexing [:, :, j] in the loop would cost a full-size zero gradient per chunk
+    u0, w, qk, q_decayed, k_to_end, chunk_decay = (x.unbind(2) for x in parts)
     outs, kept, state = [], {}, None
-    for j in range(u0.shape[2]):
+    for j in range(len(u0)):
         state = starts.get(j, state)
-        delta = u0[:, :, j] - w[:, :, j] @ state  # u of every token of the chunk: [R, H, C, V]
-        outs.append(q_decayed[:, :, j] @ state + qk[:, :, j] @ delta)
-        state = state * chunk_decay[:, :, j] + k_to_end[:, :, j].transpose(-1, -2) @ delta
+        delta = u0[j] - w[j] @ state  # u of every token of the chunk: [R, H, C, V]
+        outs.append(q_decayed[j] @ state + qk[j] @ delta)
+        state = state * chunk_decay[j] + k_to_end[j].transpose(-1, -2) @ delta
         if j in ends:
             kept[j] = state
     return torch.stack(outs, dim=2), kept
@@ -187,6 +188,8 @@ def chunk_gated_delta_rule(
     [N, HV, K, V] in the computation dtype (None otherwise).
     """
     _check_rule_args(q, k, v, g, beta)
+    if chunk_size < 1:
+        raise GDNKernelError(f"chunk_gated_delta_rule: chunk_size={chunk_size}; use a positive size (64).")
     batch, length, heads, dim_k = q.shape
     v_heads, dim_v = v.shape[2:]
     lengths = _sequence_lengths(cu_seqlens, batch, length)
