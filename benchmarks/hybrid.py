@@ -17,7 +17,8 @@ as for training (megatron-core modules, the platform's torch GDN kernels):
    RL-like batch (16 rows, real lengths uniform in [32, 512]: a left-padded prompt and a
    right-padded response), one padded [16, 512] micro-batch vs one packed stream of the real
    tokens; the logits of both must agree.
-Measured alternately in one run (each timing's kinds in turn), medians after a warm-up round.
+Measured alternately in one run (each timing's kinds in turn), medians after a warm-up round, in
+CPU time of this process (robust when other processes share the cores) and in wall time.
 """
 from __future__ import annotations
 
@@ -117,16 +118,20 @@ def fwd_bwd(module, call, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], N
     return step
 
 
-def alternate(steps: dict, repeats: int) -> dict:
-    """name -> median seconds of ``steps[name]()``, run in turns (one warm-up round first)."""
-    times: dict[str, list[float]] = {n: [] for n in steps}
+def alternate(steps: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """{"cpu": {name: median CPU seconds of this process}, "wall": {name: median wall seconds}}
+    of ``steps[name]()``, run in turns (one warm-up round first). CPU time counts only this
+    process's work, so it moves little when other processes share the cores; wall time moves
+    with their load."""
+    times: dict[str, dict[str, list[float]]] = {"cpu": {n: [] for n in steps}, "wall": {n: [] for n in steps}}
     for i in range(repeats + 1):
         for name, step in steps.items():
-            t = time.perf_counter()
+            cpu, wall = time.process_time(), time.perf_counter()
             step()
             if i:
-                times[name].append(time.perf_counter() - t)
-    return {n: statistics.median(t) for n, t in times.items()}
+                times["cpu"][name].append(time.process_time() - cpu)
+                times["wall"][name].append(time.perf_counter() - wall)
+    return {clock: {n: statistics.median(t) for n, t in by_name.items()} for clock, by_name in times.items()}
 
 
 def layer_costs(chunk) -> list[tuple[int, dict]]:
@@ -210,6 +215,7 @@ def crossover(rows: list[tuple[int, dict]]) -> str:
     """Where the GDN mixer becomes cheaper per token than attention: the first measured length
     where it is, with the crossing estimated by linear interpolation of both per-token costs
     (attention's grows linearly with L, GDN's is flat) between that length and the one before."""
+    rows = [(length, m["cpu"]) for length, m in rows]
     ratios = [(length, m["gdn"] / m["attn"]) for length, m in rows]
     if ratios[0][1] < 1:
         return f"the GDN mixer is cheaper per token already at L = {ratios[0][0]} (the shortest measured)"
@@ -235,19 +241,25 @@ def report(rows, med: dict, tokens: int, diff: float, seconds: float, load: tupl
           f"{s['linear_num_value_heads']} value heads x {s['linear_value_head_dim']}, conv {s['linear_conv_kernel_dim']}, "
           "torch chunked gated delta rule (chunks of 64)")
     print(f"  MLP: SwiGLU {HIDDEN} -> {FFN} (the same in both layer kinds)")
-    print("  ms per token              GDN mixer  attn mixer  GDN/attn      MLP  GDN layer/attn layer")
-    for length, m in rows:
+    print("  CPU ms per token          GDN mixer  attn mixer  GDN/attn      MLP  GDN/attn layer | wall GDN/attn")
+    for length, both in rows:
+        m, w = both["cpu"], both["wall"]
         ratio, whole = m["gdn"] / m["attn"], (m["gdn"] + m["mlp"]) / (m["attn"] + m["mlp"])
         print(f"  L = {length:5d} (median of {LENGTHS[length]})  {1e3 * m['gdn'] / length:9.4f}  "
-              f"{1e3 * m['attn'] / length:10.4f}  {ratio:8.2f}  {1e3 * m['mlp'] / length:7.4f}  {whole:10.2f}")
-    print("  (GDN layer/attn layer = (GDN mixer + MLP) / (attn mixer + MLP); the norms left out)")
+              f"{1e3 * m['attn'] / length:10.4f}  {ratio:8.2f}  {1e3 * m['mlp'] / length:7.4f}  {whole:14.2f} | "
+              f"{w['gdn'] / w['attn']:13.2f}")
+    print("  (GDN/attn layer = (GDN mixer + MLP) / (attn mixer + MLP), the norms left out; CPU time of this")
+    print("   process, wall time only as the last column: other processes share the cores)")
     print(f"  crossover: {crossover(rows)}")
     print(f"\nwhole model ({len(s['layer_types'])} layers: 1 GDN + 1 attention, vocab {VOCAB}), forward + backward, "
           f"{ROWS} rows with real lengths uniform in [{MIN_LEN}, {MAX_LEN}]:")
     print(f"  {tokens} real tokens of {ROWS * MAX_LEN} padded ({ROWS * MAX_LEN / tokens:.2f}x)")
     for name in ("padded", "packed"):
-        print(f"  {name:7s} {tokens / med[name]:8,.0f} real tok/s  (median of {REPEATS})")
-    print(f"  packed / padded {med['padded'] / med['packed']:.2f}x  (logits max |diff| packed vs padded {diff:.2g})")
+        print(f"  {name:7s} {tokens / med['cpu'][name]:8,.0f} real tok/s of CPU time, {tokens / med['wall'][name]:8,.0f} "
+              f"of wall time  (medians of {REPEATS})")
+    print(f"  packed / padded {med['cpu']['padded'] / med['cpu']['packed']:.2f}x in CPU time, "
+          f"{med['wall']['padded'] / med['wall']['packed']:.2f}x in wall time  "
+          f"(logits max |diff| packed vs padded {diff:.2g})")
     print(f"total {seconds:.0f} s; load average (1 min) {load[0]:.2f} at start, {load[1]:.2f} at end "
           f"on {os.cpu_count()} cores")
 
