@@ -116,3 +116,30 @@ def test_mtp_loss_equals_independent_reference(ds_two_depths, world, layout):
         assert (detached["losses"][0] - ref).abs().max().item() <= 1e-5
         trunk = [g for n, g in detached["grads"].items() if "decoder" in n]
         assert trunk == [0.0] and all(g > 0 for n, g in detached["grads"].items() if "eh_proj" in n)
+
+
+def test_mtp_kill_resume_keeps_weights_and_optimizer_state(tmp_path):
+    """PP=2 (the MTP layer and its embedding copy on the last stage), MTP training on: 2 steps,
+    save, 2 steps == a fresh world (other seed) resumed + 2 steps: the optimizer state loaded
+    bit-identical, metrics (actor/mtp_loss included) and every parameter, MTP ones included."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from tests.mtp_bodies import mtp_resume_run, mtp_save_run
+
+    # every stage with routed experts: a stage without any cannot save its (empty) expert optimizer
+    # without apex/TE (megatron's DistributedOptimizer.state_dict asserts one Adam step), MTP or not
+    hf_dir = save_mtp_model(tmp_path / "hf", "deepseek_v3", num_hidden_layers=2, first_k_dense_replace=0)[0]
+    root = str(tmp_path / "ckpt")
+    ref = run_ranks(2, mtp_save_run, hf_dir, dict(pp=2), root, daemon=False)
+    res = run_ranks(2, mtp_resume_run, hf_dir, dict(pp=2), root, daemon=False)
+    eh = "model.layers.2.eh_proj.weight"
+    assert not torch.equal(ref[0]["params"][eh], SafetensorsReader(hf_dir)[eh])  # the MTP layer trained
+    assert all("actor/mtp_loss" in m and m["actor/mtp_loss"] > 0 for m in ref[0]["metrics"])
+    for rank in range(2):
+        a, b = ref[rank], res[rank]
+        assert b["state"] == {"step": 2} and a["opt_at_save"].keys() == b["opt_loaded"].keys()
+        bad = [k for k, v in a["opt_at_save"].items() if not torch.equal(v, b["opt_loaded"][k])]
+        assert not bad, f"rank {rank}: optimizer state differs after load: {bad[:5]}"
+        assert any(not torch.equal(v, a["opt_at_save"][k]) for k, v in b["opt_fresh"].items())
+        assert a["metrics"] == b["metrics"], (rank, a["metrics"], b["metrics"])
+        bad = [k for k in a["params"] if not torch.equal(a["params"][k], b["params"][k])]
+        assert not bad and eh in a["params"], f"rank {rank}: parameters differ after resume: {bad[:5]}"

@@ -89,11 +89,12 @@ def build(cfg: JobConfig, platform: Platform,
     initialize_parallel_state(layout, seed=cfg.seed)
     start, critic_from = begin or starts(cfg)
     options = build_options(cfg, "actor")
-    policy = ModelEngine(start.args, layout, "actor", platform, options, cfg.actor_optim, start.hf)
+    args = start.args.with_mtp(cfg.actor.mtp.enable)  # the checkpoint's MTP layers, unless left out
+    policy = ModelEngine(args, layout, "actor", platform, options, cfg.actor_optim, start.hf)
     start.load_into(policy)
     ref = None
     if uses_reference(cfg) and not cfg.actor.lora.enabled:
-        ref = ModelEngine(start.args, layout, "actor", platform, options, None, start.hf)
+        ref = ModelEngine(args, layout, "actor", platform, options, None, start.hf)
         start.load_into(ref)
     # log-probs at the temperature the rollout samples with
     actor = Actor(policy, replace(cfg.actor, temperature=cfg.rollout.temperature), ref)
