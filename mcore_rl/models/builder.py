@@ -214,7 +214,7 @@ def _build_chunk(
         mla=args.mla is not None,
         lora=lora,
     )
-    mtp = mtp_spec_of(args, config, spec, platform.transformer_engine, lora) if post else None
+    mtp = mtp_spec_of(args, config, platform.transformer_engine, lora) if post else None
     model = (MtpGPTModel if mtp is not None else GPTModel)(
         config=config,
         transformer_layer_spec=spec,

@@ -16,15 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.multi_token_prediction import (
-    MultiTokenPredictionBlockSubmodules,
-    MultiTokenPredictionLayer,
-    MultiTokenPredictionLayerSubmodules,
-)
-from megatron.core.transformer.spec_utils import ModuleSpec
-
 from mcore_rl.errors import McoreRLError
+
+# megatron-core is imported inside the functions that build: hf_config (the converters'
+# start-up) reads MtpConfig and the count without it
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -116,12 +111,20 @@ def resolve_mtp_layers(declared: int | None, keys: Iterable[str] | None, num_lay
     return declared
 
 
-def mtp_block_spec(layer_spec: ModuleSpec, count: int, use_te: bool) -> MultiTokenPredictionBlockSubmodules:
+def mtp_block_spec(layer_spec: Any, count: int, use_te: bool) -> Any:
     """``count`` MTP layers whose transformer layer is ``layer_spec`` (the decoder layer kind of
     HF layer num_hidden_layers); norms and projection as the decoder's own spec places them."""
     # megatron's MTP layer refuses padding_causal by name; our core attention always applies the
     # causal and the key-padding mask, so 'causal' builds the same computation (TE: restored by
-    # restore_padding_causal after the build)
+    # finish_mtp_model after the build)
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     layer_spec = copy.deepcopy(layer_spec)
     layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.causal
     if use_te:
@@ -145,17 +148,18 @@ def mtp_block_spec(layer_spec: ModuleSpec, count: int, use_te: bool) -> MultiTok
 def finish_mtp_model(model: Any, vocab_size: int) -> None:
     """After the build: the MTP layers' attention back to padding_causal (see
     ``mtp_block_spec``) and the real vocabulary size the MTP loss softmaxes over."""
+    from megatron.core.transformer.enums import AttnMaskType
+
     model.real_vocab_size = vocab_size
     for module in model.mtp.modules():
         if hasattr(module, "attn_mask_type") and module.attn_mask_type == AttnMaskType.causal:
             module.attn_mask_type = AttnMaskType.padding_causal
 
 
-def mtp_spec_of(args: Any, config: Any, decoder_spec: Any, use_te: bool, lora: bool) -> MultiTokenPredictionBlockSubmodules | None:
+def mtp_spec_of(args: Any, config: Any, use_te: bool, lora: bool) -> Any:
     """The MTP block spec of a last-stage chunk of ``args`` (ModelArgs) under ``config`` (a
     TransformerConfig whose ``mtp_num_layers`` says how many; None: no block). The MTP layer is
     of the kind HF gives layer num_hidden_layers: MoE where the last decoder layer is."""
-    del decoder_spec  # the stage's own layers; the MTP layer's kind is the last decoder layer's
     if not config.mtp_num_layers:
         return None
     if lora:

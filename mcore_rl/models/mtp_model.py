@@ -142,3 +142,40 @@ class MtpGPTModel(GPTModel):
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             metadata = {**(metadata or {}), "dp_cp_group": group}
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+
+def mtp_chunks(chunks: list[torch.nn.Module]) -> list[MtpGPTModel]:
+    """The chunks (DDP-wrapped or not) that hold an MTP block: the last stage's last one."""
+    out = []
+    for chunk in chunks:
+        while not isinstance(chunk, GPTModel) and hasattr(chunk, "module"):
+            chunk = chunk.module
+        if isinstance(chunk, MtpGPTModel):
+            out.append(chunk)
+    return out
+
+
+class mtp_training:  # noqa: N801  (a context manager, used as ``with mtp_training(...)``)
+    """Within the block, the MTP layers of ``chunks`` run with ``config`` (when it trains them):
+    every training forward adds the MTP loss; afterwards they are off again."""
+
+    def __init__(self, chunks: list[torch.nn.Module], config: MtpConfig) -> None:
+        self.models = mtp_chunks(chunks) if config.enable_train else []
+        self.config = config
+
+    def __enter__(self) -> mtp_training:
+        for m in self.models:
+            m.mtp_train, m.mtp_losses = self.config, []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self.models:
+            m.mtp_train, m.mtp_losses = None, []
+
+    def pop_loss(self) -> Tensor | None:
+        """The last forward's MTP loss (sum over depths of each depth's mean, unscaled; None
+        where this rank holds no MTP block or nothing was recorded)."""
+        for m in self.models:
+            if m.mtp_losses:
+                return m.mtp_losses.pop().sum()
+        return None
