@@ -206,3 +206,20 @@ def mtp_resume_run(hf_dir: str, layout_kwargs: dict, root: str) -> dict:
     loaded = optimizer_fingerprint(engine)
     return {"state": state, "opt_fresh": fresh, "opt_loaded": loaded, "metrics": train(actor, range(2, 4)),
             "params": hf_params(engine)}
+
+
+def mtp_packed_refused(mtp_dir: str, batch: dict) -> str:
+    """The error of an MTP-training forward on a packed micro-batch."""
+    from mcore_rl.models.forward import run_schedule
+    from mcore_rl.models.mtp import MtpConfig
+    from mcore_rl.rl.microbatcher import MicroBatchSpec, plan_micro_batches
+    from tests.steps import _build
+
+    _, chunks = _build(mtp_dir, {}, "actor")
+    chunks[0].mtp_train = MtpConfig(enable_train=True)
+    packed = plan_micro_batches(batch, MicroBatchSpec(collate="packed", max_tokens=200)).batches
+    try:
+        run_schedule(chunks, packed, lambda b, out: ((out * 0).sum(), {}), forward_only=False)
+    except Exception as e:  # noqa: BLE001  the refusal, reported to the test
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -111,7 +111,11 @@ def test_mtp_loss_equals_independent_reference(ds_two_depths, world, layout):
         diff = (r["losses"][0] - ref).abs().max().item()
         assert diff <= 1e-5, f"rank {rank}: MTP losses {r['losses'][0].tolist()} vs reference {ref.tolist()}"
         assert all(g > 0 for g in r["grads"].values()), r["grads"]
-    if world == 1:  # detach_encoder: the same losses, no gradient into the trunk
+    if world == 1:  # packed micro-batches refused; detach_encoder: the same losses, no gradient into the trunk
+        from tests.mtp_bodies import mtp_packed_refused
+
+        rows = dict(batch, responses=batch["input_ids"][:, -4:])
+        assert run_ranks(1, mtp_packed_refused, d, rows)[0].startswith("MtpConfigError: MTP training on packed")
         detached = run_ranks(1, mtp_train_losses, d, {}, batch, True)[0]
         assert (detached["losses"][0] - ref).abs().max().item() <= 1e-5
         trunk = [g for n, g in detached["grads"].items() if "decoder" in n]

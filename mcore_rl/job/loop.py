@@ -89,7 +89,8 @@ def build(cfg: JobConfig, platform: Platform,
     initialize_parallel_state(layout, seed=cfg.seed)
     start, critic_from = begin or starts(cfg)
     options = build_options(cfg, "actor")
-    args = start.args.with_mtp(cfg.actor.mtp.enable)  # the checkpoint's MTP layers, unless left out
+    # the checkpoint's MTP layers, unless left out (actor.mtp.enable=false)
+    args = start.args.with_mtp(start.args.mtp_build and cfg.actor.mtp.enable)
     policy = ModelEngine(args, layout, "actor", platform, options, cfg.actor_optim, start.hf)
     start.load_into(policy)
     ref = None

@@ -48,7 +48,9 @@ class ModelArgs:
     qk_norm: bool = False
     mla: MLAArgs | None = None  # multi-latent attention (head_dim is then its q/k head size)
     mtp_layers: int = 0  # multi-token-prediction layers the HF checkpoint holds (models/mtp.py)
-    mtp_build: bool = True  # build, load and export them (False: left out, their tensors skipped)
+    # build, load and export them (False: left out, their tensors skipped); read from a
+    # transformers config object (no weights to check against) they are left out unless asked for
+    mtp_build: bool = True
     # the word embedding's padding row (transformers' padding_idx, in [0, vocab_size)): its
     # lookup sends no gradient to that row (models/padding_idx.py); None: no padding row
     pad_token_id: int | None = None
@@ -264,6 +266,8 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         qk_norm=_switch(cfg, arch.qk_norm, arch.qk_norm_field),
         mla=mla,
         mtp_layers=_mtp_layers(source, cfg, arch, num_layers),
+        # a transformers model in memory never holds MTP weights (it ignores them)
+        mtp_build=isinstance(source, (str, os.PathLike)),
         pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
                       if arch.pad_row_field else None),
     )

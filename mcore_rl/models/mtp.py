@@ -14,7 +14,7 @@ import copy
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 from mcore_rl.errors import McoreRLError
 
@@ -57,23 +57,6 @@ class MtpConfig:
         if self.enable_train and not self.enable:
             raise MtpConfigError("mtp.enable_train=true with mtp.enable=false: training the MTP layers needs them "
                                  "built; set mtp.enable=true.")
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> MtpConfig:
-        """From verl's ``model.mtp`` section (or the job's ``actor.mtp``); unknown keys refused
-        except verl's rollout-engine settings (method, speculative-*), which are not ours."""
-        values = dict(values or {})
-        known = {f for f in cls.__dataclass_fields__}
-        ours = {k: v for k, v in values.items() if k in known}
-        unknown = sorted(k for k in values if k not in known and not _rollout_key(k))
-        if unknown:
-            raise MtpConfigError(f"unknown mtp settings {unknown}; known: {sorted(known)}.")
-        return cls(**ours)
-
-
-def _rollout_key(key: str) -> bool:
-    """verl's MtpConfig also carries the rollout engines' speculative-decoding settings."""
-    return key in ("method", "num_speculative_tokens") or key.startswith("speculative") or "-" in key
 
 
 def mtp_layers_in(keys: Iterable[str], num_layers: int) -> list[int]:
@@ -175,3 +158,22 @@ def mtp_spec_of(args: Any, config: Any, use_te: bool, lora: bool) -> Any:
     else:
         layer = local_layer_spec(args.qk_norm, moe, mla)
     return mtp_block_spec(layer, config.mtp_num_layers, use_te)
+
+
+def record_mtp_count(config_path: str, args: Any, built: int) -> None:
+    """The copied ``config.json`` of a checkpoint states the MTP layers the checkpoint holds
+    (``built``), so that whoever reads the directory back builds the same model: a config that
+    declared layers its weights lacked (transformers' save_pretrained drops them) says 0, one that
+    was silent says how many were counted. Other architectures: unchanged."""
+    import json
+
+    field = args.arch.mtp_layers_field
+    if not field:
+        return
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get(field, 0) == built:
+        return
+    config[field] = built
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

@@ -104,7 +104,8 @@ class McoreRLEngine(BaseEngine):
         # verl's hf_config carries the tokenizer's pad id (HFModelConfig): its FSDP engine's padding_idx
         args = model_args_from_hf(start.hf_dir).with_pad_token_id(
             getattr(self.model_config.hf_config, "pad_token_id", None), "verl's model_config.hf_config.pad_token_id"
-        ).with_mtp(self.mtp.enable)
+        )
+        args = args.with_mtp(args.mtp_build and self.mtp.enable)
         self.engine = ModelEngine(args, self.layout, self.role, self.platform,
                                   options, optim, hf_weights=start.hf_dir, init_value_head=start.init_value_head)
         self._placement = PartOffloader(self.engine)
