@@ -147,3 +147,23 @@ def test_mtp_kill_resume_keeps_weights_and_optimizer_state(tmp_path):
         assert a["metrics"] == b["metrics"], (rank, a["metrics"], b["metrics"])
         bad = [k for k in a["params"] if not torch.equal(a["params"][k], b["params"][k])]
         assert not bad and eh in a["params"], f"rank {rank}: parameters differ after resume: {bad[:5]}"
+
+
+def test_config_object_args_checked_against_weights(mtp_models):
+    """Args read from a transformers config object that declares an MTP layer, for weights
+    without it (a transformers model in memory holds none): loading names the fix;
+    ``for_weights`` counts what the weights hold."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from mcore_rl.mapping.weights import MappingError, check_hf_keys
+    from mcore_rl.models.hf_weights import weight_map
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config("deepseek_v3", num_hidden_layers=2, num_nextn_predict_layers=1)
+    full = set(SafetensorsReader(mtp_models["deepseek_v3"][0]))
+    base = {k for k in full if not k.startswith("model.layers.2.")}
+    args = model_args_from_hf(cfg)
+    assert args.mtp_built == 1
+    with pytest.raises(MappingError, match=r"'model\.layers\.2\..*multi-token-prediction layers the config declares"):
+        check_hf_keys(weight_map(args, "actor", 1), base)
+    assert args.for_weights(base).mtp_built == 0 and args.for_weights(full).mtp_built == 1
+    check_hf_keys(weight_map(args.for_weights(base), "actor", 1), base)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterable
 
 from mcore_rl.mapping.transforms import Dims
 from mcore_rl.models.hf_json import CLASS_DEFAULTS, JsonHFConfig, read_config_json
@@ -48,9 +48,7 @@ class ModelArgs:
     qk_norm: bool = False
     mla: MLAArgs | None = None  # multi-latent attention (head_dim is then its q/k head size)
     mtp_layers: int = 0  # multi-token-prediction layers the HF checkpoint holds (models/mtp.py)
-    # build, load and export them (False: left out, their tensors skipped); read from a
-    # transformers config object (no weights to check against) they are left out unless asked for
-    mtp_build: bool = True
+    mtp_build: bool = True  # build, load and export them (False: left out, their tensors skipped)
     # the word embedding's padding row (transformers' padding_idx, in [0, vocab_size)): its
     # lookup sends no gradient to that row (models/padding_idx.py); None: no padding row
     pad_token_id: int | None = None
@@ -71,6 +69,14 @@ class ModelArgs:
     def with_mtp(self, build: bool) -> ModelArgs:
         """These args with the checkpoint's MTP layers built (True) or left out (False)."""
         return replace(self, mtp_build=build)
+
+    def for_weights(self, names: Iterable[str], where: str = "the weights") -> ModelArgs:
+        """These args with the MTP layer count checked against the HF tensor ``names`` the model
+        will load (args read from a config object: a transformers model in memory holds none)."""
+        field = self.arch.mtp_layers_field
+        if not field:
+            return self
+        return replace(self, mtp_layers=resolve_mtp_layers(self.mtp_layers, set(names), self.num_layers, field, where))
 
     @property
     def features(self) -> frozenset[str]:
@@ -266,8 +272,6 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         qk_norm=_switch(cfg, arch.qk_norm, arch.qk_norm_field),
         mla=mla,
         mtp_layers=_mtp_layers(source, cfg, arch, num_layers),
-        # a transformers model in memory never holds MTP weights (it ignores them)
-        mtp_build=isinstance(source, (str, os.PathLike)),
         pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
                       if arch.pad_row_field else None),
     )

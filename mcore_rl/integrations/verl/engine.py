@@ -105,7 +105,7 @@ class McoreRLEngine(BaseEngine):
         args = model_args_from_hf(start.hf_dir).with_pad_token_id(
             getattr(self.model_config.hf_config, "pad_token_id", None), "verl's model_config.hf_config.pad_token_id"
         )
-        args = args.with_mtp(args.mtp_build and self.mtp.enable)
+        args = args.with_mtp(self.mtp.enable)
         self.engine = ModelEngine(args, self.layout, self.role, self.platform,
                                   options, optim, hf_weights=start.hf_dir, init_value_head=start.init_value_head)
         self._placement = PartOffloader(self.engine)
