@@ -164,3 +164,62 @@ def mtp_train_losses(mtp_dir: str, layout_kwargs: dict, batch: dict, detach: boo
     last = [c for c in chunks if hasattr(c, "mtp")]
     losses = torch.stack(last[0].mtp_losses) if last else None
     return {"losses": share_from_last_stage(losses), "grads": grads}
+
+
+def _mtp_actor(hf_dir: str, layout_kwargs: dict, seed: int):
+    """A trainable DeepSeek actor with its MTP layer trained (tests/ckpt_bodies' settings)."""
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.mtp import MtpConfig
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.platform import active_platform
+    from mcore_rl.rl.actor import Actor, ActorConfig
+    from mcore_rl.rl.engine import ModelEngine
+    from tests.ckpt_bodies import ROWS, engine_settings
+
+    layout = ParallelLayout(**layout_kwargs)
+    initialize_parallel_state(layout, seed=seed)
+    engine = ModelEngine(model_args_from_hf(hf_dir), layout, "actor", active_platform(), *engine_settings(False), hf_dir)
+    config = ActorConfig(micro_batch_size=2, ppo_mini_batch_size=ROWS // 2,
+                         mtp=MtpConfig(enable_train=True, mtp_loss_scaling_factor=0.5))
+    return engine, Actor(engine, config)
+
+
+def mtp_save_run(hf_dir: str, layout_kwargs: dict, root: str) -> dict:
+    """2 steps with MTP training, a save, 2 more steps: the reference of a resume."""
+    from tests.ckpt_bodies import hf_params, manager, optimizer_fingerprint, train
+
+    engine, actor = _mtp_actor(hf_dir, layout_kwargs, seed=1)
+    train(actor, range(2))
+    at_save = optimizer_fingerprint(engine)
+    manager(root).save(2, {"actor": engine}, {"step": 2})
+    metrics = train(actor, range(2, 4))
+    return {"metrics": metrics, "params": hf_params(engine), "opt_at_save": at_save}
+
+
+def mtp_resume_run(hf_dir: str, layout_kwargs: dict, root: str) -> dict:
+    """A fresh world (another init seed) resumed from the save, 2 steps."""
+    from tests.ckpt_bodies import hf_params, manager, optimizer_fingerprint, train
+
+    engine, actor = _mtp_actor(hf_dir, layout_kwargs, seed=77)
+    fresh = optimizer_fingerprint(engine)
+    state = manager(root).resume({"actor": engine})
+    loaded = optimizer_fingerprint(engine)
+    return {"state": state, "opt_fresh": fresh, "opt_loaded": loaded, "metrics": train(actor, range(2, 4)),
+            "params": hf_params(engine)}
+
+
+def mtp_packed_refused(mtp_dir: str, batch: dict) -> str:
+    """The error of an MTP-training forward on a packed micro-batch."""
+    from mcore_rl.models.forward import run_schedule
+    from mcore_rl.models.mtp import MtpConfig
+    from mcore_rl.rl.microbatcher import MicroBatchSpec, plan_micro_batches
+    from tests.steps import _build
+
+    _, chunks = _build(mtp_dir, {}, "actor")
+    chunks[0].mtp_train = MtpConfig(enable_train=True)
+    packed = plan_micro_batches(batch, MicroBatchSpec(collate="packed", max_tokens=200)).batches
+    try:
+        run_schedule(chunks, packed, lambda b, out: ((out * 0).sum(), {}), forward_only=False)
+    except Exception as e:  # noqa: BLE001  the refusal, reported to the test
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -111,8 +111,59 @@ def test_mtp_loss_equals_independent_reference(ds_two_depths, world, layout):
         diff = (r["losses"][0] - ref).abs().max().item()
         assert diff <= 1e-5, f"rank {rank}: MTP losses {r['losses'][0].tolist()} vs reference {ref.tolist()}"
         assert all(g > 0 for g in r["grads"].values()), r["grads"]
-    if world == 1:  # detach_encoder: the same losses, no gradient into the trunk
+    if world == 1:  # packed micro-batches refused; detach_encoder: the same losses, no gradient into the trunk
+        from tests.mtp_bodies import mtp_packed_refused
+
+        rows = dict(batch, responses=batch["input_ids"][:, -4:])
+        assert run_ranks(1, mtp_packed_refused, d, rows)[0].startswith("MtpConfigError: MTP training on packed")
         detached = run_ranks(1, mtp_train_losses, d, {}, batch, True)[0]
         assert (detached["losses"][0] - ref).abs().max().item() <= 1e-5
         trunk = [g for n, g in detached["grads"].items() if "decoder" in n]
         assert trunk == [0.0] and all(g > 0 for n, g in detached["grads"].items() if "eh_proj" in n)
+
+
+def test_mtp_kill_resume_keeps_weights_and_optimizer_state(tmp_path):
+    """PP=2 (the MTP layer and its embedding copy on the last stage), MTP training on: 2 steps,
+    save, 2 steps == a fresh world (other seed) resumed + 2 steps: the optimizer state loaded
+    bit-identical, metrics (actor/mtp_loss included) and every parameter, MTP ones included."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from tests.mtp_bodies import mtp_resume_run, mtp_save_run
+
+    # every stage with routed experts: a stage without any cannot save its (empty) expert optimizer
+    # without apex/TE (megatron's DistributedOptimizer.state_dict asserts one Adam step), MTP or not
+    hf_dir = save_mtp_model(tmp_path / "hf", "deepseek_v3", num_hidden_layers=2, first_k_dense_replace=0)[0]
+    root = str(tmp_path / "ckpt")
+    ref = run_ranks(2, mtp_save_run, hf_dir, dict(pp=2), root, daemon=False)
+    res = run_ranks(2, mtp_resume_run, hf_dir, dict(pp=2), root, daemon=False)
+    eh = "model.layers.2.eh_proj.weight"
+    assert not torch.equal(ref[0]["params"][eh], SafetensorsReader(hf_dir)[eh])  # the MTP layer trained
+    assert all("actor/mtp_loss" in m and m["actor/mtp_loss"] > 0 for m in ref[0]["metrics"])
+    for rank in range(2):
+        a, b = ref[rank], res[rank]
+        assert b["state"] == {"step": 2} and a["opt_at_save"].keys() == b["opt_loaded"].keys()
+        bad = [k for k, v in a["opt_at_save"].items() if not torch.equal(v, b["opt_loaded"][k])]
+        assert not bad, f"rank {rank}: optimizer state differs after load: {bad[:5]}"
+        assert any(not torch.equal(v, a["opt_at_save"][k]) for k, v in b["opt_fresh"].items())
+        assert a["metrics"] == b["metrics"], (rank, a["metrics"], b["metrics"])
+        bad = [k for k in a["params"] if not torch.equal(a["params"][k], b["params"][k])]
+        assert not bad and eh in a["params"], f"rank {rank}: parameters differ after resume: {bad[:5]}"
+
+
+def test_config_object_args_checked_against_weights(mtp_models):
+    """Args read from a transformers config object that declares an MTP layer, for weights
+    without it (a transformers model in memory holds none): loading names the fix;
+    ``for_weights`` counts what the weights hold."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from mcore_rl.mapping.weights import MappingError, check_hf_keys
+    from mcore_rl.models.hf_weights import weight_map
+    from tests.tiny import tiny_config
+
+    cfg = tiny_config("deepseek_v3", num_hidden_layers=2, num_nextn_predict_layers=1)
+    full = set(SafetensorsReader(mtp_models["deepseek_v3"][0]))
+    base = {k for k in full if not k.startswith("model.layers.2.")}
+    args = model_args_from_hf(cfg)
+    assert args.mtp_built == 1
+    with pytest.raises(MappingError, match=r"'model\.layers\.2\..*multi-token-prediction layers the config declares"):
+        check_hf_keys(weight_map(args, "actor", 1), base)
+    assert args.for_weights(base).mtp_built == 0 and args.for_weights(full).mtp_built == 1
+    check_hf_keys(weight_map(args.for_weights(base), "actor", 1), base)

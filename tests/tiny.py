@@ -28,7 +28,7 @@ MOE = {  # 4 experts, top-2; expert ffn != dense ffn so a mix-up shows as a shap
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                      n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                      routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
-                     use_qk_norm=True, head_dim=24, partial_rotary_factor=0.5),
+                     use_qk_norm=True, head_dim=24, partial_rotary_factor=0.5, num_nextn_predict_layers=0),
     # MLA (low-rank query, v narrower than q/k), groups of 4 experts (topk 2 = 2 * topk_group 1)
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                         n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,

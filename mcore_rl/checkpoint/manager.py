@@ -35,6 +35,7 @@ from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
 from mcore_rl.checkpoint.model_dir import load_planned
 from mcore_rl.checkpoint.verified_read import has_item_sums
 from mcore_rl.fileio.safetensors_write import parse_size, write_bucket_shards
+from mcore_rl.models.mtp import record_mtp_count
 from mcore_rl.checkpoint.save_plan import SaveStructure
 from mcore_rl.checkpoint.state import build_metadata, sharded_state
 from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
@@ -225,13 +226,14 @@ class CheckpointManager:
             if "hf_model" in contents:
                 self._write_hf_weights(engines[role], role, os.path.join(role_dir, "huggingface"), rank0)
             meta = build_metadata(engines[role], role, contents, self.cfg.optimizer_sharding)
-            agreed(partial(self._write_role_files, role, role_dir, meta) if rank0 else None, f"writing {role_dir}")
+            agreed(partial(self._write_role_files, role, role_dir, meta, engines[role].args) if rank0 else None,
+                   f"writing {role_dir}")
         if trainer_state is not None:
             agreed(partial(storage.write_json_atomic, os.path.join(p.write_dir, TRAINER_STATE), trainer_state)
                    if rank0 else None, f"writing {TRAINER_STATE}")
         return requests
 
-    def _write_role_files(self, role: str, role_dir: str, meta: dict) -> None:
+    def _write_role_files(self, role: str, role_dir: str, meta: dict, args) -> None:
         storage.write_json_atomic(os.path.join(role_dir, META), meta)
         source, hf_dir = self.hf_sources.get(role), os.path.join(role_dir, "huggingface")
         if isinstance(source, (str, os.PathLike)):
@@ -239,6 +241,9 @@ class CheckpointManager:
         elif source is not None:
             os.makedirs(hf_dir, exist_ok=True)
             source.to_json_file(os.path.join(hf_dir, "config.json"))
+        config = os.path.join(hf_dir, "config.json")
+        if source is not None and role == "actor" and os.path.isfile(config):  # the MTP layers it holds
+            record_mtp_count(config, args, args.mtp_built)
 
     def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
         """HF safetensors shards of at most ``hf_max_shard_size`` (+ index), streamed bucket by

@@ -41,7 +41,8 @@ from mcore_rl.mapping.casts import NonFiniteWarning, cast_checked, describe_nonf
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.weights import MappingError, WeightMap, _tp_rank_size, canonical_params, check_hf_keys
 from mcore_rl.models.builder import BuildOptions, Role, build_model
-from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
+from mcore_rl.models.hf_config import model_args_from_hf
+from mcore_rl.models.mtp import record_mtp_count
 from mcore_rl.models.hf_weights import critic_head_source, weight_map
 from mcore_rl.parallel import ParallelLayout, destroy_parallel_state, initialize_parallel_state
 from mcore_rl.platform import active_platform
@@ -279,16 +280,12 @@ def _summary(role: str, dtype: str, resolver: HFShardResolver, seconds: float) -
                    max(e[2] for e in every), max(e[3] for e in every), dtype, max(e[4] for e in every))
 
 
-def _state_dtype(config_path: str, dtype: str, args: ModelArgs) -> None:
+def _state_dtype(config_path: str, dtype: str) -> None:
     """The copied config.json states the dtype written (``dtype`` and ``torch_dtype``, as
-    transformers names it), whatever the input's config said, and the multi-token-prediction
-    layer count where the input's config was silent (counted from its tensors)."""
+    transformers names it), whatever the input's config said."""
     with open(config_path) as f:
         config = json.load(f)
     config["dtype"] = config["torch_dtype"] = HF_DTYPE_NAMES[dtype]
-    field = args.arch.mtp_layers_field
-    if field and config.get(field) is None and args.mtp_layers:  # counted from the tensors: said
-        config[field] = args.mtp_layers
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 
@@ -336,7 +333,9 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         check_coverage(resolver, chunks, source)
         if rank0:
             copy_hf_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"))
-            _state_dtype(os.path.join(stage.path, "huggingface", "config.json"), dtype, args)
+            _state_dtype(os.path.join(stage.path, "huggingface", "config.json"), dtype)
+            if role == "actor":  # the MTP layers written (a critic has none)
+                record_mtp_count(os.path.join(stage.path, "huggingface", "config.json"), args, args.mtp_built)
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
             meta = build_metadata(facts, role, ("model",), None)
             if reader.fp8.scheme is not None:  # an FP8 import: merge --dtype fp8 writes back what was FP8

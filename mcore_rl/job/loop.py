@@ -64,7 +64,8 @@ def tiny_model(cfg: TinyModelConfig) -> tuple[ModelArgs, dict[str, Tensor]]:
 
     model = tiny_hf_model(cfg)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return model_args_from_hf(model.config), dict(revert_weight_conversion(model, state))
+    state = dict(revert_weight_conversion(model, state))
+    return model_args_from_hf(model.config).for_weights(state, "the tiny model"), state
 
 
 def build_options(cfg: JobConfig, role: str = "actor") -> BuildOptions:
@@ -89,11 +90,13 @@ def build(cfg: JobConfig, platform: Platform,
     initialize_parallel_state(layout, seed=cfg.seed)
     start, critic_from = begin or starts(cfg)
     options = build_options(cfg, "actor")
-    policy = ModelEngine(start.args, layout, "actor", platform, options, cfg.actor_optim, start.hf)
+    # the checkpoint's MTP layers, unless left out (actor.mtp.enable=false)
+    args = start.args.with_mtp(cfg.actor.mtp.enable)
+    policy = ModelEngine(args, layout, "actor", platform, options, cfg.actor_optim, start.hf)
     start.load_into(policy)
     ref = None
     if uses_reference(cfg) and not cfg.actor.lora.enabled:
-        ref = ModelEngine(start.args, layout, "actor", platform, options, None, start.hf)
+        ref = ModelEngine(args, layout, "actor", platform, options, None, start.hf)
         start.load_into(ref)
     # log-probs at the temperature the rollout samples with
     actor = Actor(policy, replace(cfg.actor, temperature=cfg.rollout.temperature), ref)

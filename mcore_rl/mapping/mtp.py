@@ -159,3 +159,15 @@ def mtp_rules(rows: dict[str, Row], mtp_rows: dict[str, Row], num_layers: int, c
         for template, (hf_templates, transform) in mtp_rows.items():
             if template.startswith("mtp."):
                 yield template.format(mtp=depth), [t.format(layer=layer) for t in hf_templates], transform
+
+
+def missing_mtp_hint(missing: list[str], num_layers: int, built: bool) -> str:
+    """The fix for a checkpoint lacking the MTP layers the model was built with ('' otherwise)."""
+    if not built or not any((m := _HF_LAYER_INDEX.match(k)) and int(m[1]) >= num_layers for k in missing):
+        return ""
+    return (" The missing tensors are multi-token-prediction layers the config declares: build without them "
+            "(mtp.enable=false, ModelArgs.with_mtp(False)) or, with args from a config object, "
+            "ModelArgs.for_weights(<the tensor names>).")
+
+
+_HF_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")

@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, is_quantized, quantize_block_fp8
-from mcore_rl.mapping.mtp import mtp_canonical_params, mtp_hf_keys, mtp_rule
+from mcore_rl.mapping.mtp import missing_mtp_hint, mtp_canonical_params, mtp_hf_keys, mtp_rule
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.platform import active_platform
@@ -207,7 +207,7 @@ def check_hf_keys(wmap: WeightMap, source_keys: set[str], ignore: set[str] = fro
     if missing:
         raise MappingError(
             f"HF checkpoint lacks tensors the {wmap.model_type} model needs: {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}."
+            f"{' ...' if len(missing) > 8 else ''}.{missing_mtp_hint(missing, wmap.num_layers, bool(wmap.mtp_rows))}"
         )
 
 

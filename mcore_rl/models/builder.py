@@ -226,7 +226,7 @@ def _build_chunk(
         lora=lora,
         linear_layers=args.hybrid.linear_layers if args.hybrid else None,
     )
-    mtp = mtp_spec_of(args, config, spec, platform.transformer_engine, lora) if post else None
+    mtp = mtp_spec_of(args, config, platform.transformer_engine, lora) if post else None
     model = (MtpGPTModel if mtp is not None else GPTModel)(
         config=config,
         transformer_layer_spec=spec,

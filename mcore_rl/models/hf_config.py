@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterable
 
 from mcore_rl.mapping.transforms import Dims
 from mcore_rl.models.hf_json import CLASS_DEFAULTS, JsonHFConfig, read_config_json
@@ -71,6 +71,14 @@ class ModelArgs:
     def with_mtp(self, build: bool) -> ModelArgs:
         """These args with the checkpoint's MTP layers built (True) or left out (False)."""
         return replace(self, mtp_build=build)
+
+    def for_weights(self, names: Iterable[str], where: str = "the weights") -> ModelArgs:
+        """These args with the MTP layer count checked against the HF tensor ``names`` the model
+        will load (args read from a config object: a transformers model in memory holds none)."""
+        field = self.arch.mtp_layers_field
+        if not field:
+            return self
+        return replace(self, mtp_layers=resolve_mtp_layers(self.mtp_layers, set(names), self.num_layers, field, where))
 
     @property
     def features(self) -> frozenset[str]:

@@ -14,17 +14,12 @@ import copy
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
-
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.multi_token_prediction import (
-    MultiTokenPredictionBlockSubmodules,
-    MultiTokenPredictionLayer,
-    MultiTokenPredictionLayerSubmodules,
-)
-from megatron.core.transformer.spec_utils import ModuleSpec
+from typing import Any, Iterable
 
 from mcore_rl.errors import McoreRLError
+
+# megatron-core is imported inside the functions that build: hf_config (the converters'
+# start-up) reads MtpConfig and the count without it
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -63,23 +58,6 @@ class MtpConfig:
             raise MtpConfigError("mtp.enable_train=true with mtp.enable=false: training the MTP layers needs them "
                                  "built; set mtp.enable=true.")
 
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any] | None) -> MtpConfig:
-        """From verl's ``model.mtp`` section (or the job's ``actor.mtp``); unknown keys refused
-        except verl's rollout-engine settings (method, speculative-*), which are not ours."""
-        values = dict(values or {})
-        known = {f for f in cls.__dataclass_fields__}
-        ours = {k: v for k, v in values.items() if k in known}
-        unknown = sorted(k for k in values if k not in known and not _rollout_key(k))
-        if unknown:
-            raise MtpConfigError(f"unknown mtp settings {unknown}; known: {sorted(known)}.")
-        return cls(**ours)
-
-
-def _rollout_key(key: str) -> bool:
-    """verl's MtpConfig also carries the rollout engines' speculative-decoding settings."""
-    return key in ("method", "num_speculative_tokens") or key.startswith("speculative") or "-" in key
-
 
 def mtp_layers_in(keys: Iterable[str], num_layers: int) -> list[int]:
     """Sorted MTP depths (0-based) whose HF tensors ``model.layers.{num_layers + i}.*`` are in ``keys``."""
@@ -116,12 +94,20 @@ def resolve_mtp_layers(declared: int | None, keys: Iterable[str] | None, num_lay
     return declared
 
 
-def mtp_block_spec(layer_spec: ModuleSpec, count: int, use_te: bool) -> MultiTokenPredictionBlockSubmodules:
+def mtp_block_spec(layer_spec: Any, count: int, use_te: bool) -> Any:
     """``count`` MTP layers whose transformer layer is ``layer_spec`` (the decoder layer kind of
     HF layer num_hidden_layers); norms and projection as the decoder's own spec places them."""
     # megatron's MTP layer refuses padding_causal by name; our core attention always applies the
     # causal and the key-padding mask, so 'causal' builds the same computation (TE: restored by
-    # restore_padding_causal after the build)
+    # finish_mtp_model after the build)
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     layer_spec = copy.deepcopy(layer_spec)
     layer_spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.causal
     if use_te:
@@ -145,17 +131,18 @@ def mtp_block_spec(layer_spec: ModuleSpec, count: int, use_te: bool) -> MultiTok
 def finish_mtp_model(model: Any, vocab_size: int) -> None:
     """After the build: the MTP layers' attention back to padding_causal (see
     ``mtp_block_spec``) and the real vocabulary size the MTP loss softmaxes over."""
+    from megatron.core.transformer.enums import AttnMaskType
+
     model.real_vocab_size = vocab_size
     for module in model.mtp.modules():
         if hasattr(module, "attn_mask_type") and module.attn_mask_type == AttnMaskType.causal:
             module.attn_mask_type = AttnMaskType.padding_causal
 
 
-def mtp_spec_of(args: Any, config: Any, decoder_spec: Any, use_te: bool, lora: bool) -> MultiTokenPredictionBlockSubmodules | None:
+def mtp_spec_of(args: Any, config: Any, use_te: bool, lora: bool) -> Any:
     """The MTP block spec of a last-stage chunk of ``args`` (ModelArgs) under ``config`` (a
     TransformerConfig whose ``mtp_num_layers`` says how many; None: no block). The MTP layer is
     of the kind HF gives layer num_hidden_layers: MoE where the last decoder layer is."""
-    del decoder_spec  # the stage's own layers; the MTP layer's kind is the last decoder layer's
     if not config.mtp_num_layers:
         return None
     if lora:
@@ -171,3 +158,22 @@ def mtp_spec_of(args: Any, config: Any, decoder_spec: Any, use_te: bool, lora: b
     else:
         layer = local_layer_spec(args.qk_norm, moe, mla)
     return mtp_block_spec(layer, config.mtp_num_layers, use_te)
+
+
+def record_mtp_count(config_path: str, args: Any, built: int) -> None:
+    """The copied ``config.json`` of a checkpoint states the MTP layers the checkpoint holds
+    (``built``), so that whoever reads the directory back builds the same model: a config that
+    declared layers its weights lacked (transformers' save_pretrained drops them) says 0, one that
+    was silent says how many were counted. Other architectures: unchanged."""
+    import json
+
+    field = args.arch.mtp_layers_field
+    if not field:
+        return
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get(field, 0) == built:
+        return
+    config[field] = built
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

@@ -27,14 +27,10 @@ from mcore_rl.models.mtp import MtpConfig, MtpConfigError
 Tensor = torch.Tensor
 
 
-def segments(padding: Tensor | None, ids: Tensor, packed_seq_params) -> Tensor:
-    """[b, s] sequence id of each position, -1 for padding: a padded batch's rows (``padding``
-    [b, 1, 1, s] True = padding), or a packed stream's sequences (``cu_seqlens_q``)."""
+def segments(padding: Tensor | None, ids: Tensor) -> Tensor:
+    """[b, s] sequence id of each position of a padded batch: its row, -1 for padding
+    (``padding`` [b, 1, 1, s] True = padding; None: none)."""
     b, s = ids.shape
-    if packed_seq_params is not None:
-        cu = packed_seq_params.cu_seqlens_q.to(ids.device).long()
-        seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=ids.device), cu[1:] - cu[:-1])
-        return torch.cat([seg, seg.new_full((s - seg.numel(),), -1)])[None]
     rows = torch.arange(b, device=ids.device)[:, None].expand(b, s)
     if padding is None:
         return rows.clone()
@@ -96,6 +92,10 @@ class MtpGPTModel(GPTModel):
                        attention_mask: Tensor | None, rotary: tuple, packed_seq_params, sequence_len_offset,
                        weight: Tensor | None, extra_block_kwargs: dict | None) -> Tensor:
         """``hidden_states`` [s, b, h] with each depth's scaled MTP loss attached to its gradient."""
+        if packed_seq_params is not None:  # the stream's filler and per-row rounding look like tokens
+            raise MtpConfigError("MTP training on packed micro-batches (use_remove_padding=true) is not supported: "
+                                 "the MTP loss needs each row's real tokens, which the packed stream does not mark; "
+                                 "set use_remove_padding=false while mtp.enable_train=true.")
         if self.config.context_parallel_size > 1:
             raise MtpConfigError(f"MTP training with context parallelism (cp={self.config.context_parallel_size}) "
                                  "is not supported; set cp=1 or mtp.enable_train=false.")
@@ -107,7 +107,7 @@ class MtpGPTModel(GPTModel):
                            rotary_pos_sin=rotary[2], packed_seq_params=packed_seq_params,
                            sequence_len_offset=sequence_len_offset, embedding=embedding,
                            extra_block_kwargs=extra_block_kwargs)
-        seg = segments(attention_mask, input_ids, packed_seq_params)
+        seg = segments(attention_mask, input_ids)
         losses = []
         for k, h in enumerate(torch.chunk(stacked, 1 + depth, dim=0)[1:], start=1):
             logits, _ = self.output_layer(h, weight=weight)
@@ -142,3 +142,40 @@ class MtpGPTModel(GPTModel):
             group = parallel_state.get_data_parallel_group(with_context_parallel=True)
             metadata = {**(metadata or {}), "dp_cp_group": group}
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+
+def mtp_chunks(chunks: list[torch.nn.Module]) -> list[MtpGPTModel]:
+    """The chunks (DDP-wrapped or not) that hold an MTP block: the last stage's last one."""
+    out = []
+    for chunk in chunks:
+        while not isinstance(chunk, GPTModel) and hasattr(chunk, "module"):
+            chunk = chunk.module
+        if isinstance(chunk, MtpGPTModel):
+            out.append(chunk)
+    return out
+
+
+class mtp_training:  # noqa: N801  (a context manager, used as ``with mtp_training(...)``)
+    """Within the block, the MTP layers of ``chunks`` run with ``config`` (when it trains them):
+    every training forward adds the MTP loss; afterwards they are off again."""
+
+    def __init__(self, chunks: list[torch.nn.Module], config: MtpConfig) -> None:
+        self.models = mtp_chunks(chunks) if config.enable_train else []
+        self.config = config
+
+    def __enter__(self) -> mtp_training:
+        for m in self.models:
+            m.mtp_train, m.mtp_losses = self.config, []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for m in self.models:
+            m.mtp_train, m.mtp_losses = None, []
+
+    def pop_loss(self) -> Tensor | None:
+        """The last forward's MTP loss (sum over depths of each depth's mean, unscaled; None
+        where this rank holds no MTP block or nothing was recorded)."""
+        for m in self.models:
+            if m.mtp_losses:
+                return m.mtp_losses.pop().sum()
+        return None

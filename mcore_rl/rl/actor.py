@@ -13,6 +13,8 @@ import torch
 
 from mcore_rl.lora.layers import adapters_disabled
 from mcore_rl.models.micro_batch import MicroBatch
+from mcore_rl.models.mtp import MtpConfig, MtpConfigError
+from mcore_rl.models.mtp_model import mtp_training
 from mcore_rl.rl import losses
 from mcore_rl.models.routing import ROUTED_EXPERTS
 from mcore_rl.rl.batch import BatchError, attended_responses, response_mask, row_tokens, validate_batch
@@ -61,6 +63,9 @@ class ActorConfig:
     dispatch: Literal["global", "sharded"] = "global"
     use_remove_padding: bool = False  # verl's name: packed (padding-free) micro-batches
     router_replay: Literal["disabled", "R2", "R3"] = "disabled"
+    # multi-token-prediction layers (verl's model.mtp.*): built when the checkpoint has them;
+    # enable_train adds their loss to update_policy's gradient (metric actor/mtp_loss)
+    mtp: MtpConfig = MtpConfig()
 
 
 class Actor:
@@ -69,6 +74,12 @@ class Actor:
     def __init__(self, engine: ModelEngine, config: ActorConfig, ref: ModelEngine | None = None):
         self.engine, self.config, self.ref = engine, config, ref
         _check_router_replay(engine, config.router_replay)
+        if config.mtp.enable_train and not engine.args.mtp_built:
+            raise MtpConfigError(
+                f"mtp.enable_train=true but the actor has no multi-token-prediction layers (the checkpoint holds "
+                f"{engine.args.mtp_layers}, built: {engine.args.mtp_built}); set mtp.enable_train=false or use a "
+                "checkpoint with MTP layers and mtp.enable=true.")
+        self._mtp: mtp_training | None = None
 
     def _forward_log_probs(self, engine: ModelEngine, batch: dict, with_entropy: bool,
                            record_routing: bool = False, replay_routing: bool = False) -> dict:
@@ -128,7 +139,11 @@ class Actor:
                 f"router_replay={self.config.router_replay!r} needs batch[{ROUTED_EXPERTS!r}] "
                 f"[B, S, MoE layers, top_k] from {source}; pass it or set router_replay='disabled'."
             )
-        return ppo_update(self.engine, batch, self.config, self._policy_loss_fn, "actor", replay)
+        with mtp_training(self.engine.model, self.config.mtp) as self._mtp:
+            try:
+                return ppo_update(self.engine, batch, self.config, self._policy_loss_fn, "actor", replay)
+            finally:
+                self._mtp = None
 
     def _policy_loss_fn(self, denominator: float, scale: int):
         cfg, vocab = self.config, self.engine.args.vocab_size
@@ -165,6 +180,9 @@ class Actor:
                 loss = loss + cfg.kl_loss_coeff * kl
                 stats["kl_loss"] = kl.detach()
             stats["loss"] = loss.detach()
+            mtp = self._mtp.pop_loss() if self._mtp is not None else None
+            if mtp is not None:  # token-weighted over micro-batches, as the other _sum metrics
+                stats["mtp_loss_sum"] = mtp * n
             return loss * scale, stats
 
         return loss_fn

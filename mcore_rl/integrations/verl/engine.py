@@ -25,11 +25,13 @@ from verl.workers.engine.base import BaseEngine, BaseEngineCtx
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 from mcore_rl.errors import McoreRLError
-from mcore_rl.integrations.verl import ray_nodes, verl_batches, verl_checkpoints, verl_lora, verl_optim, verl_routing
+from mcore_rl.integrations.verl import (ray_nodes, verl_batches, verl_checkpoints, verl_lora, verl_mtp, verl_optim,
+                                       verl_routing)
 from mcore_rl.integrations.verl.engine_config import McoreRLEngineSettings, VerlConfigError
 from mcore_rl.models.builder import BuildOptions, Role
 from mcore_rl.models.forward import run_schedule
 from mcore_rl.models.micro_batch import MicroBatch
+from mcore_rl.models.mtp_model import mtp_training
 from mcore_rl.models.hf_config import model_args_from_hf
 from mcore_rl.models.hf_weights import export_hf_buckets
 from mcore_rl.lora.layers import adapters_disabled, merged_tensor_of
@@ -61,6 +63,7 @@ class McoreRLEngine(BaseEngine):
                                   f"{type(engine_config).__name__}.")
         # model.lora.* (verl's Megatron keys); FSDP-only LoRA keys refused before any process group use
         self.lora = verl_lora.lora_config(model_config, "model", seed=engine_config.seed)
+        self.mtp = verl_mtp.mtp_config(model_config, "model")  # model.mtp.*: MTP layers built / trained
         self.model_config, self.engine_config = model_config, engine_config
         verl_checkpoints.check_checkpoint_config(checkpoint_config)  # refused now, not at the first save
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
@@ -100,7 +103,9 @@ class McoreRLEngine(BaseEngine):
                                                                     c.use_distributed_optimizer)
         # verl's hf_config carries the tokenizer's pad id (HFModelConfig): its FSDP engine's padding_idx
         args = model_args_from_hf(start.hf_dir).with_pad_token_id(
-            getattr(self.model_config.hf_config, "pad_token_id", None), "verl's model_config.hf_config.pad_token_id")
+            getattr(self.model_config.hf_config, "pad_token_id", None), "verl's model_config.hf_config.pad_token_id"
+        )
+        args = args.with_mtp(self.mtp.enable)
         self.engine = ModelEngine(args, self.layout, self.role, self.platform,
                                   options, optim, hf_weights=start.hf_dir, init_value_head=start.init_value_head)
         self._placement = PartOffloader(self.engine)
@@ -245,7 +250,8 @@ class McoreRLEngine(BaseEngine):
             return (loss if scaled is None else scaled), out
 
         try:
-            results = run_schedule(self.engine.model, inputs, loss_fn, forward_only, self.engine.routing)
+            with mtp_training(self.engine.model, verl_mtp.OFF if forward_only else self.mtp):
+                results = run_schedule(self.engine.model, inputs, loss_fn, forward_only, self.engine.routing)
         except BaseException:
             if act is not None:
                 self.engine.routing.end(combine=False)
