@@ -150,7 +150,7 @@ def mtp_train_losses(mtp_dir: str, layout_kwargs: dict, batch: dict, detach: boo
     from mcore_rl.models.forward import run_schedule
     from mcore_rl.models.mtp import MtpConfig
     from mcore_rl.rl.engine import share_from_last_stage
-    from tests.steps import _build, _output_loss
+    from tests.steps import _build
 
     args, chunks = _build(mtp_dir, layout_kwargs, "actor")
     model = wrap_with_ddp(chunks, use_distributed_optimizer=False)
