@@ -1,0 +1,115 @@
+"""LoRA on hybrid models (Qwen3.5, Qwen3-Next: Gated DeltaNet layers + gated attention) against
+peft 0.21 + transformers (fp32): adapters on GDN's in_proj (whole, or some of the HF projections
+it fuses, as canonical parts) and out_proj, and on gated attention's q_proj (query and gate rows);
+log-probs, the frozen base as reference, one PPO update (adapters after the step, grad norm);
+PEFT adapters in and out; an adapter-only step merged offline and resharded."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl.lora.config import LoraConfig, LoraConfigError
+from tests.dist import run_ranks
+from tests.hybrid_lora_bodies import HYBRID_LAYERS, updates
+from tests.lora_bodies import assert_matches_peft_step, peft_model
+from tests.test_actor_update import ACTOR, make_batch
+from tests.tiny import hf_log_probs, tiny_config, tiny_hf_model
+
+TOL = 1e-5
+BASE = dict(rank=4, alpha=16.0, lora_A_init_method="kaiming", lora_B_init_method="normal", seed=5)
+MODELS = {"qwen3_5": "qwen3_5_text", "qwen3_next": "qwen3_next"}
+CASES = {  # name -> (model, lora, the update compared with peft's)
+    # canonical: some of Qwen3.5's in_proj pieces (not in_proj_b), q_proj (query + gate rows), v
+    "qwen3_5_canonical": ("qwen3_5", dict(BASE, type="canonical_lora", target_modules=(
+        "linear_q", "linear_v", "linear_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj")), True),
+    # canonical: only Qwen3-Next's in_proj_ba (its rows interleaved per key head in in_proj)
+    "qwen3_next_canonical": ("qwen3_next", dict(BASE, type="canonical_lora", target_modules=(
+        "linear_q", "linear_k", "in_proj_ba", "out_proj")), True),
+    # fused: one A for all of in_proj's (and linear_qkv's) pieces; peft holds copies: same forward
+    "qwen3_next_fused": ("qwen3_next", dict(BASE, target_modules=("in_proj", "out_proj", "linear_qkv", "linear_proj")),
+                         False),
+}
+QWEN3_5_IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+QWEN3_NEXT_IN_PROJ = ("in_proj_qkvz", "in_proj_ba")
+IN_PROJ = "decoder.layers.0.self_attention.in_proj"
+
+
+def test_gdn_targets_and_parts():
+    """GDN linears are targets; canonical parts of in_proj are the model's HF pieces by name."""
+    fused = LoraConfig(rank=4, target_modules=("in_proj", "out_proj"))
+    assert fused.parts(IN_PROJ, QWEN3_5_IN_PROJ) == () and fused.parts("decoder.layers.0.self_attention.out_proj") == ()
+    canonical = LoraConfig(rank=4, type="canonical_lora", target_modules=("in_proj_z", "in_proj_a", "in_proj_ba"))
+    assert canonical.parts(IN_PROJ, QWEN3_5_IN_PROJ) == (1, 3)
+    assert canonical.parts(IN_PROJ, QWEN3_NEXT_IN_PROJ) == (1,)
+    whole = LoraConfig(rank=4, type="canonical_lora", target_modules=("in_proj",))
+    assert whole.parts(IN_PROJ, QWEN3_5_IN_PROJ) == (0, 1, 2, 3) and whole.parts(IN_PROJ, QWEN3_NEXT_IN_PROJ) == (0, 1)
+    everything = LoraConfig(rank=4, type="canonical_lora", target_modules=())
+    assert everything.parts(IN_PROJ, QWEN3_NEXT_IN_PROJ) == (0, 1)
+    with pytest.raises(LoraConfigError, match="'in_proj_z' is a canonical_lora part; with type='lora' target 'in_proj'"):
+        LoraConfig(rank=4, target_modules=("in_proj_z",))
+
+
+def test_gdn_part_of_another_architecture_is_refused():
+    """A Qwen3.5 piece name on Qwen3-Next (and any GDN piece on a model without GDN layers)."""
+    from mcore_rl.lora.build import _check_gdn_parts
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.hf_weights import weight_map
+
+    cfg = LoraConfig(rank=4, type="canonical_lora", target_modules=("in_proj_z", "out_proj"))
+    nxt = weight_map(model_args_from_hf(tiny_config("qwen3_next", **HYBRID_LAYERS)), "actor", 1)
+    with pytest.raises(LoraConfigError, match=r"\['in_proj_z'\] name no part of this qwen3_next model: its Gated "
+                                              r"DeltaNet in_proj fuses \['in_proj_qkvz', 'in_proj_ba'\]"):
+        _check_gdn_parts(cfg, nxt)
+    llama = weight_map(model_args_from_hf(tiny_config("llama", num_hidden_layers=2)), "actor", 1)
+    with pytest.raises(LoraConfigError, match="it has no Gated DeltaNet layers"):
+        _check_gdn_parts(cfg, llama)
+    _check_gdn_parts(LoraConfig(rank=4, type="canonical_lora", target_modules=("in_proj_ba",)), nxt)  # fits
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory):
+    """model -> (HF dir, HF model, batch); case -> world-1 lora_update result (one process)."""
+    models = {}
+    for name, model_type in MODELS.items():
+        d = tmp_path_factory.mktemp(f"lora_{name}")
+        hf = tiny_hf_model(tiny_config(model_type, **HYBRID_LAYERS))
+        hf.save_pretrained(d)
+        models[name] = (str(d), hf, make_batch(hf))
+    cases = [(case, models[m][0], {}, lora, models[m][2], ACTOR, m == "qwen3_next")
+             for case, (m, lora, _) in CASES.items()]
+    return models, run_ranks(1, updates, cases)[0]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_log_probs_and_reference_match_peft(case, hybrids):
+    models, results = hybrids
+    name, lora, _ = CASES[case]
+    _, hf, batch = models[name]
+    ours = results[case]
+    gdn = [k for k in ours["peft_before"] if ".linear_attn." in k]
+    assert gdn and any(".self_attn.q_proj." in k for k in ours["peft_before"]), sorted(ours["peft_before"])
+    want, _ = hf_log_probs(peft_model(hf, lora, ours["peft_before"]), batch, ACTOR["temperature"])
+    base, _ = hf_log_probs(hf, batch, ACTOR["temperature"])
+    assert _max_diff(ours["log_probs"], want) <= TOL
+    assert _max_diff(ours["log_probs"], base) > 100 * TOL  # the adapters are active
+    assert _max_diff(ours["ref_log_probs"], base) <= TOL
+
+
+@pytest.mark.parametrize("case", [c for c, (_, _, step) in CASES.items() if step])
+def test_update_matches_peft_step(case, hybrids):
+    """Adapters after one PPO update (Adam, eps 1: the step follows the gradient) and the grad
+    norm equal peft's; only the canonical parts asked for exist (peft adapts exactly those)."""
+    models, results = hybrids
+    name, lora, _ = CASES[case]
+    d, hf, batch = models[name]
+    ours = results[case]
+    modules = {k.split(".")[-3] for k in ours["peft_before"]}
+    want = {"qwen3_5": {"q_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "out_proj"},
+            "qwen3_next": {"q_proj", "k_proj", "in_proj_ba", "out_proj"}}[name]
+    assert modules == want, modules
+    assert_matches_peft_step(hf, d, batch, lora, ours, TOL)
