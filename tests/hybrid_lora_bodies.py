@@ -34,7 +34,7 @@ def save_merge_resume(hf_dir: str, lora: dict, root: str, moe: bool) -> dict:
     moe_options = EXACT_MOE if moe else None
     engine, actor = build(hf_dir, dict(tp=2, sequence_parallel=True), seed=1, lora=lora, moe=moe_options)
     train(actor, range(1))
-    manager(root).save(1, {"actor": engine}, {"step": 1})
+    manager(root, optimizer_sharding="fully_reshardable").save(1, {"actor": engine}, {"step": 1})
     out = {"adapters": adapters_full(engine),
            "merged": {k: v.clone() for k, v in export_hf(engine.model, engine.args, "actor",
                                                            merged_tensor_of(engine.model)).items()}}
