@@ -17,7 +17,7 @@ from tests.tiny import hf_log_probs, tiny_config, tiny_hf_model
 
 TOL = 1e-5
 BASE = dict(rank=4, alpha=16.0, lora_A_init_method="kaiming", lora_B_init_method="normal", seed=5)
-MODELS = {"qwen3_5": "qwen3_5_text", "qwen3_next": "qwen3_next"}
+MODELS = {"qwen3_5": "qwen3_5_text", "qwen3_next": "qwen3_next", "qwen3_5_moe": "qwen3_5_moe_text"}
 CASES = {  # name -> (model, lora, the update compared with peft's)
     # canonical: some of Qwen3.5's in_proj pieces (not in_proj_b), q_proj (query + gate rows), v
     "qwen3_5_canonical": ("qwen3_5", dict(BASE, type="canonical_lora", target_modules=(
@@ -66,6 +66,26 @@ def test_gdn_part_of_another_architecture_is_refused():
     _check_gdn_parts(LoraConfig(rank=4, type="canonical_lora", target_modules=("in_proj_ba",)), nxt)  # fits
 
 
+@pytest.mark.parametrize("model_type,refused", [("qwen3_next", True), ("qwen3_5_moe_text", False)])
+def test_peft_export_of_dense_mlp_targets(model_type, refused):
+    """peft 0.21 rewrites gate_proj/up_proj/down_proj targets of a Qwen3-Next adapter into its
+    fused experts (transformers converts qwen3_next like qwen2_moe), so adapters on the dense-MLP
+    layers or the shared expert have no PEFT form there (refused by name); Qwen3.5-MoE's pass."""
+    from types import SimpleNamespace
+
+    from mcore_rl.conversion.lora_export import peft_adapter_config
+    from mcore_rl.mapping.peft_experts import PeftExpertsError
+
+    ranks = {"model.layers.2.mlp.gate_proj": (4, 2.0), "model.layers.0.linear_attn.out_proj": (4, 2.0)}
+    args = SimpleNamespace(arch=SimpleNamespace(model_type=model_type))
+    if refused:
+        with pytest.raises(PeftExpertsError, match=r"target_modules \['gate_proj'\] of a qwen3_next adapter"):
+            peft_adapter_config(dict(ranks), LoraConfig(rank=4, alpha=8.0), args, "actor", None)
+    else:
+        out = peft_adapter_config(dict(ranks), LoraConfig(rank=4, alpha=8.0), args, "actor", None)
+        assert out["target_modules"] == ["gate_proj", "out_proj"]
+
+
 @pytest.fixture(scope="module")
 def hybrids(tmp_path_factory):
     """model -> (HF dir, HF model, batch); case -> world-1 lora_update result (one process)."""
@@ -75,7 +95,7 @@ def hybrids(tmp_path_factory):
         hf = tiny_hf_model(tiny_config(model_type, **HYBRID_LAYERS))
         hf.save_pretrained(d)
         models[name] = (str(d), hf, make_batch(hf))
-    cases = [(case, models[m][0], {}, lora, models[m][2], ACTOR, m == "qwen3_next")
+    cases = [(case, models[m][0], {}, lora, models[m][2], ACTOR, m != "qwen3_5")
              for case, (m, lora, _) in CASES.items()]
     return models, run_ranks(1, updates, cases)[0]
 
@@ -115,11 +135,16 @@ def test_update_matches_peft_step(case, hybrids):
     assert_matches_peft_step(hf, d, batch, lora, ours, TOL)
 
 
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PEFT_CASES = {  # name -> (model, peft LoraConfig kwargs, our lora, world, layout)
-    # fused by rank expansion at TP=2 + SP: Qwen3-Next's grouped in_proj pieces with their own ranks
+    # fused by rank expansion at TP=2 + SP (expert-TP 2): Qwen3-Next's grouped in_proj pieces with
+    # their own ranks, and the routed experts (peft's target_parameters)
     "qwen3_next_fused_tp2_sp": ("qwen3_next", dict(r=4, lora_alpha=8, target_modules=[
         "q_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"], rank_pattern={"in_proj_ba": 2},
-        alpha_pattern={"out_proj": 3}), dict(rank=1), 2, dict(tp=2, sequence_parallel=True)),
+        alpha_pattern={"out_proj": 3}, target_parameters=EXPERTS), dict(rank=1), 2, dict(tp=2, sequence_parallel=True)),
+    # Qwen3.5-MoE: GDN projections and its routed experts' down_proj only
+    "qwen3_5_moe_experts": ("qwen3_5_moe", dict(r=2, lora_alpha=4, target_modules=["in_proj_qkv", "in_proj_b", "o_proj"],
+                            target_parameters=EXPERTS[1:]), dict(rank=1), 1, {}),
     # canonical: one of Qwen3.5's four in_proj pieces (and q_proj's query + gate rows) stays alone
     "qwen3_5_only_z_canonical": ("qwen3_5", dict(r=4, lora_alpha=8, target_modules=["in_proj_z", "q_proj"]),
                                  dict(rank=1, type="canonical_lora"), 1, {}),
@@ -147,7 +172,7 @@ def test_peft_adapter_round_trip(case, hybrids, tmp_path):
     _peft_adapter(hf, peft_kwargs, str(tmp_path / "adapter"))
     lora = dict(lora, adapter_path=str(tmp_path / "adapter"))
     got = run_ranks(world, lora_roundtrip, hf_dir, layout, lora, batch, ACTOR, str(tmp_path / "out"),
-                    name == "qwen3_next")[0]
+                    name != "qwen3_5")[0]
     t = ACTOR["temperature"]
     start, _ = hf_log_probs(PeftModel.from_pretrained(copy.deepcopy(hf), str(tmp_path / "adapter")), batch, t)
     assert _max_diff(got["before"], start) <= TOL  # the import is exact
@@ -158,7 +183,7 @@ def test_peft_adapter_round_trip(case, hybrids, tmp_path):
     if lora.get("type") == "canonical_lora":
         assert sorted(exported) == sorted(peft_kwargs["target_modules"])
     _assert_merged_is_peft_merge(hf, hf_dir, str(tmp_path / "out"))
-    if name == "qwen3_5":  # see _assert_merged_is_peft_merge for Qwen3-Next
+    if name == "qwen3_5":  # see _assert_merged_is_peft_merge for Qwen3-Next and Qwen3.5-MoE
         merged_dir = tmp_path / "out" / "merged"
         for file in os.listdir(hf_dir):
             if file.endswith(".json") and "index" not in file:
@@ -169,9 +194,10 @@ def test_peft_adapter_round_trip(case, hybrids, tmp_path):
 
 def _assert_merged_is_peft_merge(hf, hf_dir: str, out: str) -> None:
     """The merged HF weights (out/merged) equal peft's merge of the exported adapter (out/peft,
-    in float64) within two fp32 roundings of each tensor, one tensor per adapted module; tensors
-    without an adapter equal the base's bit for bit. (Qwen3-Next's merged log-probs are not compared at 1e-5: one fp32
-    rounding of in_proj_ba's decay rows moves them by 1.3e-5, measured; the weights are exact.)"""
+    in float64) within two fp32 roundings of each tensor, every adapted module moved; tensors
+    without an adapter equal the base's bit for bit. (The hybrid MoE models' merged log-probs
+    are not compared at 1e-5: one fp32 rounding of Qwen3-Next's in_proj_ba (its decay rows)
+    moves them by 1.3e-5, measured; the weights are exact.)"""
     import copy
 
     from peft import PeftModel
@@ -179,17 +205,39 @@ def _assert_merged_is_peft_merge(hf, hf_dir: str, out: str) -> None:
     from mcore_rl.mapping.hf_io import SafetensorsReader
 
     merged, base = SafetensorsReader(f"{out}/merged"), SafetensorsReader(hf_dir)
-    exact = PeftModel.from_pretrained(copy.deepcopy(hf), f"{out}/peft").double().merge_and_unload().state_dict()
-    assert set(merged) == set(base)
-    moved = 0
+    exact = _per_expert(PeftModel.from_pretrained(copy.deepcopy(hf), f"{out}/peft").double().merge_and_unload())
+    assert set(merged) == set(base) == set(exact)
+    moved = set()
     for key in merged:
-        if key not in exact or torch.equal(exact[key], base[key].double()):
+        if torch.equal(exact[key], base[key].double()):
             assert torch.equal(merged[key], base[key]), key
             continue
         bound = 2 * torch.finfo(torch.float32).eps * exact[key].abs().max().item()
         assert _max_diff(merged[key], exact[key]) <= bound, key
-        moved += 1
-    assert moved == sum(k.endswith("lora_A.weight") for k in SafetensorsReader(f"{out}/peft")) > 0
+        moved.add(key)
+    adapted = {k.removeprefix("base_model.model.").split(".lora_A.")[0] for k in SafetensorsReader(f"{out}/peft")
+               if ".lora_A." in k}
+    assert {f"{m}.weight" for m in adapted if ".mlp.experts" not in m} <= moved
+    assert any(".mlp.experts." in k for k in moved) == any(".mlp.experts" in m for m in adapted)
+
+
+def _per_expert(model) -> dict[str, torch.Tensor]:
+    """The model's state dict with fused experts ([E, 2f, h] gate_up_proj, [E, h, f] down_proj)
+    split into the per-expert HF names the checkpoints use."""
+    out = {}
+    for key, value in model.state_dict().items():
+        layer, _, param = key.rpartition(".mlp.experts.")
+        if not layer:
+            out[key] = value
+            continue
+        for e, tensor in enumerate(value):
+            if param == "gate_up_proj":
+                gate, up = tensor.chunk(2, dim=0)
+                out[f"{layer}.mlp.experts.{e}.gate_proj.weight"] = gate
+                out[f"{layer}.mlp.experts.{e}.up_proj.weight"] = up
+            else:
+                out[f"{layer}.mlp.experts.{e}.down_proj.weight"] = tensor
+    return out
 
 
 def test_adapter_only_step_merges_and_reshards(hybrids, tmp_path):
