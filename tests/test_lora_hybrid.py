@@ -47,6 +47,9 @@ def test_gdn_targets_and_parts():
     assert everything.parts(IN_PROJ, QWEN3_NEXT_IN_PROJ) == (0, 1)
     with pytest.raises(LoraConfigError, match="'in_proj_z' is a canonical_lora part; with type='lora' target 'in_proj'"):
         LoraConfig(rank=4, target_modules=("in_proj_z",))
+    for part in ("in_proj_z", "linear_q"):  # was silently ignored: every part stayed adapted
+        with pytest.raises(LoraConfigError, match=f"exclude_modules entry '{part}' is a part of a fused linear"):
+            LoraConfig(rank=4, type="canonical_lora", target_modules=(), exclude_modules=(part,))
 
 
 def test_gdn_part_of_another_architecture_is_refused():

@@ -130,6 +130,10 @@ class LoraConfig:
                                           "supported; drop it.")
                 if _is_pattern(name):
                     continue
+                if key == "exclude_modules" and name in parts:
+                    raise LoraConfigError(f"lora.exclude_modules entry {name!r} is a part of a fused linear; "
+                                          "exclude_modules leaves out whole linears: list the parts to adapt in "
+                                          "target_modules instead.")
                 if self.type == "lora" and name in parts:
                     whole = CANONICAL_PARTS[name][0] if name in CANONICAL_PARTS else "in_proj"
                     raise LoraConfigError(f"lora.{key} entry {name!r} is a canonical_lora part; with "
