@@ -138,6 +138,18 @@ def test_update_matches_peft_step(case, hybrids):
     assert_matches_peft_step(hf, d, batch, lora, ours, TOL)
 
 
+def test_canonical_parts_at_tp2_sp_equal_one_rank(hybrids):
+    """Canonical parts of in_proj and q_proj (their masks split over TP as the weight's pieces)
+    at TP=2 + SP: log-probs, reference, adapters before and after the update, grad norm."""
+    from tests.lora_bodies import assert_equal_to_one_rank, lora_update
+
+    models, results = hybrids
+    name, lora, _ = CASES["qwen3_5_canonical"]
+    d, _, batch = models[name]
+    got = run_ranks(2, lora_update, d, dict(tp=2, sequence_parallel=True), lora, batch, ACTOR)
+    assert_equal_to_one_rank(got, results["qwen3_5_canonical"], TOL)
+
+
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 PEFT_CASES = {  # name -> (model, peft LoraConfig kwargs, our lora, world, layout)
     # fused by rank expansion at TP=2 + SP (expert-TP 2): Qwen3-Next's grouped in_proj pieces with
