@@ -22,9 +22,14 @@ R, ALPHA = 2, 6  # s = 3
 TYPES = sorted(pe.MODEL_TYPES)
 
 
+# hybrids: a full-attention layer too (transformers' cache needs one for a forward)
+HYBRID = {"qwen3_next", "qwen3_5_moe_text"}
+
+
 @functools.lru_cache(maxsize=None)
 def _base(model_type: str):
-    return tiny_hf_model(tiny_config(model_type, num_hidden_layers=2))  # deepseek/glm: layer 0 dense
+    layers = dict(layer_types=["linear_attention", "full_attention"]) if model_type in HYBRID else {}
+    return tiny_hf_model(tiny_config(model_type, num_hidden_layers=2, **layers))  # deepseek/glm: layer 0 dense
 
 
 def _moe_layers(model) -> list[int]:

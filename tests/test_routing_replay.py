@@ -59,8 +59,11 @@ def _run(hf_dir: str, layout_kwargs: dict, actor_kwargs: dict, mode: str, out_di
     actor = Actor(engine, config, ref=ref)
     batch = _batch()
     ref_before = actor.compute_ref_log_prob(batch)
-    recorded = Actor(engine, ActorConfig(**{**config.__dict__, "router_replay": "R2"})).compute_log_prob(batch)
+    recorder = Actor(engine, ActorConfig(**{**config.__dict__, "router_replay": "R2"}))
+    recorded = recorder.compute_log_prob(batch)
     routes = recorded[ROUTED_EXPERTS]
+    with torch.no_grad():  # the recorded routes replayed with the same weights: the same log-probs
+        again = recorder._forward_log_probs(engine, {**batch, ROUTED_EXPERTS: routes}, False, replay_routing=True)
     # another library's global switch: reaches neither engine (their routers left the list)
     RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     ref_after = actor.compute_ref_log_prob(batch)
@@ -76,6 +79,7 @@ def _run(hf_dir: str, layout_kwargs: dict, actor_kwargs: dict, mode: str, out_di
     batch.update(old_log_probs=recorded["log_probs"], **({ROUTED_EXPERTS: routes} if mode != "disabled" else {}))
     metrics = actor.update_policy(batch)
     out = {"routes": routes, "log_probs": recorded["log_probs"], "ref_same": torch.equal(ref_before, ref_after),
+           "replayed_log_probs": again["log_probs"],
            "mismatch": seen["mismatch"], "tokens": seen["tokens"], "replayed": seen["replayed"], "metrics": metrics,
            "global_list": len(RouterReplay.global_router_replay_instances)}
     if torch.distributed.get_rank() == 0:
@@ -84,6 +88,14 @@ def _run(hf_dir: str, layout_kwargs: dict, actor_kwargs: dict, mode: str, out_di
         os.makedirs(out_dir, exist_ok=True)
         save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out_dir, "model.safetensors"))
     return out
+
+
+def _replays_recording(r: dict) -> bool:
+    """The recorded routes replayed (same weights) give the recording's log-probs, within fp32
+    rounding: replay sends padding tokens to experts 0..k-1 (the recording routed them freely),
+    so the experts' GEMMs run on other row counts (measured: 1 ulp, 4.8e-7 at |log p| ~ 6)."""
+    lp = r["log_probs"]
+    return (r["replayed_log_probs"] - lp).abs().max().item() <= 8 * torch.finfo(lp.dtype).eps * lp.abs().max().item()
 
 
 def _hook_routers(engine, routes: torch.Tensor) -> dict:
@@ -134,11 +146,19 @@ def _hf_ppo_kl(weights_dir: str, hf_dir: str, batch: dict, old: torch.Tensor, ro
 
 
 def _forced(gate, indices: torch.Tensor):
+    """``gate``'s forward with its top-k forced to ``indices``: DeepSeek's sigmoid router (scores
+    renormalised, scaled), or a softmax router (Qwen3-Next: probabilities over all experts,
+    renormalised over the chosen ones when norm_topk_prob)."""
     def forward(hidden):
-        logits = torch.nn.functional.linear(hidden.view(-1, gate.hidden_dim).float(), gate.weight.float())
-        weights = logits.sigmoid().gather(1, indices)
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
-        return logits, weights, indices
+        logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim).float(), gate.weight.float())
+        if hasattr(gate, "routed_scaling_factor"):
+            weights = logits.sigmoid().gather(1, indices)
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
+            return logits, weights, indices
+        weights = logits.softmax(-1).gather(1, indices)
+        if gate.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, weights.to(hidden.dtype), indices
     return forward
 
 
@@ -171,6 +191,7 @@ def test_replay_forces_the_recorded_experts(layout, hf_dir, single, tmp_path):
     assert abs(forced - fresh) > 1e-3, (forced, fresh)  # the perturbed routers would route otherwise
     for rank, r in enumerate(results):
         assert torch.equal(r["routes"], ref["routes"]), f"{layout} rank {rank}: recorded routes differ"
+        assert _replays_recording(r), f"{layout} rank {rank}: replaying the recorded routes changed the log-probs"
         assert r["replayed"] > 0 and r["mismatch"] == 0, r
         assert r["ref_same"] and r["global_list"] == 0
         got = r["metrics"]["actor/ppo_kl"]
@@ -238,3 +259,36 @@ def test_softmax_routers_replay_too(model_type, tmp_path):
         real = _batch()["attention_mask"].bool()
         assert (r["routes"][real] >= 0).all() and (r["routes"][~real] == -1).all()
         assert r["replayed"] > 0 and r["mismatch"] == 0 and r["ref_same"] and r["global_list"] == 0
+
+
+def test_hybrid_moe_replays_at_world_1_and_ep2(tmp_path):
+    """Qwen3-Next with Gated DeltaNet layers and a dense-MLP layer (layers: GDN+MoE, attention+MoE,
+    GDN+dense, GDN+MoE): routes cover the 3 MoE layers only (the dense layer is skipped in their
+    indexing), replaying them gives the recording's log-probs, the same routes at EP=2, and after
+    the routers moved the update's ppo_kl equals transformers' with each MoE layer's gate forced
+    to its recorded experts."""
+    from tests.hybrid_bodies import VARIANTS
+
+    model_type, overrides = VARIANTS["qwen3_next"]
+    assert overrides["mlp_only_layers"] == [2] and overrides["layer_types"][2] == "linear_attention"
+    d = tmp_path / "hf"
+    tiny_hf_model(tiny_config(model_type, **overrides)).save_pretrained(d)
+    real = _batch()["attention_mask"].bool()
+    for world, layout in ((1, {}), (2, dict(ep=2))):
+        weights = str(tmp_path / f"w{world}")
+        results = run_ranks(world, _run, str(d), layout, {}, "R2", weights)
+        ref = results[0]
+        assert ref["routes"].shape == (ROWS, PROMPT + RESPONSE, 3, 2)
+        assert (ref["routes"][real] >= 0).all() and (ref["routes"][~real] == -1).all()
+        forced = _hf_ppo_kl(weights, str(d), _batch(), ref["log_probs"], ref["routes"])
+        fresh = _hf_ppo_kl(weights, str(d), _batch(), ref["log_probs"], None)
+        assert abs(forced - fresh) > 1e-3, (forced, fresh)  # the perturbed routers would route otherwise
+        for rank, r in enumerate(results):
+            assert torch.equal(r["routes"], ref["routes"]) and _replays_recording(r)
+            assert r["replayed"] > 0 and r["mismatch"] == 0 and r["ref_same"] and r["global_list"] == 0, r
+            got = r["metrics"]["actor/ppo_kl"]
+            assert abs(got - forced) <= 1e-5, f"world {world} rank {rank}: ppo_kl {got} vs forced {forced}"
+        if world == 1:
+            single = ref["routes"]
+        else:
+            assert torch.equal(ref["routes"], single), "EP=2 recorded other routes than one rank"

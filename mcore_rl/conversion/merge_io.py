@@ -61,6 +61,7 @@ class Unit:
 # pieces, concatenated in this order along dim 0, are the parameter's TP=1 layout
 SPLIT_KEYS = {
     "self_attention.in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+    "self_attention.in_proj.lora.B": ("query", "key", "value", "z", "beta", "alpha"),  # its rows: the weight's
     "self_attention.conv1d.weight": ("query", "key", "value"),
 }
 

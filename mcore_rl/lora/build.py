@@ -23,7 +23,7 @@ from mcore_rl.lora.layers import (
     init_full,
     lora_modules,
 )
-from mcore_rl.lora.config import LINEARS, LoraConfig, LoraConfigError
+from mcore_rl.lora.config import GDN_PARTS, LINEARS, LoraConfig, LoraConfigError
 
 Tensor = torch.Tensor
 
@@ -50,6 +50,8 @@ def attach_adapters(chunks: list[torch.nn.Module], config: LoraConfig, wmap: Wei
     adapter = read_peft_adapter(config.adapter_path) if config.adapter_path else None
     if adapter is not None:
         adapter.check_against(wmap, LINEARS)  # every tensor used or refused, on every stage
+    else:
+        _check_gdn_parts(config, wmap)
     expert_cache: dict = {}
     count = 0
     for chunk in chunks:
@@ -66,18 +68,43 @@ def attach_adapters(chunks: list[torch.nn.Module], config: LoraConfig, wmap: Wei
                 module.lora_glu_rows = transform.name.endswith("gate_up")
             count += 1
     if count == 0 and adapter is None:
-        _check_some_target(chunks, config)
+        _check_some_target(chunks, config, wmap)
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             param.requires_grad_(".lora." in name)
     return count
 
 
-def _check_some_target(chunks: list[torch.nn.Module], config: LoraConfig) -> None:
+def piece_names(wmap: WeightMap, name: str) -> tuple[str, ...]:
+    """The HF module names (last components) of the pieces of the linear ``name`` (canonical):
+    ('q_proj', 'k_proj', 'v_proj') for linear_qkv, ('in_proj_qkvz', 'in_proj_ba') for
+    Qwen3-Next's GDN in_proj."""
+    hf_weights, _ = wmap.rule(name + ".weight")
+    return tuple(n.removesuffix(".weight").rsplit(".", 1)[-1] for n in hf_weights)
+
+
+def _check_gdn_parts(config: LoraConfig, wmap: WeightMap) -> None:
+    """canonical_lora targets naming GDN in_proj pieces must name this model's pieces (the
+    whole model's table, whatever this pipeline stage holds)."""
+    named = [t for t in config.target_modules if t in GDN_PARTS]
+    if not named or not config.enabled:
+        return
+    rows = [hf for template, (hf, _) in wmap.rows.items() if template.endswith(".self_attention.in_proj.weight")]
+    pieces = tuple(n.removesuffix(".weight").rsplit(".", 1)[-1] for n in rows[0]) if rows else ()
+    wrong = [t for t in named if t not in pieces]
+    if wrong:
+        have = (f"its Gated DeltaNet in_proj fuses {list(pieces)}" if pieces
+                else "it has no Gated DeltaNet layers")
+        raise LoraConfigError(f"lora.target_modules entries {wrong} name no part of this {wmap.model_type} model: "
+                              f"{have}; target those (or 'in_proj' for all of them).")
+
+
+def _check_some_target(chunks: list[torch.nn.Module], config: LoraConfig, wmap: WeightMap) -> None:
     """A pipeline stage may hold no targeted layer; a model may not (checked on this stage's
     names: the message lists what exists)."""
     names = [n for c in chunks for n, _ in linear_sites(c)]
-    if not any(config.parts(n) is not None for n in names) and not any("*" in t for t in config.target_modules):
+    if not any(config.parts(n, piece_names(wmap, n)) is not None for n in names) \
+            and not any("*" in t for t in config.target_modules):
         raise LoraConfigError(
             f"lora.target_modules={list(config.target_modules)} match no linear of this model; its "
             f"linears are named like {sorted({n.rsplit('.', 1)[-1] for n in names})}."
@@ -95,7 +122,7 @@ def _full_shape(module: torch.nn.Module, transform: Transform) -> tuple[int, int
 def _seeded_plan(module: torch.nn.Module, name: str, config: LoraConfig, transform: Transform,
                  wmap: WeightMap) -> SitePlan | None:
     """A fresh adapter for a targeted linear: full factors drawn from the seed and the name."""
-    parts = config.parts(name)
+    parts = config.parts(name, piece_names(wmap, name))
     if parts is None:
         return None
     full_out, full_in = _full_shape(module, transform)

@@ -9,8 +9,11 @@ target with wildcards or dots is an ``fnmatch`` pattern over the whole name (``*
 dense MLPs only; ``*.shared_experts.*``; ``*.local_experts.*``). An empty ``target_modules`` adapts
 every linear except those ``exclude_modules`` names (which needs the empty target list).
 Canonical LoRA (``type='canonical_lora'``) targets the parts of the fused linears:
-``linear_q``/``linear_k``/``linear_v`` (of ``linear_qkv``) and ``linear_fc1_gate``/
-``linear_fc1_up`` (of ``linear_fc1``), each part with its own rank-``rank`` adapter.
+``linear_q``/``linear_k``/``linear_v`` (of ``linear_qkv``; gated attention's ``linear_q`` is HF's
+``q_proj``, query and gate rows), ``linear_fc1_gate``/``linear_fc1_up`` (of ``linear_fc1``) and the
+HF projections a Gated DeltaNet's ``in_proj`` fuses, named as HF names them (Qwen3.5:
+``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a``; Qwen3-Next: ``in_proj_qkvz``/
+``in_proj_ba``), each part with its own rank-``rank`` adapter.
 """
 from __future__ import annotations
 
@@ -24,14 +27,19 @@ from mcore_rl.errors import McoreRLError
 ATTENTION_LINEARS = ("linear_qkv", "linear_proj")
 MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
                "linear_kv_up_proj")
+# Gated DeltaNet layers (hybrid models): the fused input projection and the output projection
+GDN_LINEARS = ("in_proj", "out_proj")
 MLP_LINEARS = ("linear_fc1", "linear_fc2")
-LINEARS = ATTENTION_LINEARS + MLA_LINEARS + MLP_LINEARS
+LINEARS = ATTENTION_LINEARS + MLA_LINEARS + GDN_LINEARS + MLP_LINEARS
 # canonical LoRA: part name -> (fused linear, part index among that linear's parts)
 CANONICAL_PARTS = {
     "linear_q": ("linear_qkv", 0), "linear_k": ("linear_qkv", 1), "linear_v": ("linear_qkv", 2),
     "linear_fc1_gate": ("linear_fc1", 0), "linear_fc1_up": ("linear_fc1", 1),
 }
 PART_COUNT = {"linear_qkv": 3, "linear_fc1": 2}
+# canonical LoRA on GDN's in_proj: its parts are the model's HF pieces of it (the mapping table's
+# row), so their number and order depend on the architecture (Qwen3.5's four, Qwen3-Next's two)
+GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba")
 INIT_METHODS = ("xavier", "kaiming", "normal", "zero")
 REFUSED_TYPES = {
     "dora": "DoRA's magnitude vectors are not implemented",
@@ -113,7 +121,8 @@ class LoraConfig:
         self._check_names()
 
     def _check_names(self) -> None:
-        plain = LINEARS + tuple(CANONICAL_PARTS) if self.type == "canonical_lora" else LINEARS
+        parts = tuple(CANONICAL_PARTS) + GDN_PARTS
+        plain = LINEARS + parts if self.type == "canonical_lora" else LINEARS
         for key in ("target_modules", "exclude_modules"):
             for name in getattr(self, key):
                 if "router" in name:
@@ -121,39 +130,59 @@ class LoraConfig:
                                           "supported; drop it.")
                 if _is_pattern(name):
                     continue
-                if self.type == "lora" and name in CANONICAL_PARTS:
+                if key == "exclude_modules" and name in parts:
+                    raise LoraConfigError(f"lora.exclude_modules entry {name!r} is a part of a fused linear; "
+                                          "exclude_modules leaves out whole linears: list the parts to adapt in "
+                                          "target_modules instead.")
+                if self.type == "lora" and name in parts:
+                    whole = CANONICAL_PARTS[name][0] if name in CANONICAL_PARTS else "in_proj"
                     raise LoraConfigError(f"lora.{key} entry {name!r} is a canonical_lora part; with "
-                                          f"type='lora' target {CANONICAL_PARTS[name][0]!r}, or set "
-                                          "type='canonical_lora'.")
+                                          f"type='lora' target {whole!r}, or set type='canonical_lora'.")
                 if name not in plain:
                     raise LoraConfigError(f"lora.{key} entry {name!r} names no linear; use one of "
                                           f"{list(plain)} or a pattern such as '*.layers.0.*.linear_qkv'.")
 
-    def parts(self, module_name: str) -> tuple[int, ...] | None:
+    def parts(self, module_name: str, pieces: tuple[str, ...] = ()) -> tuple[int, ...] | None:
         """The adapted parts of the linear ``module_name`` (canonical): None when it gets no
-        adapter, () for a whole-linear (fused) adapter, part indices for canonical LoRA."""
+        adapter, () for a whole-linear (fused) adapter, part indices for canonical LoRA.
+        ``pieces``: the HF module names (last components) of the linear's pieces, which name a
+        GDN in_proj's canonical parts (``in_proj_z`` ...)."""
         if not self.enabled:
             return None
         last = module_name.rsplit(".", 1)[-1]
         if last not in LINEARS:
             return None
         if not self.target_modules:  # every linear but the excluded ones
-            return None if any(_matches(p, module_name, last) for p in self.exclude_modules) else self._whole(last)
-        if self.type == "canonical_lora" and last in PART_COUNT:
-            hit = sorted({CANONICAL_PARTS[t][1] for t in self.target_modules if t in CANONICAL_PARTS
-                          and CANONICAL_PARTS[t][0] == last})
+            if any(_matches(p, module_name, last) for p in self.exclude_modules):
+                return None
+            return self._whole(last, pieces)
+        count = _part_count(last, pieces)
+        if self.type == "canonical_lora" and count:
+            if last == "in_proj":
+                hit = [i for i, piece in enumerate(pieces) if piece in self.target_modules]
+            else:
+                hit = [CANONICAL_PARTS[t][1] for t in self.target_modules if t in CANONICAL_PARTS
+                       and CANONICAL_PARTS[t][0] == last]
             pattern_hit = [t for t in self.target_modules if _is_pattern(t) and _matches(t, module_name, last)]
             if pattern_hit or last in self.target_modules:
-                return tuple(range(PART_COUNT[last]))
-            return tuple(hit) or None
+                return tuple(range(count))
+            return tuple(sorted(set(hit))) or None
         if any(_matches(t, module_name, last) for t in self.target_modules):
-            return self._whole(last)
+            return self._whole(last, pieces)
         return None
 
-    def _whole(self, last: str) -> tuple[int, ...]:
-        if self.type == "canonical_lora" and last in PART_COUNT:
-            return tuple(range(PART_COUNT[last]))
+    def _whole(self, last: str, pieces: tuple[str, ...]) -> tuple[int, ...]:
+        count = _part_count(last, pieces)
+        if self.type == "canonical_lora" and count:
+            return tuple(range(count))
         return ()
+
+
+def _part_count(last: str, pieces: tuple[str, ...]) -> int:
+    """How many canonical parts the linear ``last`` has (0: none, one adapter for the whole)."""
+    if last == "in_proj":
+        return len(pieces) if len(pieces) > 1 else 0
+    return PART_COUNT.get(last, 0)
 
 
 def _is_pattern(name: str) -> bool:

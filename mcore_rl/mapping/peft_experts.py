@@ -66,6 +66,8 @@ MODEL_TYPES: dict[str, ModelEntry] = {
     "mixtral": ModelEntry(FUSED_3D, ("gate", "w1", "w2", "w3")),
     "deepseek_v3": ModelEntry(FUSED_3D, _QWEN2_MOE_NAMES),
     "glm4_moe": ModelEntry(FUSED_3D, _QWEN2_MOE_NAMES),
+    "qwen3_next": ModelEntry(FUSED_3D, _QWEN2_MOE_NAMES),
+    "qwen3_5_moe_text": ModelEntry(FUSED_3D, ()),  # transformers converts only its prefix: never rewritten
 }
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.ssm import gated_delta_net as kernels
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, _split_tensor_factory
 
 Tensor = torch.Tensor
 
@@ -90,6 +90,18 @@ class PackedGatedDeltaNet(GatedDeltaNet):
             cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
         )
         return core, gate.reshape(b, s, -1, self.value_head_dim)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None, tp_group=None):
+        """megatron's, plus a LoRA adapter's B on in_proj (rows laid out as the weight's: this
+        rank's part of each piece) split into the weight's pieces, so it reshards over TP."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata, tp_group)
+        key = f"{prefix}in_proj.lora.B"
+        if key in sd:
+            tp = self.tp_size
+            sizes = [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp, self.v_dim // tp,
+                     self.num_value_heads // tp, self.num_value_heads // tp]
+            sd[key] = _split_tensor_factory(sd[key], sizes, ["query", "key", "value", "z", "beta", "alpha"], 0)
+        return sd
 
     def _gated_norm(self, x: Tensor, gate: Tensor) -> Tensor:
         """out_norm(x) * silu(gate) in fp32, rounded to x's dtype (transformers' gated norm)."""
