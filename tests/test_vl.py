@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.dist import run_ranks
+from tests.test_convert import _verify
 from tests.vl_bodies import VL, convert_noting_warnings, load_both_ways, save_vl
 
 
@@ -49,6 +50,7 @@ def _nan_copy(src: str, dst: str) -> None:
 def test_round_trip_is_byte_identical_and_loads_as_the_same_class(vl, tmp_path):
     from transformers import AutoModelForImageTextToText
 
+    from converters.verify_logits import TOL
     from mcore_rl.conversion.merge import merge
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.models.hf_layout import hf_view
@@ -84,3 +86,54 @@ def test_round_trip_is_byte_identical_and_loads_as_the_same_class(vl, tmp_path):
         with torch.no_grad():
             want, got = model(**batch).logits, again(**batch).logits
         assert want.abs().max() > 0.1 and torch.equal(got, want), name
+    checks = run_ranks(1, _verify, {n: (out[n], vl[n][0]) for n in vl})[0]  # hf_to_mcore.py --test
+    for name, (diff, cos) in checks.items():
+        assert diff <= TOL and cos > 0.9999, f"{name}: max |diff| {diff:.3g}, cosine {cos:.6f}"
+
+
+def test_refusals_name_the_value(vl, tmp_path, caplog):
+    """A critic of a wrapper, LoRA on the vision tower, a fused expert tensor of the wrong shape
+    or stored twice; the carried tensors a load leaves out are said, and a checkpoint step of a
+    run started from the HF directory gets them (``carry_from_hf``)."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    from mcore_rl.conversion.convert_input import role_from_config
+    from mcore_rl.lora.config import LoraConfig, LoraConfigError
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from mcore_rl.models.hf_config import ConfigError, model_args_from_hf
+    from mcore_rl.models.hf_layout import HFLayoutError, carry_from_hf, carried_names, hf_view, log_ignored, read_carried
+
+    dense, fused = vl["dense"][0], vl["moe_fused"][0]
+    args = model_args_from_hf(dense)
+    assert role_from_config(dense) == "actor"
+    with pytest.raises(ConfigError, match=r"'qwen3_5' \(Qwen3_5ForConditionalGeneration\) is a vision-language "
+                                          r"checkpoint: mcore_rl builds it as an actor only, not as a critic"):
+        args.hf_rows("critic")
+    with pytest.raises(LoraConfigError, match=r"'model\.visual\.\*' names a vision tower"):
+        LoraConfig(rank=4, target_modules=("linear_qkv", "model.visual.*"))
+    moe = model_args_from_hf(fused)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    tensors = load_file(os.path.join(fused, "model.safetensors"))
+    name = "model.language_model.layers.1.mlp.experts.down_proj"
+    tensors[name] = torch.zeros(4, 64, 49)
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(HFLayoutError, match=rf"'{name}' has shape \[4, 64, 49\].* needs \[4, 64, 48\]"):
+        hf_view(SafetensorsReader(bad), moe, str(bad))
+    tensors[name] = torch.zeros(4, 64, 48)
+    twice = {**tensors, "model.language_model.layers.0.mlp.experts.3.up_proj.weight": torch.zeros(48, 64)}
+    with pytest.raises(HFLayoutError, match=r"both fused and per expert, e\.g\. "
+                                            r"'model\.language_model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight'"):
+        hf_view(twice, moe, "twice")
+    reader = SafetensorsReader(fused)
+    carried = carried_names(reader, moe.wrapper)
+    with caplog.at_level(logging.INFO, logger="mcore_rl"):
+        log_ignored(carried, moe.wrapper, fused)
+    assert f"ignoring {len(carried)} tensors of Qwen3_5MoeForConditionalGeneration" in caplog.text
+    assert "1 others: ['mtp']" in caplog.text
+    step_hf = tmp_path / "step_hf"
+    step_hf.mkdir()
+    carry_from_hf(fused, str(step_hf))
+    assert read_carried(str(step_hf)) == (carried, {"experts": "fused"})

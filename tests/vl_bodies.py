@@ -13,7 +13,8 @@ from tests.tiny import BASE
 VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=4,
               temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)
 # name -> (wrapper model_type, text overrides, experts fused in the safetensors)
-VL = {"dense": ("qwen3_5", {}, False), "moe_fused": ("qwen3_5_moe", EXPERTS, True)}
+VL = {"dense": ("qwen3_5", {}, False), "moe_fused": ("qwen3_5_moe", EXPERTS, True),
+      "moe": ("qwen3_5_moe", EXPERTS, False)}  # per expert, as transformers' save_pretrained writes them
 
 
 def tiny_vl_model(model_type: str, text: dict, seed: int = 0):

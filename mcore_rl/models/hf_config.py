@@ -117,9 +117,9 @@ def check_wrapper_role(args: ModelArgs, role: str) -> None:
     if args.wrapper is not None and role != "actor":
         raise ConfigError(
             f"model_type {args.wrapper.model_type!r} ({args.wrapper.hf_class}) is a vision-language checkpoint: "
-            f"mcore_rl builds it as an actor only, not as a {role}. Start the {role} from a text model "
-            f"({args.arch.hf_token_classification}, model_type {args.arch.model_type!r}) or from the actor's "
-            "model directory with init_value_head=True.")
+            f"mcore_rl builds it as an actor only, not as a {role}. Start the {role} from a text model: "
+            f"AutoModelForCausalLM.from_pretrained loads the checkpoint as {args.arch.hf_causal_lm} (model_type "
+            f"{args.arch.model_type!r}); save that with save_pretrained and start the {role} from it.")
 
 
 def _wrapped_text(cfg: Any, where: str) -> tuple[Any, WrapperSpec | None]:

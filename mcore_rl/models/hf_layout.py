@@ -28,7 +28,7 @@ from mcore_rl.errors import McoreRLError
 from mcore_rl.models.registry import WrapperSpec
 
 Tensor = torch.Tensor
-CARRIED_FILE = "mcore_rl_carried.safetensors"  # in a model directory's huggingface/
+CARRIED_FILE = "mcore_rl_carried.safetensors"  # in a model directory's huggingface/ (fileio.files.HF_FILES)
 EXPERTS_KEY = "experts"  # the carried file's metadata: "fused" or "per_expert"
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -157,6 +157,23 @@ def write_carried(hf_dir: str, source: Mapping[str, Tensor], names: list[str], f
     tensors = {n: source[n].contiguous() for n in names}
     save_file(tensors, os.path.join(hf_dir, CARRIED_FILE),
               metadata={EXPERTS_KEY: "fused" if fused else "per_expert"})
+
+
+def carry_from_hf(source: str, hf_dir: str) -> None:
+    """Gives ``hf_dir`` (a checkpoint's ``huggingface/``) the carried tensors of the HF directory
+    ``source`` when it is a vision-language wrapper's, so that the step merges into a complete
+    checkpoint (a model directory's ``huggingface/`` has its ``CARRIED_FILE`` already)."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from mcore_rl.models.hf_json import read_config_json
+    from mcore_rl.models.registry import WRAPPERS
+
+    if os.path.isfile(os.path.join(source, CARRIED_FILE)) or not os.path.isfile(os.path.join(source, "config.json")):
+        return
+    wrapper = WRAPPERS.get(read_config_json(source).get("model_type"))
+    if wrapper is None:
+        return
+    reader = SafetensorsReader(source)
+    write_carried(hf_dir, reader, carried_names(reader, wrapper), has_fused_experts(reader))
 
 
 def fuse_stream(items: Iterable[tuple[str, Any]], num_experts: int,
