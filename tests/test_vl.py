@@ -7,6 +7,7 @@ directory load at TP=2 x PP=2 (EP=2); a critic of a wrapper, a fused tensor of t
 with NaN, and vision training are refused naming the value."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -81,6 +82,9 @@ def test_round_trip_is_byte_identical_and_loads_as_the_same_class(vl, tmp_path):
         assert set(merged) == set(source), sorted(set(merged) ^ set(source))[:6]
         differ = [k for k in source if merged[k].dtype != source[k].dtype or _raw(merged[k]) != _raw(source[k])]
         assert differ == [], f"{name}: {differ[:6]} differ after the round trip"
+        with open(os.path.join(merged_dir, "config.json")) as f:
+            assert json.load(f)["architectures"] == [type(model).__name__]
+        assert not os.path.exists(os.path.join(merged_dir, "mcore_rl_carried.safetensors"))
         again = AutoModelForImageTextToText.from_pretrained(merged_dir, attn_implementation="eager").eval()
         assert type(again) is type(model)
         with torch.no_grad():
@@ -137,3 +141,18 @@ def test_refusals_name_the_value(vl, tmp_path, caplog):
     step_hf.mkdir()
     carry_from_hf(fused, str(step_hf))
     assert read_carried(str(step_hf)) == (carried, {"experts": "fused"})
+
+
+def test_transformers_rollout_takes_the_wrappers_names(vl):
+    """The job's transformers rollout loads a VL directory as its text model (AutoModelForCausalLM:
+    Qwen3_5ForCausalLM, names without the wrapper's prefix); the weight sync sends the wrapper's
+    names (``model.language_model.*``, as export_hf spells them): each reaches its parameter."""
+    from mcore_rl.rollout.hf_generate import TransformersRollout
+
+    hf_dir, model = vl["dense"]
+    rollout = TransformersRollout(hf_dir, eos_id=1, pad_id=0)
+    assert type(rollout.model).__name__ == "Qwen3_5ForCausalLM"
+    sent = {k: torch.full_like(v, 0.25) for k, v in model.state_dict().items()
+            if k.startswith(("model.language_model.", "lm_head."))}
+    assert rollout.update_weights(sent.items()) == len(sent)
+    assert all(bool((p == 0.25).all()) for p in rollout.model.parameters())

@@ -37,9 +37,9 @@ class SourceLayout:
         if wrapper is not None and not names:
             raise MergeError(
                 f"{model.path} holds the text model of a {wrapper.hf_class} but not its vision tower: "
-                f"huggingface/{CARRIED_FILE} is absent (a run started from the HF directory instead of the "
-                f"converted model directory). Convert the HF checkpoint with converters/hf_to_mcore.py and start "
-                "training from its output, whose checkpoints carry the vision tower.")
+                f"huggingface/{CARRIED_FILE} is absent (written by an mcore_rl that did not carry it). Convert "
+                "the HF checkpoint again with converters/hf_to_mcore.py and merge that, or a checkpoint of a run "
+                "started from it or from the HF directory (their huggingface/ carry the vision tower).")
         entries = read_header(os.path.join(model.hf_dir, CARRIED_FILE)) if names else {}
         self.carried = [TensorSpec(n, tuple(entries[n]["shape"]), dtype_of_name(entries[n]["dtype"], n))
                         for n in names]
