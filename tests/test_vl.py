@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -53,8 +54,9 @@ def test_round_trip_is_byte_identical_and_loads_as_the_same_class(vl, tmp_path):
 
     from converters.verify_logits import TOL
     from mcore_rl.conversion.merge import merge
+    from mcore_rl.errors import CheckpointError
     from mcore_rl.models.hf_config import model_args_from_hf
-    from mcore_rl.models.hf_layout import hf_view
+    from mcore_rl.models.hf_layout import CARRIED_FILE, hf_view
 
     out = {n: str(tmp_path / f"out_{n}") for n in vl}
     nan_src = str(tmp_path / "nan_src")
@@ -90,6 +92,15 @@ def test_round_trip_is_byte_identical_and_loads_as_the_same_class(vl, tmp_path):
         with torch.no_grad():
             want, got = model(**batch).logits, again(**batch).logits
         assert want.abs().max() > 0.1 and torch.equal(got, want), name
+    torn = tmp_path / "torn"  # the carried file is in the directory's record: a changed byte is named
+    shutil.copytree(out["dense"], torn)
+    with open(torn / "huggingface" / CARRIED_FILE, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CheckpointError, match=rf"huggingface/{CARRIED_FILE} has checksum"):
+        merge(str(torn), str(tmp_path / "merged_torn"))
     checks = run_ranks(1, _verify, {n: (out[n], vl[n][0]) for n in vl})[0]  # hf_to_mcore.py --test
     for name, (diff, cos) in checks.items():
         assert diff <= TOL and cos > 0.9999, f"{name}: max |diff| {diff:.3g}, cosine {cos:.6f}"
