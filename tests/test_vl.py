@@ -16,7 +16,7 @@ import torch
 
 from tests.dist import run_ranks
 from tests.test_convert import _verify
-from tests.vl_bodies import VL, convert_noting_warnings, load_both_ways, save_vl
+from tests.vl_bodies import VL, convert_noting_warnings, load_both_ways, save_vl, train_and_save
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +167,34 @@ def test_transformers_rollout_takes_the_wrappers_names(vl):
             if k.startswith(("model.language_model.", "lm_head."))}
     assert rollout.update_weights(sent.items()) == len(sent)
     assert all(bool((p == 0.25).all()) for p in rollout.model.parameters())
+
+
+def test_main_job_trains_from_a_vl_directory_and_its_step_merges_complete(tmp_path):
+    """GRPO from the fused-expert Qwen3.5-MoE VL directory (EP=2, builtin rollouts): the
+    language model trains; the saved step merges into a Qwen3_5MoeForConditionalGeneration whose
+    vision and MTP tensors are the source's bytes, experts fused, language tensors the live ones."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.job.schema import load_job_config
+
+    hf_dir, _ = save_vl(str(tmp_path), "moe_fused", vocab_size=4)  # the toy task's reward varies
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_job_config(os.path.join(root, "configs", "grpo_demo.yaml"), [
+        f"output_dir={tmp_path / 'run'}", "progress_bar=false", f"model.hf_dir={hf_dir}", "layout.tp=1",
+        "layout.ep=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=8",
+        "actor.micro_batch_size=8", "actor.ppo_mini_batch_size=16", "actor_optim.lr=1e-2",
+        "actor_optim.warmup_steps=0"])
+    live = run_ranks(2, train_and_save, cfg, 1)[0]
+    assert live["moved"] >= live["params"] // 2, live
+    merge(str(tmp_path / "run" / "checkpoints" / "global_step_1" / "actor"), str(tmp_path / "merged"))
+    merged, source = _tensors(str(tmp_path / "merged")), _tensors(hf_dir)
+    assert set(merged) == set(source)
+    carried = [k for k in source if k.startswith(("model.visual.", "mtp."))]
+    assert carried and all(_raw(merged[k]) == _raw(source[k]) for k in carried)
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.hf_layout import hf_view
+
+    view = hf_view(merged, model_args_from_hf(hf_dir), "merged")
+    assert set(live["export"]) == set(view) - set(carried)
+    assert all(torch.equal(view[k], t) for k, t in live["export"].items())
+    with open(tmp_path / "merged" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]

@@ -21,7 +21,8 @@ def tiny_vl_model(model_type: str, text: dict, seed: int = 0):
     """A random Qwen3_5[Moe]ForConditionalGeneration (eager attention, non-trivial norms)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.for_model(model_type, text_config={**BASE, **HYBRID, **text}, vision_config=VISION)
+    config = AutoConfig.for_model(model_type, text_config={**BASE, **HYBRID, "eos_token_id": 1, **text},
+                                  vision_config=VISION)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, attn_implementation="eager")
     with torch.no_grad():
@@ -46,13 +47,14 @@ def fuse_experts(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str
     return out
 
 
-def save_vl(base, name: str) -> tuple[str, object]:
-    """Saves VL[name] under ``base/name`` (+ an ``mtp.fc.weight`` the text model does not read;
-    experts fused when asked); returns (directory, model)."""
+def save_vl(base, name: str, **text_overrides) -> tuple[str, object]:
+    """Saves VL[name] (text config + ``text_overrides``) under ``base/name`` (+ an
+    ``mtp.fc.weight`` the text model does not read; experts fused when asked); returns
+    (directory, model)."""
     from safetensors.torch import load_file, save_file
 
     model_type, text, fused = VL[name]
-    model = tiny_vl_model(model_type, text)
+    model = tiny_vl_model(model_type, {**text, **text_overrides})
     path = os.path.join(base, name)
     model.save_pretrained(path)
     file = os.path.join(path, "model.safetensors")
@@ -103,3 +105,24 @@ def load_both_ways(pairs: dict[str, tuple[str, str]]) -> dict:
             exports.append(export_hf(engine.model, args, "actor"))
         out[name] = exports if torch.distributed.get_rank() == 0 else None
     return out
+
+
+def train_and_save(cfg, steps: int) -> dict:
+    """The main job from a VL directory: build, ``steps`` GRPO steps, a checkpoint of the actor;
+    rank 0 returns the live actor's HF export and how many of its parameters moved."""
+    from mcore_rl.job.loop import build, checkpoint_manager, setup_rollout, starts, train_step
+    from mcore_rl.models.hf_weights import export_hf
+    from mcore_rl.platform import active_platform
+
+    begin = starts(cfg)
+    actor, critic = build(cfg, active_platform(), begin)
+    task, rollouts = setup_rollout(cfg, actor, begin)
+    before = {n: p.detach().clone() for c in actor.engine.model for n, p in c.named_parameters()}
+    for step in range(steps):
+        train_step(cfg, actor, critic, task, rollouts, step)
+    moved = sum(not torch.equal(before[n], p) for c in actor.engine.model for n, p in c.named_parameters())
+    ckpt = checkpoint_manager(cfg, {"actor": begin[0].hf_files})
+    ckpt.save(steps, {"actor": actor.engine}, {"step": steps, "history": []})
+    ckpt.close()
+    export = export_hf(actor.engine.model, actor.engine.args, "actor")
+    return {"export": export, "moved": moved, "params": len(before)} if torch.distributed.get_rank() == 0 else None
