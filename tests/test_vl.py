@@ -53,7 +53,7 @@ def test_round_trip_is_byte_identical_and_loads_as_the_same_class(vl, tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from converters.verify_logits import TOL
-    from mcore_rl.conversion.merge import merge
+    from mcore_rl.conversion.merge import compare, merge
     from mcore_rl.errors import CheckpointError
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.models.hf_layout import CARRIED_FILE, hf_view
@@ -84,6 +84,8 @@ def test_round_trip_is_byte_identical_and_loads_as_the_same_class(vl, tmp_path):
         assert set(merged) == set(source), sorted(set(merged) ^ set(source))[:6]
         differ = [k for k in source if merged[k].dtype != source[k].dtype or _raw(merged[k]) != _raw(source[k])]
         assert differ == [], f"{name}: {differ[:6]} differ after the round trip"
+        diffs, problems = compare(out[name], hf_dir)  # mcore_to_hf.py test: against the source's names
+        assert problems == [] and diffs and set(diffs.values()) == {0.0}, (name, problems[:4])
         with open(os.path.join(merged_dir, "config.json")) as f:
             assert json.load(f)["architectures"] == [type(model).__name__]
         assert not os.path.exists(os.path.join(merged_dir, "mcore_rl_carried.safetensors"))
