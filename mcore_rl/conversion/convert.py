@@ -296,6 +296,18 @@ def _state_dtype(config_path: str, dtype: str, args: ModelArgs) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
+def _hf_side_files(hf_dir: str, out: str, dtype: str, args: ModelArgs, reader: SafetensorsReader,
+                   carried: frozenset[str]) -> None:
+    """``out`` (the output's ``huggingface/``): the input's config (stating ``dtype``), tokenizer and
+    generation files, and what merge writes back beside the mapped tensors: a wrapper's carried
+    tensors as stored and the experts' layout (``models.hf_layout``)."""
+    copy_hf_files(hf_dir, out)
+    fused = has_fused_experts(reader)
+    if carried or fused:
+        write_carried(out, reader, sorted(carried), fused)
+    _state_dtype(os.path.join(out, "config.json"), dtype, args)
+
+
 def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     """Converts ``opts.hf_model_path`` into the model directory ``opts.output_path`` (collective
     over a torch.distributed world of tp * pp * ep ranks; the platform must be set up). Sets up
@@ -339,11 +351,7 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
             warnings.warn(describe_nonfinite(resolver.nonfinite, opts.hf_model_path), NonFiniteWarning, stacklevel=2)
         check_coverage(resolver, chunks, source, carried)
         if rank0:
-            copy_hf_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"))
-            if carried or source is not reader:  # the vision tower, the experts' layout: merge writes them back
-                write_carried(os.path.join(stage.path, "huggingface"), reader, sorted(carried),
-                              has_fused_experts(reader))
-            _state_dtype(os.path.join(stage.path, "huggingface", "config.json"), dtype, args)
+            _hf_side_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"), dtype, args, reader, carried)
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
             meta = build_metadata(facts, role, ("model",), None)
             if reader.fp8.scheme is not None:  # an FP8 import: merge --dtype fp8 writes back what was FP8
