@@ -184,7 +184,7 @@ def test_main_job_trains_from_a_vl_directory_and_its_step_merges_complete(tmp_pa
         f"output_dir={tmp_path / 'run'}", "progress_bar=false", f"model.hf_dir={hf_dir}", "layout.tp=1",
         "layout.ep=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=8",
         "actor.micro_batch_size=8", "actor.ppo_mini_batch_size=16", "actor_optim.lr=1e-2",
-        "actor_optim.warmup_steps=0"])
+        "actor_optim.warmup_steps=0", "checkpoint.save_contents=[model,optimizer,extra,hf_model]"])
     live = run_ranks(2, train_and_save, cfg, 1)[0]
     assert live["moved"] >= live["params"] // 2, live
     merge(str(tmp_path / "run" / "checkpoints" / "global_step_1" / "actor"), str(tmp_path / "merged"))
@@ -200,3 +200,12 @@ def test_main_job_trains_from_a_vl_directory_and_its_step_merges_complete(tmp_pa
     assert all(torch.equal(view[k], t) for k, t in live["export"].items())
     with open(tmp_path / "merged" / "config.json") as f:
         assert json.load(f)["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    # the step's hf_model content (huggingface/): the same complete checkpoint, experts per expert
+    from transformers import AutoModelForImageTextToText
+
+    step_hf = tmp_path / "run" / "checkpoints" / "global_step_1" / "actor" / "huggingface"
+    models = [AutoModelForImageTextToText.from_pretrained(d) for d in (tmp_path / "merged", step_hf)]
+    assert type(models[1]).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    sds = [m.state_dict() for m in models]
+    assert sds[0].keys() == sds[1].keys() and all(torch.equal(v, sds[1][k]) for k, v in sds[0].items())
+    assert set(_tensors(str(step_hf))) == set(live["export"]) | set(carried)

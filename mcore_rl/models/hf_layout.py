@@ -176,6 +176,27 @@ def carry_from_hf(source: str, hf_dir: str) -> None:
     write_carried(hf_dir, reader, carried_names(reader, wrapper), has_fused_experts(reader))
 
 
+def carried_bucket(source: Any) -> list[tuple[str, Tensor]]:
+    """The carried tensors of a checkpoint's HF source (a model directory's ``huggingface/`` with
+    ``CARRIED_FILE``, or a wrapper's HF directory) as one bucket; [] for anything else. What a
+    step's ``hf_model`` content adds to the language model's tensors to be a complete checkpoint."""
+    if not isinstance(source, (str, os.PathLike)):
+        return []
+    source = os.fspath(source)
+    if os.path.isfile(os.path.join(source, CARRIED_FILE)):
+        return list(carried_tensors(source))
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from mcore_rl.models.hf_json import read_config_json
+    from mcore_rl.models.registry import WRAPPERS
+
+    wrapper = WRAPPERS.get(read_config_json(source).get("model_type")) \
+        if os.path.isfile(os.path.join(source, "config.json")) else None
+    if wrapper is None:
+        return []
+    reader = SafetensorsReader(source)
+    return [(n, reader[n]) for n in carried_names(reader, wrapper)]
+
+
 def fuse_stream(items: Iterable[tuple[str, Any]], num_experts: int,
                 combine: Callable[[str, list[Any]], Any]) -> Iterator[tuple[str, Any]]:
     """Per-expert (name, item) pairs -> fused ones, in the order the last expert's arrive; other
