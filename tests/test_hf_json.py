@@ -113,3 +113,33 @@ def test_reading_a_directory_does_not_import_transformers(tmp_path):
             f"a = model_args_from_hf({str(tmp_path)!r}); print(a.num_layers, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["4", "False"]
+
+
+@pytest.mark.parametrize("wrapper", ["qwen3_5", "qwen3_5_moe"])
+def test_vision_language_wrappers_read_their_text_config_as_transformers(tmp_path, wrapper):
+    """A published Qwen3.5 config (text_config + vision_config): the text model's ModelArgs, the
+    wrapper's own tie_word_embeddings, each text field left out in turn, no text_config at all."""
+    from mcore_rl.models.registry import WRAPPERS
+
+    spec = WRAPPERS[wrapper]
+    text = json.loads(tiny_config(spec.text_model_type).to_json_string(use_diff=False))
+    full = {**json.loads(AutoConfig.for_model(wrapper).to_json_string()), "text_config": text}
+    _write(tmp_path / "full", full)
+    json_args, hf_args = _both(tmp_path / "full")
+    assert json_args == hf_args and json_args.wrapper is spec and json_args.hidden_size == text["hidden_size"]
+    assert json_args.arch.model_type == spec.text_model_type
+    for tie in (True, False):  # the wrapper's field ties its head; text_config's says the opposite
+        _write(tmp_path / "tie", {**full, "tie_word_embeddings": tie,
+                                  "text_config": {**text, "tie_word_embeddings": not tie}})
+        json_args, hf_args = _both(tmp_path / "tie")
+        assert json_args == hf_args and json_args.tie_embeddings is tie
+    for key in sorted(set(text) - {"model_type"}):
+        _write(tmp_path / "cut", {**full, "text_config": {k: v for k, v in text.items() if k != key}})
+        json_args, hf_args = _both(tmp_path / "cut")
+        assert json_args == hf_args or hf_args is None, (wrapper, key)
+    _write(tmp_path / "minimal", {"model_type": wrapper})
+    json_args, hf_args = _both(tmp_path / "minimal")
+    assert json_args == hf_args and json_args.num_layers == AutoConfig.for_model(wrapper).text_config.num_hidden_layers
+    _write(tmp_path / "bad", {**full, "text_config": {**text, "model_type": "qwen3"}})
+    with pytest.raises(ConfigError, match=r"text_config.model_type='qwen3' .*expected 'qwen3_5"):
+        model_args_from_hf(tmp_path / "bad")

@@ -12,6 +12,7 @@ the first engine is touched. Layout: see the package docs.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from mcore_rl.fileio.faults import fault_point
 from mcore_rl.fileio import item_sums
 from mcore_rl.fileio.checksum import file_checksum
 from mcore_rl.fileio.files import META, copy_hf_files
+from mcore_rl.models.hf_layout import carried_bucket, carry_from_hf
 from mcore_rl.checkpoint.inventory import MARKER, TRACKER, TRAINER_STATE, Marker
 from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
 from mcore_rl.checkpoint.model_dir import load_planned
@@ -238,6 +240,7 @@ class CheckpointManager:
         source, hf_dir = self.hf_sources.get(role), os.path.join(role_dir, "huggingface")
         if isinstance(source, (str, os.PathLike)):
             copy_hf_files(os.fspath(source), hf_dir)
+            carry_from_hf(os.fspath(source), hf_dir)  # a vision-language checkpoint's vision tower
         elif source is not None:
             os.makedirs(hf_dir, exist_ok=True)
             source.to_json_file(os.path.join(hf_dir, "config.json"))
@@ -257,8 +260,9 @@ class CheckpointManager:
         buckets = export_hf_buckets(engine.model, engine.args, role, parse_size(self.cfg.hf_max_shard_size), **merged)
 
         def write() -> None:
-            try:
-                write_bucket_shards(hf_dir, buckets)
+            try:  # a vision-language checkpoint's vision tower too: a complete HF checkpoint
+                write_bucket_shards(hf_dir, itertools.chain(buckets, filter(None, [carried_bucket(
+                    self.hf_sources.get(role))])))
             finally:
                 for _ in buckets:  # the others keep gathering
                     pass

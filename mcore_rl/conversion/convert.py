@@ -42,6 +42,7 @@ from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.weights import MappingError, WeightMap, _tp_rank_size, canonical_params, check_hf_keys
 from mcore_rl.models.builder import BuildOptions, Role, build_model
 from mcore_rl.models.hf_config import model_args_from_hf
+from mcore_rl.models.hf_layout import carried_names, has_fused_experts, hf_view, write_carried
 from mcore_rl.models.mtp import record_mtp_count
 from mcore_rl.models.hf_weights import critic_head_source, weight_map
 from mcore_rl.parallel import ParallelLayout, destroy_parallel_state, initialize_parallel_state
@@ -157,8 +158,8 @@ class HFShardResolver:
             src = self.source[n]
             cast_checked(src, dtype, f"HF tensor {n!r}", wider_dtypes(dtype))
             found = first_nonfinite(src)
-            if found is not None:
-                self.nonfinite[n] = found
+            if found is not None:  # named as stored (a fused expert tensor: which expert)
+                self.nonfinite[getattr(self.source, "origin", str)(n)] = found
 
     def __call__(self, meta: Tensor) -> Tensor:
         if self.first_item_age is None:
@@ -198,13 +199,15 @@ def _gather_names(names: set[str]) -> set[str]:
     return {n for raw in storage.all_gather_bytes(json.dumps(sorted(names)).encode()) for n in json.loads(raw)}
 
 
-def check_coverage(resolver: HFShardResolver, chunks: list[torch.nn.Module], source: Mapping[str, Tensor]) -> None:
-    """Collective: every HF tensor was used and every model parameter was written by some rank."""
+def check_coverage(resolver: HFShardResolver, chunks: list[torch.nn.Module], source: Mapping[str, Tensor],
+                   carried: frozenset[str] = frozenset()) -> None:
+    """Collective: every HF tensor was used (or is ``carried``: written beside the checkpoint)
+    and every model parameter was written by some rank."""
     used = _gather_names(resolver.used_hf)
     written = _gather_names(resolver.written)
     params = _gather_names({name for chunk in chunks for name, _ in canonical_params(chunk)})
     aliases = {"lm_head.weight"} if resolver.wmap.tied_embeddings else set()
-    unused = sorted(set(source) - used - aliases)
+    unused = sorted(set(source) - used - aliases - carried)
     if unused:
         raise ConvertError(f"HF tensors never written into the checkpoint: {unused[:8]}; the mapping table "
                            "or the model build misses them (report this); the output is not usable.")
@@ -290,6 +293,17 @@ def _state_dtype(config_path: str, dtype: str) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
+def _hf_side_files(hf_dir: str, out: str, dtype: str, reader: SafetensorsReader, carried: frozenset[str]) -> None:
+    """``out`` (the output's ``huggingface/``): the input's config (stating ``dtype``), tokenizer and
+    generation files, and what merge writes back beside the mapped tensors: a wrapper's carried
+    tensors as stored and the experts' layout (``models.hf_layout``)."""
+    copy_hf_files(hf_dir, out)
+    fused = has_fused_experts(reader)
+    if carried or fused:
+        write_carried(out, reader, sorted(carried), fused)
+    _state_dtype(os.path.join(out, "config.json"), dtype)
+
+
 def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     """Converts ``opts.hf_model_path`` into the model directory ``opts.output_path`` (collective
     over a torch.distributed world of tp * pp * ep ranks; the platform must be set up). Sets up
@@ -310,7 +324,8 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     check_output(opts.output_path, opts.hf_model_path, opts.overwrite)
     args = model_args_from_hf(opts.hf_model_path)
     reader = SafetensorsReader(opts.hf_model_path, dequant_dtype=DTYPES[dtype])
-    source: Mapping[str, Tensor] = reader
+    carried = frozenset(carried_names(reader, args.wrapper))  # a vision tower: copied as stored
+    source: Mapping[str, Tensor] = hf_view(reader, args, opts.hf_model_path)
     if role == "critic":  # a reward model's bias-free score head: bias 0, as load_hf does
         source = critic_head_source(source, args)
     destroy_parallel_state()  # the conversion owns this process's megatron groups
@@ -318,7 +333,7 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
     chunks = build_model(args, layout, role, active_platform(),
                          BuildOptions(params_dtype=DTYPES[dtype], meta_device=True))
     wmap = weight_map(args, role, layout.tp)
-    check_hf_keys(wmap, set(source.keys()))
+    check_hf_keys(wmap, set(source.keys()), carried)
     torch.distributed.barrier()  # every rank has checked before anything is created
     stage = _stage_output(opts.output_path)
     try:
@@ -330,10 +345,9 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
         _save(chunks, resolver, os.path.join(stage.path, "dist_ckpt"), opts.output_path)
         if resolver.nonfinite:  # this rank's parameters; written as they are, said once per rank
             warnings.warn(describe_nonfinite(resolver.nonfinite, opts.hf_model_path), NonFiniteWarning, stacklevel=2)
-        check_coverage(resolver, chunks, source)
+        check_coverage(resolver, chunks, source, carried)
         if rank0:
-            copy_hf_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"))
-            _state_dtype(os.path.join(stage.path, "huggingface", "config.json"), dtype)
+            _hf_side_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"), dtype, reader, carried)
             if role == "actor":  # the MTP layers written (a critic has none)
                 record_mtp_count(os.path.join(stage.path, "huggingface", "config.json"), args, args.mtp_built)
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)

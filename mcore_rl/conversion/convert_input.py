@@ -19,6 +19,7 @@ from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_header import check_safetensors
 from mcore_rl.mapping.fp8_dequant import FP8Plan, plan_fp8, scheme_of_directory
 from mcore_rl.mapping.hf_io import SafetensorsFormatError, read_weight_map
+from mcore_rl.models.registry import WRAPPERS
 
 INDEX_FILE = "model.safetensors.index.json"
 DtypeName = Literal["fp32", "bf16", "fp16"]
@@ -49,14 +50,17 @@ def read_config(hf_dir: str) -> dict:
 
 
 def role_from_config(hf_dir: str) -> Literal["actor", "critic"]:
-    """``*ForCausalLM`` -> actor, ``*ForTokenClassification`` / ``*ForSequenceClassification``
-    -> critic, from config.json ``architectures``."""
-    archs = read_config(hf_dir).get("architectures") or []
+    """``*ForCausalLM`` (or a vision-language wrapper's class) -> actor,
+    ``*ForTokenClassification`` / ``*ForSequenceClassification`` -> critic, from config.json
+    ``architectures``."""
+    config = read_config(hf_dir)
+    archs = config.get("architectures") or []
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ConvertError(f"{hf_dir}/config.json: architectures={archs!r} is not a list of class names (e.g. "
                            "[\"LlamaForCausalLM\"]); fix it, or pass --role actor|critic.")
+    wrapper = WRAPPERS.get(config.get("model_type"))  # a vision-language wrapper: its text model is an actor
     for name in archs:
-        if name.endswith("ForCausalLM"):
+        if name.endswith("ForCausalLM") or (wrapper is not None and name == wrapper.hf_class):
             return "actor"
         if name.endswith(("ForTokenClassification", "ForSequenceClassification")):
             return "critic"

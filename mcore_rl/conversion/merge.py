@@ -28,6 +28,7 @@ from mcore_rl.conversion.merge_io import (  # noqa: F401 - re-exported: callers 
     _WEIGHT_FILE, MergeError, MergeSummary, ModelClass, ModelDir, Unit, _adapter_only, _hf_config,
     check_target, hf_class, open_model_dir, plan_units, read_unit, same_dir,
 )
+from mcore_rl.conversion.merge_layout import SourceLayout
 from mcore_rl.conversion.merge_lora import merge_adapter_step
 from mcore_rl.fileio.files import META, peak_rss_mb
 from mcore_rl.fileio.output_dir import write_export_record
@@ -37,6 +38,7 @@ from mcore_rl.fileio.staging import Staging
 from mcore_rl.mapping.casts import NonFiniteWarning, cast_checked, describe_nonfinite, first_nonfinite, wider_dtypes
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, quantize_block_fp8
 from mcore_rl.mapping.transforms import Dims
+from mcore_rl.models.hf_layout import CARRIED_FILE
 
 
 def iter_hf_tensors(model: ModelDir, units: list[Unit], dims: Dims,
@@ -91,11 +93,19 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
                  max_shard_size: int | str, progress: bool, fp8: BlockFp8 | None = None) -> ShardedSafetensorsWriter:
     """Streams the HF tensors into ``directory`` (``fp8``: the quantized ones as block FP8 +
     scales, see ``out_specs``) and copies the non-weight HF files (tokenizer, generation config)
-    of the model directory (no file that leaves it: symlinks are checked)."""
-    hf_specs = [s for u in units for s in u.specs]
+    of the model directory (no file that leaves it: symlinks are checked). A wrapper's carried
+    tensors come last, fused experts as the source stored them (``merge_layout``)."""
+    layout = SourceLayout(model)
+    if layout.fused and fp8 is not None:
+        raise MergeError(f"{model.path}: the source stored its experts fused (gate_up_proj [E, 2I, H]); merge "
+                         "--dtype fp8 writes per-matrix block scales: merge without --dtype fp8.")
+    hf_specs = layout.specs([s for u in units for s in u.specs])
     formats = tensor_formats(hf_specs, dtype, fp8, model.meta.get(STORED_KEY) if fp8 is not None else None)
+    if fp8 is not None:  # the vision tower is not quantized: as the converter stored it
+        formats.update({s.name: s.dtype for s in layout.carried})
     writer = ShardedSafetensorsWriter(directory, out_specs(hf_specs, formats, fp8), max_shard_size)
-    tensors = iter_hf_tensors(model, units, dims, None if fp8 is not None else dtype)
+    tensors = layout.tensors(iter_hf_tensors(model, units, dims, None if fp8 is not None else dtype),
+                             None if fp8 is not None else dtype)
     if progress:
         from tqdm import tqdm
 
@@ -118,7 +128,7 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
         warnings.warn(describe_nonfinite(nonfinite, model.path), NonFiniteWarning, stacklevel=3)
     for name in sorted(os.listdir(model.hf_dir)):
         src = contained(model.hf_dir, name, f"the listing of {model.hf_dir}")
-        if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name != "config.json":
+        if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name not in ("config.json", CARRIED_FILE):
             shutil.copyfile(src, os.path.join(directory, name))
     return writer
 
@@ -208,7 +218,7 @@ def _compare_open(model: ModelDir, ref, test_hf_dir: str) -> tuple[dict[str, flo
     units = head_units(model, units, hf_class(model))  # a reward model: compared without its zero bias
     diffs: dict[str, float] = {}
     problems, seen = [], set()
-    for name, tensor in iter_hf_tensors(model, units, dims):
+    for name, tensor in SourceLayout(model).tensors(iter_hf_tensors(model, units, dims), None):
         seen.add(name)
         if name not in ref:
             problems.append(f"{name}: not in {test_hf_dir}")

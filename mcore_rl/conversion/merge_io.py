@@ -244,7 +244,7 @@ def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str]
     in file order: embedding, layer by layer (table order, experts inner), final norm, head.
     Tied embeddings (actor): no lm_head."""
     table = args.arch.table
-    rows = table.rows(role, args.features)
+    rows = args.hf_rows(role)
     tied = args.tie_embeddings and role == "actor"
     mtp = args.mtp_built if role == "actor" else 0
     if mtp:  # the MTP layers' HF copies of the embedding and head come with those rows
@@ -322,7 +322,12 @@ def hf_class(model: ModelDir, model_class: ModelClass = "auto") -> str:
     ``huggingface/config.json`` records (the converter's or the run's input: a reward model's
     ``*ForSequenceClassification`` comes back as one) when it fits the role, else the role's
     default (actor: causal LM, critic: token classification with one label)."""
-    arch = model.args.arch
+    arch, wrapper = model.args.arch, model.args.wrapper
+    if wrapper is not None:  # a vision-language checkpoint goes back as its class (actor only)
+        if model_class not in ("auto", "causal_lm") or model.role != "actor":
+            raise MergeError(f"{model.path}: a {wrapper.model_type!r} checkpoint is a {wrapper.hf_class} (an actor); "
+                             f"model_class={model_class!r} does not fit it: use --model_class auto.")
+        return wrapper.hf_class
     with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
         recorded = json.load(f).get("architectures")
     recorded = [a for a in recorded if isinstance(a, str)] if isinstance(recorded, list) else []

@@ -121,6 +121,10 @@ def _merged_rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iter
 def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify: bool) -> MergeSummary:
     """Writes base + adapters of the adapter-only step ``step`` as a HF model in ``target_dir``."""
     start = time.monotonic()
+    if step.args.wrapper is not None:
+        raise MergeError(f"{step.path}: merging LoRA adapters into a {step.args.wrapper.hf_class} (vision-language) "
+                         "base is not supported; save the run with checkpoint.save_contents including 'model' "
+                         "(full weights) and merge that step.")
     check_target(target_dir, step.path, overwrite)
     base, side_dir, closer = _base_source(step, verify)
     try:

@@ -14,10 +14,11 @@ from mcore_rl.fileio.paths import contained
 
 META = "mcore_rl.json"  # schema version, role, architecture facts, layout, contents, versions
 # HF files that travel with the weights (config, generation config, tokenizer, chat template:
-# transformers 5 writes the template to its own file)
+# transformers 5 writes the template to its own file; a vision-language checkpoint's tensors that
+# mcore_rl carries through: models/hf_layout.CARRIED_FILE)
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-            "chat_template.jinja", "chat_template.json", "tiktoken.model")
+            "chat_template.jinja", "chat_template.json", "tiktoken.model", "mcore_rl_carried.safetensors")
 # tokenizer code some checkpoints carry (Kimi-K2: tokenization_kimi.py beside tiktoken.model)
 HF_FILE_PATTERNS = ("tokenization_*.py",)
 

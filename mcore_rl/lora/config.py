@@ -125,6 +125,10 @@ class LoraConfig:
         plain = LINEARS + parts if self.type == "canonical_lora" else LINEARS
         for key in ("target_modules", "exclude_modules"):
             for name in getattr(self, key):
+                if key == "target_modules" and ("visual" in name.lower() or "vision" in name.lower()):
+                    raise LoraConfigError(f"lora.target_modules entry {name!r} names a vision tower: mcore_rl builds "
+                                          "and trains the language model of a vision-language checkpoint only (its "
+                                          "vision tower is carried through untouched); drop it.")
                 if "router" in name:
                     raise LoraConfigError(f"lora.{key} entry {name!r}: adapters on MoE routers are not "
                                           "supported; drop it.")

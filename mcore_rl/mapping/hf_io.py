@@ -84,6 +84,19 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         self.fp8 = plan_fp8(entries, scheme_of_directory(self.directory), self.directory)
         self._keys = [k for k in self._files if k not in self.fp8.hidden]
         self.stored_dtypes = {k: entries[k]["dtype"] for k in self._keys}  # safetensors names, as on disk
+        self.shapes = {k: tuple(entries[k]["shape"]) for k in self._keys}
+
+    def read_part(self, key: str, index: int) -> torch.Tensor:
+        """``self[key][index]`` reading only that slice (an FP8 weight: dequantized whole)."""
+        if key in self.fp8.scales:
+            return self[key][index]
+        path = self._files[key]
+        try:
+            with safe_open(path, framework="pt") as f:
+                return f.get_slice(key)[index]
+        except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as e:
+            raise SafetensorsFormatError(f"{path}: tensor {key!r} is unreadable ({type(e).__name__}: "
+                                         f"{' '.join(str(e).split())[:200]}); copy the file again.") from None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.fp8.hidden:

@@ -51,13 +51,22 @@ class MappingTable:
     # multi-token-prediction rows an architecture opts into (mapping/mtp.py reads them)
     mtp: dict[str, Row] = field(default_factory=dict)
 
-    def rows(self, role: str, features: frozenset[str] = frozenset()) -> dict[str, Row]:
+    def rows(self, role: str, features: frozenset[str] = frozenset(), hf_prefix: str = "") -> dict[str, Row]:
         """Every row for ``role`` ('actor' has the LM head, 'critic' the value head) of a model
-        with ``features`` (names of ``variants``)."""
+        with ``features`` (names of ``variants``). ``hf_prefix``: HF names under ``model.`` are
+        spelled under it instead (a vision-language wrapper's ``model.language_model.``)."""
         head = {"actor": self.lm_head, "critic": self.value_head}[role]
         extra = {k: v for name in sorted(features & self.variants.keys()) for k, v in self.variants[name].items()}
-        return {**self.globals_, **self.attention, **self.linear_attention, **extra, **self.dense_mlp,
+        rows = {**self.globals_, **self.attention, **self.linear_attention, **extra, **self.dense_mlp,
                 **self.moe_mlp, **head}
+        if not hf_prefix:
+            return rows
+        return {k: (tuple(with_prefix(n, hf_prefix) for n in hf), tr) for k, (hf, tr) in rows.items()}
+
+
+def with_prefix(hf_name: str, prefix: str) -> str:
+    """``model.X`` -> ``prefix + X`` (a wrapper's text model); other names as they are."""
+    return prefix + hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
 
 
 _L = "model.layers.{layer}"

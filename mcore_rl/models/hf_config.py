@@ -16,7 +16,7 @@ from mcore_rl.models.hybrid import HybridArgs, hybrid_args_from_hf
 from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.mtp import resolve_mtp_layers
-from mcore_rl.models.registry import ArchSpec, lookup_arch
+from mcore_rl.models.registry import WRAPPERS, ArchSpec, WrapperSpec, lookup_arch
 from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf
 from mcore_rl.errors import McoreRLError
 
@@ -54,6 +54,17 @@ class ModelArgs:
     # the word embedding's padding row (transformers' padding_idx, in [0, vocab_size)): its
     # lookup sends no gradient to that row (models/padding_idx.py); None: no padding row
     pad_token_id: int | None = None
+    # a vision-language wrapper (Qwen3_5ForConditionalGeneration): the text model is under its
+    # prefix, its vision tower is carried through (actor only); None: a text checkpoint
+    wrapper: WrapperSpec | None = None
+
+    def hf_rows(self, role: str) -> dict:
+        """The mapping rows of this model as ``role``, HF names as its checkpoint spells them
+        (a wrapper's text model under ``wrapper.hf_prefix``). A wrapper has no critic."""
+        if self.wrapper is None:
+            return self.arch.table.rows(role, self.features)
+        check_wrapper_role(self, role)
+        return self.arch.table.rows(role, self.features, hf_prefix=self.wrapper.hf_prefix)
 
     def with_pad_token_id(self, pad_token_id: Any, source: str = "pad_token_id") -> ModelArgs:
         """These args with the padding row of a config whose pad id was set elsewhere (verl sets
@@ -109,6 +120,45 @@ class ModelArgs:
         )
 
 
+def check_wrapper_role(args: ModelArgs, role: str) -> None:
+    """A vision-language wrapper is an actor's checkpoint: a critic of one is refused."""
+    if args.wrapper is not None and role != "actor":
+        raise ConfigError(
+            f"model_type {args.wrapper.model_type!r} ({args.wrapper.hf_class}) is a vision-language checkpoint: "
+            f"mcore_rl builds it as an actor only, not as a {role}. Start the {role} from a text model: "
+            f"AutoModelForCausalLM.from_pretrained loads the checkpoint as {args.arch.hf_causal_lm} (model_type "
+            f"{args.arch.model_type!r}); save that with save_pretrained and start the {role} from it.")
+
+
+def _wrapped_text(cfg: Any, where: str) -> tuple[Any, WrapperSpec | None]:
+    """The text model's config of a vision-language wrapper (``text_config``) and the wrapper;
+    any other config as it is (and None). ``cfg``: a config.json dict or a transformers config."""
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else getattr(cfg, "model_type", None)
+    wrapper = WRAPPERS.get(model_type)
+    if wrapper is None:
+        return cfg, None
+    text = cfg.get("text_config") if isinstance(cfg, dict) else getattr(cfg, "text_config", None)
+    if text is None and isinstance(cfg, dict):
+        text = {}  # transformers builds a default text config: so do its class defaults
+    if not isinstance(text, dict) and not hasattr(text, "model_type"):
+        raise ConfigError(f"{where}: text_config={text!r} of model_type {model_type!r} is not an object; "
+                          "fix config.json (the text model's config).")
+    kind = text.get("model_type", wrapper.text_model_type) if isinstance(text, dict) else text.model_type
+    if kind != wrapper.text_model_type:
+        raise ConfigError(f"{where}: text_config.model_type={kind!r} in a {model_type!r} config; expected "
+                          f"{wrapper.text_model_type!r}: fix config.json.")
+    return ({**text, "model_type": kind} if isinstance(text, dict) else text), wrapper
+
+
+def _wrapper_tie(cfg: Any) -> bool:
+    """Whether a wrapper's LM head is its embedding: the top-level ``tie_word_embeddings``
+    (transformers ties by the wrapper's config; default false)."""
+    tie = cfg.get("tie_word_embeddings", False) if isinstance(cfg, dict) else getattr(cfg, "tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ConfigError(f"config.json: tie_word_embeddings={tie!r} must be true or false; fix the value.")
+    return tie
+
+
 def _config_json(directory: str | os.PathLike) -> dict[str, Any]:
     """config.json of a HF model directory, checked: an object with a known ``model_type``."""
     path = os.path.join(os.fspath(directory), "config.json")
@@ -141,13 +191,18 @@ def load_hf_config(source: Any):
     return source
 
 
-def _args_source(source: Any) -> Any:
+def _args_source(source: Any) -> tuple[Any, WrapperSpec | None, bool | None]:
     """What ``model_args_from_hf`` reads: a directory's config.json without transformers (the
-    converters' start-up), or the config object given."""
+    converters' start-up), or the config object given; of a vision-language wrapper its text
+    config, the wrapper and its LM head tying (else None, None)."""
     if isinstance(source, (str, os.PathLike)):
         raw = _config_json(source)
-        return JsonHFConfig(raw, CLASS_DEFAULTS[lookup_arch(raw["model_type"]).model_type])  # kimi_k2: deepseek_v3
-    return load_hf_config(source)
+        text, wrapper = _wrapped_text(raw, os.path.join(os.fspath(source), "config.json"))
+        cfg = JsonHFConfig(text, CLASS_DEFAULTS[lookup_arch(text["model_type"]).model_type])  # kimi_k2: deepseek_v3
+        return cfg, wrapper, _wrapper_tie(raw) if wrapper else None
+    outer = load_hf_config(source)
+    text, wrapper = _wrapped_text(outer, f"config (model_type {outer.model_type!r})")
+    return text, wrapper, _wrapper_tie(outer) if wrapper else None
 
 
 def _require(cfg: Any, name: str) -> Any:
@@ -241,7 +296,7 @@ def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
 
 def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs:
     """Builds ModelArgs from a HF directory or config; ``max_seq_len`` defaults to the config's."""
-    cfg = _args_source(source)
+    cfg, wrapper, wrapper_tie = _args_source(source)
     arch = lookup_arch(cfg.model_type)
     check_config_values(cfg, mla=arch.attention == "mla")
     hidden = _require(cfg, "hidden_size")
@@ -271,7 +326,7 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         head_dim=head_dim,
         norm_eps=_require(cfg, "rms_norm_eps"),
         max_position_embeddings=max_pos,
-        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        tie_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)) if wrapper is None else wrapper_tie,
         rope=rope,
         attention_dropout=float(getattr(cfg, "attention_dropout", 0.0) or 0.0),
         init_std=float(getattr(cfg, "initializer_range", 0.02)),
@@ -284,6 +339,7 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         mtp_layers=_mtp_layers(source, cfg, arch, num_layers),
         pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
                       if arch.pad_row_field else None),
+        wrapper=wrapper,
     )
 
 

@@ -11,6 +11,7 @@ from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.mtp import with_copies
 from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
+from mcore_rl.models.hf_layout import carried_names, hf_view, log_ignored
 from mcore_rl.models.model_types import Role, padded_vocab_size
 
 
@@ -19,7 +20,7 @@ def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> 
     ``with_head=False`` leaves the role's head out (it keeps its fresh initialisation)."""
     dims = args.mapping_dims(padded_vocab_size(args.vocab_size, tp))
     table = args.arch.table
-    rows = table.rows(role, args.features)
+    rows = args.hf_rows(role)
     head = table.lm_head if role == "actor" else table.value_head
     if not with_head:
         rows = {k: v for k, v in rows.items() if k not in head}
@@ -64,13 +65,19 @@ def load_hf(
 
     if init_value_head and role != "critic":
         raise ConfigError("init_value_head=True is for role='critic' only; an actor keeps its LM head.")
+    where = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the HF tensors"
     if isinstance(source, (str, os.PathLike)):
         source = SafetensorsReader(source)
+    ignore = {"lm_head.weight"} if init_value_head else set()
+    if args.wrapper is not None:  # a vision-language checkpoint: its text model is loaded
+        carried = carried_names(source, args.wrapper)
+        log_ignored(carried, args.wrapper, where)
+        ignore |= set(carried)
+    source = hf_view(source, args, where)
     if role == "critic" and not init_value_head:
         source = critic_head_source(source, args)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     wmap = weight_map(args, role, tp, with_head=not init_value_head)
-    ignore = {"lm_head.weight"} if init_value_head else set()
     load_hf_weights(chunks, wmap, source, ignore=ignore)
 
 

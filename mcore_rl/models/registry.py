@@ -155,6 +155,31 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 }
 
 
+@dataclass(frozen=True)
+class WrapperSpec:
+    """A published vision-language wrapper around a registered text architecture: its config
+    holds the text model's config under ``text_config``; its safetensors hold the text model's
+    tensors with ``model.`` renamed to ``hf_prefix`` (``lm_head.weight`` as is), a vision tower
+    under ``vision`` and other tensors under ``carried`` that mcore_rl does not train: the
+    converter carries them through untouched, ``load_hf`` ignores them by name."""
+
+    model_type: str
+    text_model_type: str
+    hf_class: str  # the transformers class merge writes back
+    hf_prefix: str = "model.language_model."
+    vision: str = "model.visual."
+    carried: tuple[str, ...] = ("model.visual.", "mtp.")  # mtp.*: MTP layers mcore_rl does not import here
+
+
+WRAPPERS: dict[str, WrapperSpec] = {
+    w.model_type: w
+    for w in (
+        WrapperSpec("qwen3_5", "qwen3_5_text", "Qwen3_5ForConditionalGeneration"),
+        WrapperSpec("qwen3_5_moe", "qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration"),
+    )
+}
+
+
 # model_types that are another's checkpoints under a new name: Kimi-K2 is DeepSeek-V3's
 # architecture (its release notes tell users to edit model_type to deepseek_v3 for other tools)
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
@@ -162,13 +187,15 @@ MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 
 def lookup_arch(model_type: str) -> ArchSpec:
     """The registry entry for ``model_type`` (an alias: its architecture's); unknown types list
-    the supported ones."""
+    the supported ones. A vision-language wrapper (``WRAPPERS``) gives its text architecture."""
+    if model_type in WRAPPERS:
+        return ARCHITECTURES[WRAPPERS[model_type].text_model_type]
     try:
         return ARCHITECTURES[MODEL_TYPE_ALIASES.get(model_type, model_type)]
     except KeyError:
         raise UnknownArchitectureError(
             f"unknown architecture model_type={model_type!r}; supported: "
-            f"{', '.join(sorted([*ARCHITECTURES, *MODEL_TYPE_ALIASES]))}. Add an ArchSpec to "
+            f"{', '.join(sorted([*ARCHITECTURES, *MODEL_TYPE_ALIASES, *WRAPPERS]))}. Add an ArchSpec to "
             "mcore_rl/models/registry.py "
             "to support another."
         ) from None

@@ -7,9 +7,19 @@ from typing import Iterable
 import torch
 
 from mcore_rl.mapping.casts import cast_checked
+from mcore_rl.models.registry import WRAPPERS
 from mcore_rl.rollout.engine import Rollout, RolloutError, left_pad
 
 Tensor = torch.Tensor
+
+
+def _wrapper_type(source) -> str | None:
+    """The model_type of ``source`` (a HF directory or a transformers config)."""
+    if isinstance(source, str):
+        from mcore_rl.models.hf_json import read_config_json
+
+        return read_config_json(source).get("model_type")
+    return getattr(source, "model_type", None)
 
 
 class TransformersRollout:
@@ -44,8 +54,13 @@ class TransformersRollout:
         if self.eos_id is None:
             raise RolloutError(f"{source if isinstance(source, str) else 'the config'}: no eos_token_id in "
                                "generation_config.json or config.json; add one.")
-        # tied embeddings: both names reach the same parameter
+        # tied embeddings: both names reach the same parameter; a vision-language checkpoint's text
+        # model (AutoModelForCausalLM loads Qwen3_5ForConditionalGeneration's as Qwen3_5ForCausalLM)
+        # takes the wrapper's names (model.language_model.*) too
         self.params = dict(self.model.named_parameters(remove_duplicate=False))
+        if _wrapper_type(source) in WRAPPERS:
+            self.params.update({"model.language_model." + k[len("model."):]: p for k, p in list(self.params.items())
+                                if k.startswith("model.")})
         self.device = torch.device(device)
 
     @torch.no_grad()

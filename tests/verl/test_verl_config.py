@@ -427,3 +427,19 @@ def test_every_megatron_key_is_classified():
     for key in keys:
         assert sum(key in t for t in tables) == 1, key
     assert set(M.verl_defaults()["override_transformer_config"]) - {"attention_backend"} == set(M.RECOMPUTE)
+
+
+def test_a_batch_with_images_is_refused():
+    """The engine runs a vision-language checkpoint's language model only: multimodal inputs
+    in a verl micro-batch are refused naming them, before any model input is built."""
+    import torch
+    from tensordict import TensorDict
+
+    from mcore_rl.integrations.verl.verl_batches import model_inputs
+    from mcore_rl.rl.batch import BatchError
+
+    ids = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], layout=torch.jagged)
+    mb = TensorDict({"input_ids": ids, "pixel_values": torch.zeros(2, 3)}, batch_size=[2])
+    with pytest.raises(BatchError, match=r"multimodal inputs \['pixel_values'\]: the mcore_rl engine runs and trains "
+                                         "the language model"):
+        model_inputs([mb], None, packed=True)

@@ -57,6 +57,20 @@ def _padded(mb: TensorDict, lengths: Tensor) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+# what verl's multimodal datasets add to a batch (images / videos for a vision tower)
+MULTIMODAL_KEYS = ("multi_modal_inputs", "multi_modal_data", "pixel_values", "pixel_values_videos", "image_grid_thw")
+
+
+def _check_text_only(mb: TensorDict) -> None:
+    """A batch with images or videos is refused: mcore_rl builds the language model of a
+    vision-language checkpoint only (its vision tower is carried through, never run)."""
+    found = [k for k in MULTIMODAL_KEYS if k in mb.keys()]
+    if found:
+        raise BatchError(f"the batch carries multimodal inputs {found}: the mcore_rl engine runs and trains the "
+                         "language model of a vision-language checkpoint only (its vision tower is neither run nor "
+                         "trained); use a text-only dataset, or verl's FSDP/Megatron engine for multimodal training.")
+
+
 def _round(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -66,6 +80,7 @@ def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> 
     also agreed over DP when MoE layers gather equal token blocks over DP ranks."""
     rows = []
     for mb in micro:
+        _check_text_only(mb)
         lengths = _lengths(mb)
         _check_positions(mb, lengths)
         rows.append((*_padded(mb, lengths), lengths))
