@@ -78,7 +78,9 @@ class ModelArgs:
         field = self.arch.mtp_layers_field
         if not field:
             return self
-        return replace(self, mtp_layers=resolve_mtp_layers(self.mtp_layers, set(names), self.num_layers, field, where))
+        table = self.arch.table
+        return replace(self, mtp_layers=resolve_mtp_layers(self.mtp_layers, set(names), self.num_layers, field, where,
+                                                           table.mtp_layer_prefix, table.mtp_shared))
 
     @property
     def features(self) -> frozenset[str]:
@@ -309,7 +311,7 @@ def _mtp_layers(source: Any, cfg: Any, arch: ArchSpec, num_layers: int) -> int:
             keys = None
     where = f"{os.fspath(source)}/config.json" if keys is not None else f"config (model_type {cfg.model_type!r})"
     return resolve_mtp_layers(getattr(cfg, arch.mtp_layers_field, None), keys, num_layers, arch.mtp_layers_field,
-                              where)
+                              where, arch.table.mtp_layer_prefix, arch.table.mtp_shared)
 
 
 def _pad_row(value: Any, vocab_size: int, source: str) -> int | None:
