@@ -100,3 +100,25 @@ def reference_hybrid_mtp_loss(hf, deeper, extra: dict, batch: dict) -> torch.Ten
             total += torch.nn.functional.cross_entropy(logits[0, : length - 1].double(), t[2:], reduction="sum")
             count += length - 1
     return (total / count).float()[None]
+
+
+def each_model(body, dirs: dict, *args) -> dict:
+    """``body(directory, *args)`` for every model of ``dirs`` in this world, the parallel state
+    torn down between them."""
+    from megatron.core import parallel_state
+
+    out = {}
+    for name, d in dirs.items():
+        out[name] = body(d, *args)
+        parallel_state.destroy_model_parallel()
+    return out
+
+
+def hybrid_mtp_train_losses(mtp_dir: str, layout_kwargs: dict, batch: dict) -> dict:
+    """tests/mtp_bodies.mtp_train_losses (the MTP loss alone through the schedule, scaling 0.3),
+    plus the MTP layer's and the trunk's first full-attention layer's gradient sums."""
+    from tests.mtp_bodies import mtp_train_losses
+
+    return mtp_train_losses(mtp_dir, layout_kwargs, batch, grad_suffixes=(
+        "eh_proj.weight", "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight",
+        "decoder.layers.1.self_attention.linear_qkv.weight"))
