@@ -18,7 +18,7 @@ import torch
 from mcore_rl.errors import McoreRLError
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
-from mcore_rl.models.mtp import DEFAULT_PREFIX, is_mtp_key, mtp_layer_prefix
+from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX, is_mtp_key, mtp_layer_prefix
 
 Tensor = torch.Tensor
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")

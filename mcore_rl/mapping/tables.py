@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX
 from mcore_rl.mapping.transforms import (
     COLUMN,
     EXPERT_GATE_UP,
@@ -53,7 +54,7 @@ class MappingTable:
     # the HF prefix of MTP layer {mtp}'s decoder layer: DeepSeek-V3 / GLM-4.5 number it as HF layer
     # {layer} = num_hidden_layers + {mtp}; Qwen3-Next / Qwen3.5 keep it under ``mtp.layers.{mtp}``
     # (then every ``mtp.*`` tensor is an MTP one). Its keys are a main layer's under that prefix.
-    mtp_layer_prefix: str = "model.layers.{layer}"
+    mtp_layer_prefix: str = DEFAULT_PREFIX
 
     @property
     def mtp_shared(self) -> bool:

@@ -20,7 +20,7 @@ from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, is_quantized, qua
 from mcore_rl.mapping.mtp import missing_mtp_hint, mtp_canonical_params, mtp_hf_keys, mtp_rule
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
-from mcore_rl.models.mtp import DEFAULT_PREFIX, is_mtp_key
+from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX, is_mtp_key
 from mcore_rl.platform import active_platform
 from mcore_rl.errors import McoreRLError
 
@@ -180,8 +180,9 @@ def canonical_params(chunk: torch.nn.Module, adapters: bool = False) -> Iterator
 
 
 def _mtp_keys(wmap: WeightMap, source_keys: set[str]) -> set[str]:
-    """The source's tensors of multi-token-prediction layers (HF layers num_layers.. after the
-    model's own), logged once: RL trains and exports the base model only."""
+    """The source's tensors of the multi-token-prediction layers of a model built without them
+    (``wmap.mtp_prefix``: HF layers num_layers.. after the model's own, or Qwen's ``mtp.*``),
+    logged once."""
     if not wmap.mtp_layers:
         return set()
     keys = {k for k in source_keys if is_mtp_key(k, wmap.num_layers, wmap.mtp_layers, wmap.mtp_prefix)}

@@ -1,12 +1,15 @@
-"""Multi-token-prediction (MTP) layers of DeepSeek-V3 / GLM-4.5 checkpoints on megatron-core's
-``MultiTokenPredictionBlock``: how many a checkpoint has, the switches a trainer sets
-(``MtpConfig``, verl's ``model.mtp.*`` names), and the block spec the builder places on the last
-pipeline stage. The forward that runs them on request is ``models/mtp_model.py``.
+"""Multi-token-prediction (MTP) layers of DeepSeek-V3 / GLM-4.5 / Qwen3-Next / Qwen3.5 checkpoints
+on megatron-core's ``MultiTokenPredictionBlock``: how many a checkpoint has, the switches a
+trainer sets (``MtpConfig``, verl's ``model.mtp.*`` names), and the block spec the builder places
+on the last pipeline stage. The forward that runs them on request is ``models/mtp_model.py``.
 
 HF layout (DeepSeek-V3 and GLM-4.5): MTP layer i is HF layer ``num_hidden_layers + i`` with
 ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, a full decoder layer, and copies of the
 word embedding (``embed_tokens``) and LM head (``shared_head.head``) that megatron shares with
-the main model (mapping: ``mapping/mtp_rows.py``).
+the main model. Qwen3-Next / Qwen3.5 (the keys vLLM and SGLang load): ``mtp.fc`` over
+[``mtp.pre_fc_norm_embedding``(embedding) ; ``mtp.pre_fc_norm_hidden``(hidden)], a gated
+full-attention decoder layer ``mtp.layers.{i}.*`` and ``mtp.norm``, one fc/norm set for all MTP
+layers (so at most one here); no copies. Mapping: ``mapping/mtp.py``, ``mapping/mtp_names.py``.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from mcore_rl.errors import McoreRLError
+from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX, mtp_layer_prefix, mtp_layers_in
 
 # megatron-core is imported inside the functions that build: hf_config (the converters'
 # start-up) reads MtpConfig and the count without it
@@ -53,47 +57,6 @@ class MtpConfig:
         if self.enable_train and not self.enable:
             raise MtpConfigError("mtp.enable_train=true with mtp.enable=false: training the MTP layers needs them "
                                  "built; set mtp.enable=true.")
-
-
-DEFAULT_PREFIX = "model.layers.{layer}"  # DeepSeek-V3 / GLM-4.5: MTP layer i is HF layer num_layers + i
-
-
-def mtp_layer_prefix(prefix: str, num_layers: int, depth: int) -> str:
-    """The HF prefix (no trailing dot) of MTP layer ``depth``'s decoder layer under the table's
-    ``prefix`` template (``MappingTable.mtp_layer_prefix``)."""
-    return prefix.format(layer=num_layers + depth, mtp=depth)
-
-
-def _own_namespace(prefix: str) -> str | None:
-    """'mtp.' for a prefix outside ``model.*`` (every tensor under it is an MTP one), else None."""
-    return None if prefix.startswith("model.") else prefix.split(".", 1)[0] + "."
-
-
-def mtp_depth(key: str, num_layers: int, prefix: str = DEFAULT_PREFIX) -> int | None:
-    """The MTP depth (0-based) whose decoder layer HF tensor ``key`` belongs to (None: none)."""
-    head = prefix.split("{", 1)[0]
-    if not key.startswith(head):
-        return None
-    index = key[len(head):].split(".", 1)[0]
-    if not index.isdigit() or "." not in key[len(head):]:
-        return None
-    base = num_layers if "{layer}" in prefix else 0
-    return int(index) - base if int(index) >= base else None
-
-
-def is_mtp_key(key: str, num_layers: int, count: int, prefix: str = DEFAULT_PREFIX) -> bool:
-    """Whether HF tensor ``key`` belongs to one of ``count`` MTP layers (a namespace of their
-    own, Qwen's ``mtp.*``: any tensor in it)."""
-    space = _own_namespace(prefix)
-    if space is not None:
-        return key.startswith(space)
-    depth = mtp_depth(key, num_layers, prefix)
-    return depth is not None and depth < count
-
-
-def mtp_layers_in(keys: Iterable[str], num_layers: int, prefix: str = DEFAULT_PREFIX) -> list[int]:
-    """Sorted MTP depths (0-based) whose decoder-layer HF tensors (``prefix``) are in ``keys``."""
-    return sorted({d for k in keys if (d := mtp_depth(k, num_layers, prefix)) is not None})
 
 
 def resolve_mtp_layers(declared: int | None, keys: Iterable[str] | None, num_layers: int, field: str,
