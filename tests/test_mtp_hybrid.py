@@ -19,7 +19,7 @@ from tests.test_convert import _assert_same_hf, _convert_all, _load_and_export
 from tests.tiny import padded_batch
 
 NAMES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
-QWEN = dict(prefix="mtp.layers.{mtp}", shared=True)
+QWEN = dict(prefix="mtp.layers.{mtp}")
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +52,19 @@ def test_count_from_tensors_refusals_and_skip(models, tmp_path, caplog):
         resolve_mtp_layers(2, keys, 4, FIELD, "x", **QWEN)
     with pytest.raises(MtpConfigError, match=r"\[mtp\.layers\.1\.\*\] .* not consecutive from mtp\.layers\.0"):
         resolve_mtp_layers(None, {"mtp.layers.1.input_layernorm.weight"}, 4, FIELD, "x", **QWEN)
-    two = keys | {"mtp.layers.1.input_layernorm.weight"}
-    with pytest.raises(MtpConfigError, match=r"2 multi-token-prediction layers .*sharing one projection"):
-        resolve_mtp_layers(None, two, 4, FIELD, "x", **QWEN)
-    assert resolve_mtp_layers(None, two, 4, FIELD, "x", prefix="mtp.layers.{mtp}") == 2  # not shared: counted
-    d, *_ = save_hybrid_mtp(tmp_path, "qwen3_5", declare=2)  # a config that disagrees with its tensors
+    d, *_ = save_hybrid_mtp(tmp_path / "bad", "qwen3_5", declare=2)  # a config that disagrees with its tensors
     with pytest.raises(MtpConfigError, match=rf"{d}/config.json: mtp_num_hidden_layers=2 but .* holds 1"):
         model_args_from_hf(d)
+    # two MTP layers share Qwen's one fc / norm set: counted, refused when built, skipped when left out
+    d, *_ = save_hybrid_mtp(tmp_path / "two", "qwen3_5", depth=2)
+    args = model_args_from_hf(d)
+    assert args.mtp_layers == 2
+    with pytest.raises(MtpConfigError, match=r"'qwen3_5_text': the checkpoint has 2 .* share one projection"):
+        weight_map(args, "actor", 1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mcore_rl"):
+        check_hf_keys(weight_map(args.with_mtp(False), "actor", 1), set(SafetensorsReader(d)))
+    assert "multi-token-prediction layers [0, 1]" in caplog.text
 
 
 def test_converted_loaded_at_tp2_pp2_ep2_and_merged_bit_exact(models, tmp_path):

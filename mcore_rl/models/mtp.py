@@ -60,25 +60,29 @@ class MtpConfig:
 
 
 def resolve_mtp_layers(declared: int | None, keys: Iterable[str] | None, num_layers: int, field: str,
-                       where: str, prefix: str = DEFAULT_PREFIX, shared: bool = False) -> int:
+                       where: str, prefix: str = DEFAULT_PREFIX) -> int:
     """The MTP layer count: the config's ``field`` (``declared``), else the MTP layers (HF
     decoder-layer ``prefix``, ``MappingTable.mtp_layer_prefix``) in ``keys``; a disagreement
     between the two is refused. A config that declares layers a checkpoint does not hold at all
     (transformers' save_pretrained drops them) counts 0, with a log line. ``keys`` None: only the
-    config is known. ``shared`` (``MappingTable.mtp_shared``): one projection and norm set for
-    every MTP layer, which megatron cannot hold for more than one."""
+    config is known."""
     if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared < 0):
         raise MtpConfigError(f"{where}: {field}={declared!r} must be an integer >= 0; fix config.json.")
     if keys is None:
-        count = declared or 0
-    else:
-        count = _count_from_keys(declared, set(keys), num_layers, field, where, prefix)
+        return declared or 0
+    return _count_from_keys(declared, set(keys), num_layers, field, where, prefix)
+
+
+def check_buildable(count: int, shared: bool, model_type: str, field: str | None) -> None:
+    """Refuses building ``count`` MTP layers that share one projection and norm set (``shared``,
+    ``MappingTable.mtp_shared``: Qwen's ``mtp.fc`` / ``mtp.pre_fc_norm_*`` / ``mtp.norm``) when
+    there are several: megatron-core gives each MTP layer its own."""
     if shared and count > 1:
         raise MtpConfigError(
-            f"{where}: {count} multi-token-prediction layers ({field}) sharing one projection and norm set "
-            "(mtp.fc, mtp.pre_fc_norm_*, mtp.norm); megatron-core gives each MTP layer its own, "
-            "so mcore_rl holds one: use a checkpoint with one MTP layer or build without them (mtp.enable=false).")
-    return count
+            f"model_type {model_type!r}: the checkpoint has {count} multi-token-prediction layers ({field}) that "
+            "share one projection and norm set (mtp.fc, mtp.pre_fc_norm_*, mtp.norm); megatron-core gives each MTP "
+            "layer its own, so mcore_rl builds one at most: build without them (mtp.enable=false, "
+            "ModelArgs.with_mtp(False)) or use a checkpoint with one MTP layer.")
 
 
 def _count_from_keys(declared: int | None, keys: set[str], num_layers: int, field: str, where: str,
