@@ -77,11 +77,17 @@ def with_copies(rows: dict[str, Row], mtp_rows: dict[str, Row], num_layers: int,
 
 
 def _hf_names(names: list[str], layer: int, depth: int, prefix: str) -> list[str]:
-    """Decoder-layer HF ``names`` of layer ``layer`` moved under MTP layer ``depth``'s ``prefix``."""
+    """Decoder-layer HF ``names`` of layer ``layer`` (``<any prefix>layers.{layer}.<rest>``: a
+    wrapper may spell the text model under its own prefix) moved under MTP layer ``depth``'s
+    ``prefix``."""
     if prefix == DEFAULT_PREFIX:
         return names
-    old, new = f"model.layers.{layer}.", mtp_layer_prefix(prefix, layer - depth, depth) + "."
-    return [new + n[len(old):] if n.startswith(old) else n for n in names]
+    mark, new = f"layers.{layer}.", mtp_layer_prefix(prefix, layer - depth, depth) + "."
+    out = []
+    for n in names:
+        at = n.find(mark)
+        out.append(new + n[at + len(mark):] if at >= 0 else n)
+    return out
 
 
 def mtp_rule(canonical: str, num_layers: int, mtp_rows: dict[str, Row],
