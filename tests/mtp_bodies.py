@@ -143,9 +143,12 @@ def reference_mtp_losses(hf, deeper, extra: dict, batch: dict, depth: int) -> to
     return (sums / counts).float()
 
 
-def mtp_train_losses(mtp_dir: str, layout_kwargs: dict, batch: dict, detach: bool = False) -> dict:
+def mtp_train_losses(mtp_dir: str, layout_kwargs: dict, batch: dict, detach: bool = False,
+                     grad_suffixes: tuple[str, ...] = ("eh_proj.weight",
+                                                       "decoder.layers.0.self_attention.linear_proj.weight")) -> dict:
     """One training forward/backward with MTP training on (scaling 0.3): the per-depth MTP
-    losses the model logged (last stage) and whether the trunk / MTP layers got gradients."""
+    losses the model logged (last stage) and the gradient sums of the parameters named with
+    ``grad_suffixes`` (whether the trunk / MTP layers got gradients)."""
     from mcore_rl.models.ddp import wrap_with_ddp
     from mcore_rl.models.forward import run_schedule
     from mcore_rl.models.mtp import MtpConfig
@@ -160,7 +163,7 @@ def mtp_train_losses(mtp_dir: str, layout_kwargs: dict, batch: dict, detach: boo
     zero_loss = lambda b, out: ((out * 0).sum(), {})  # noqa: E731  the MTP loss alone
     run_schedule(model, [batch], zero_loss, forward_only=False)
     grads = {n: float(p.main_grad.abs().sum()) for c in model for n, p in c.module.named_parameters()
-             if n.endswith(("eh_proj.weight", "decoder.layers.0.self_attention.linear_proj.weight"))}
+             if n.endswith(grad_suffixes)}
     last = [c for c in chunks if hasattr(c, "mtp")]
     losses = torch.stack(last[0].mtp_losses) if last else None
     return {"losses": share_from_last_stage(losses), "grads": grads}

@@ -31,9 +31,10 @@ def test_mtp_count_from_config_or_tensors(mtp_models, caplog):
     assert model_args_from_hf(mtp_models["glm4_moe"][0]).mtp_layers == 1  # config silent
     keys = {"model.layers.4.enorm.weight", "model.layers.5.enorm.weight", "model.norm.weight"}
     assert resolve_mtp_layers(None, keys, 4, "num_nextn_predict_layers", "x") == 2
-    with pytest.raises(MtpConfigError, match=r"num_nextn_predict_layers=1 but the checkpoint holds 2 .*\[4, 5\]"):
+    with pytest.raises(MtpConfigError,
+                       match=r"num_nextn_predict_layers=1 but the checkpoint holds 2 .*\[model\.layers\.4\.\*, model\.layers\.5\.\*\]"):
         resolve_mtp_layers(1, keys, 4, "num_nextn_predict_layers", "x")
-    with pytest.raises(MtpConfigError, match=r"HF layers \[5\], not consecutive"):
+    with pytest.raises(MtpConfigError, match=r"\[model\.layers\.5\.\*\] \(after num_hidden_layers=4\), not consecutive"):
         resolve_mtp_layers(None, {"model.layers.5.enorm.weight"}, 4, "num_nextn_predict_layers", "x")
     with caplog.at_level(logging.WARNING, logger="mcore_rl"):  # transformers' save_pretrained drops them
         assert resolve_mtp_layers(1, {"model.norm.weight"}, 4, "num_nextn_predict_layers", "x") == 0

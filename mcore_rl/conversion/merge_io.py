@@ -272,7 +272,8 @@ def canonical_rules(args: ModelArgs, role: str) -> Iterator[tuple[str, list[str]
         yield template, list(rows[template][0]), rows[template][1]
     if mtp:
         yield from mtp_rules(rows, table.mtp, args.num_layers, mtp, bool(args.moe and kinds[-1]),
-                             frozenset(table.moe_mlp), frozenset(table.dense_mlp), len(experts))
+                             frozenset(table.moe_mlp), frozenset(table.dense_mlp), len(experts),
+                             frozenset(table.linear_attention), table.mtp_layer_prefix)
 
 
 def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:

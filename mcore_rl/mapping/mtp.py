@@ -1,8 +1,10 @@
 """Weight mapping of multi-token-prediction (MTP) layers (rows: ``MappingTable.mtp``).
 
 Canonical megatron names: ``mtp.layers.{i}.<own>`` (enorm, hnorm, eh_proj, final_layernorm) and
-``mtp.layers.{i}.transformer_layer.<layer-relative canonical name>``; MTP layer i is HF layer
-``num_layers + i``, its decoder layer maps as a decoder layer of that index. The HF copies of the
+``mtp.layers.{i}.transformer_layer.<layer-relative canonical name>``; MTP layer i's decoder layer
+maps as decoder layer ``num_layers + i``, its HF names moved under the table's
+``mtp_layer_prefix`` (DeepSeek-V3: HF layer ``num_layers + i`` itself; Qwen: ``mtp.layers.{i}``).
+In a hybrid model it is a full-attention layer (no Gated DeltaNet rows). The HF copies of the
 word embedding and LM head each MTP layer holds are extra HF names of the shared megatron
 parameter (``Copies``): imported only when equal to the main tensor, exported as copies of it.
 """
@@ -16,6 +18,7 @@ import torch
 from mcore_rl.errors import McoreRLError
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
+from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX, is_mtp_key, mtp_layer_prefix
 
 Tensor = torch.Tensor
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
@@ -73,17 +76,33 @@ def with_copies(rows: dict[str, Row], mtp_rows: dict[str, Row], num_layers: int,
     return rows
 
 
+def _hf_names(names: list[str], layer: int, depth: int, prefix: str) -> list[str]:
+    """Decoder-layer HF ``names`` of layer ``layer`` (``<any prefix>layers.{layer}.<rest>``: a
+    wrapper may spell the text model under its own prefix) moved under MTP layer ``depth``'s
+    ``prefix``."""
+    if prefix == DEFAULT_PREFIX:
+        return names
+    mark, new = f"layers.{layer}.", mtp_layer_prefix(prefix, layer - depth, depth) + "."
+    out = []
+    for n in names:
+        at = n.find(mark)
+        out.append(new + n[at + len(mark):] if at >= 0 else n)
+    return out
+
+
 def mtp_rule(canonical: str, num_layers: int, mtp_rows: dict[str, Row],
-             decoder_rule: Callable[[str], tuple[list[str], Transform]]) -> tuple[list[str], Transform] | None:
+             decoder_rule: Callable[[str], tuple[list[str], Transform]],
+             prefix: str = DEFAULT_PREFIX) -> tuple[list[str], Transform] | None:
     """HF names and transform of an MTP parameter (None: not an MTP name); its decoder layer's
-    through ``decoder_rule`` of ``decoder.layers.{num_layers + i}.<rest>``."""
+    through ``decoder_rule`` of ``decoder.layers.{num_layers + i}.<rest>``, under ``prefix``."""
     m = MTP_LAYER.match(canonical)
     if m is None:
         return None
     depth, rest = int(m[1]), m[2]
     layer = num_layers + depth
     if rest.startswith(_IN_LAYER):
-        return decoder_rule(f"decoder.layers.{layer}.{rest[len(_IN_LAYER):]}")
+        names, transform = decoder_rule(f"decoder.layers.{layer}.{rest[len(_IN_LAYER):]}")
+        return _hf_names(names, layer, depth, prefix), transform
     template = f"mtp.layers.{{mtp}}.{rest}"
     if template not in mtp_rows:
         raise MtpMappingError(f"megatron parameter {canonical!r} has no MTP row (MappingTable.mtp in "
@@ -92,22 +111,21 @@ def mtp_rule(canonical: str, num_layers: int, mtp_rows: dict[str, Row],
     return [t.format(layer=layer) for t in hf_templates], transform
 
 
+def _layer_rows(rows: dict[str, Row], moe: bool, moe_only: frozenset[str], dense_only: frozenset[str],
+                linear_only: frozenset[str]) -> Iterator[tuple[str, Row]]:
+    """The decoder-layer rows of an MTP layer: its MLP kind's, never a Gated DeltaNet's."""
+    for template, row in rows.items():
+        if "{layer}" in template and template not in (dense_only if moe else moe_only) and template not in linear_only:
+            yield template, row
+
+
 def mtp_hf_keys(rows: dict[str, Row], mtp_rows: dict[str, Row], num_layers: int, count: int, moe: bool,
-                moe_only: frozenset[str], dense_only: frozenset[str], num_experts: int) -> set[str]:
+                moe_only: frozenset[str], dense_only: frozenset[str], num_experts: int,
+                linear_only: frozenset[str] = frozenset(), prefix: str = DEFAULT_PREFIX) -> set[str]:
     """Every HF tensor name of ``count`` MTP layers whose decoder layer is MoE (``moe``) or dense
     (the copies of shared tensors come with the shared rows)."""
-    keys: set[str] = set()
-    for depth in range(count):
-        layer = num_layers + depth
-        for template, (hf_templates, _) in rows.items():
-            if "{layer}" not in template or template in (dense_only if moe else moe_only):
-                continue
-            for e in range(num_experts) if "{expert}" in template else [None]:
-                keys.update(t.format(layer=layer, expert=e) for t in hf_templates)
-        for template, (hf_templates, _) in mtp_rows.items():
-            if template.startswith("mtp."):
-                keys.update(t.format(layer=layer) for t in hf_templates)
-    return keys
+    return {n for _, names, _ in mtp_rules(rows, mtp_rows, num_layers, count, moe, moe_only, dense_only,
+                                           num_experts, linear_only, prefix) for n in names}
 
 
 def mtp_canonical_params(model: torch.nn.Module, layer_name: Callable[[torch.nn.Module, str], str],
@@ -142,32 +160,30 @@ def mtp_dist_key(canonical: str) -> tuple[str, tuple[int, ...]] | None:
 
 
 def mtp_rules(rows: dict[str, Row], mtp_rows: dict[str, Row], num_layers: int, count: int, moe: bool,
-              moe_only: frozenset[str], dense_only: frozenset[str],
-              num_experts: int) -> Iterator[tuple[str, list[str], Transform]]:
+              moe_only: frozenset[str], dense_only: frozenset[str], num_experts: int,
+              linear_only: frozenset[str] = frozenset(),
+              prefix: str = DEFAULT_PREFIX) -> Iterator[tuple[str, list[str], Transform]]:
     """(canonical name, HF names, transform) of every tensor group of ``count`` MTP layers, in
-    file order (a merge's plan); the copies of shared tensors come with the shared rows."""
-    prefix = "decoder.layers.{layer}."
+    file order (a merge's plan); the copies of shared tensors come with the shared rows;
+    ``linear_only``: Gated DeltaNet rows (an MTP layer has full attention); ``prefix``: the
+    table's ``mtp_layer_prefix``."""
+    head = "decoder.layers.{layer}."
     for depth in range(count):
         layer = num_layers + depth
-        for template, (hf_templates, transform) in rows.items():
-            if not template.startswith(prefix) or template in (dense_only if moe else moe_only):
-                continue
+        for template, (hf_templates, transform) in _layer_rows(rows, moe, moe_only, dense_only, linear_only):
             for e in range(num_experts) if "{expert}" in template else [None]:
-                rest = template[len(prefix):].format(expert=e)
-                yield (f"mtp.layers.{depth}.{_IN_LAYER}{rest}",
-                       [t.format(layer=layer, expert=e) for t in hf_templates], transform)
+                rest = template[len(head):].format(expert=e)
+                names = [t.format(layer=layer, expert=e) for t in hf_templates]
+                yield f"mtp.layers.{depth}.{_IN_LAYER}{rest}", _hf_names(names, layer, depth, prefix), transform
         for template, (hf_templates, transform) in mtp_rows.items():
             if template.startswith("mtp."):
                 yield template.format(mtp=depth), [t.format(layer=layer) for t in hf_templates], transform
 
 
-def missing_mtp_hint(missing: list[str], num_layers: int, built: bool) -> str:
+def missing_mtp_hint(missing: list[str], num_layers: int, built: bool, prefix: str = DEFAULT_PREFIX) -> str:
     """The fix for a checkpoint lacking the MTP layers the model was built with ('' otherwise)."""
-    if not built or not any((m := _HF_LAYER_INDEX.match(k)) and int(m[1]) >= num_layers for k in missing):
+    if not built or not any(is_mtp_key(k, num_layers, 1 << 30, prefix) for k in missing):
         return ""
     return (" The missing tensors are multi-token-prediction layers the config declares: build without them "
             "(mtp.enable=false, ModelArgs.with_mtp(False)) or, with args from a config object, "
             "ModelArgs.for_weights(<the tensor names>).")
-
-
-_HF_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX
 from mcore_rl.mapping.transforms import (
     COLUMN,
     EXPERT_GATE_UP,
@@ -50,6 +51,16 @@ class MappingTable:
     linear_attention: dict[str, Row] = field(default_factory=dict)
     # multi-token-prediction rows an architecture opts into (mapping/mtp.py reads them)
     mtp: dict[str, Row] = field(default_factory=dict)
+    # the HF prefix of MTP layer {mtp}'s decoder layer: DeepSeek-V3 / GLM-4.5 number it as HF layer
+    # {layer} = num_hidden_layers + {mtp}; Qwen3-Next / Qwen3.5 keep it under ``mtp.layers.{mtp}``
+    # (then every ``mtp.*`` tensor is an MTP one). Its keys are a main layer's under that prefix.
+    mtp_layer_prefix: str = DEFAULT_PREFIX
+
+    @property
+    def mtp_shared(self) -> bool:
+        """The MTP layers' own rows (norms, projection) are single HF tensors, not one per MTP
+        layer (Qwen's ``mtp.fc``): a checkpoint can then hold one MTP layer only."""
+        return any("{layer}" not in t for k, (hf, _) in self.mtp.items() if k.startswith("mtp.") for t in hf)
 
     def rows(self, role: str, features: frozenset[str] = frozenset(), hf_prefix: str = "") -> dict[str, Row]:
         """Every row for ``role`` ('actor' has the LM head, 'critic' the value head) of a model
@@ -209,6 +220,18 @@ _DEEPSEEK_MTP: dict[str, Row] = {
     "output_layer.weight": ((f"{_L}.shared_head.head.weight",), VOCAB),
 }
 
+# Qwen3-Next / Qwen3.5 multi-token prediction (the keys vLLM and SGLang load): one projection
+# ``mtp.fc`` of [pre_fc_norm_embedding(embedding) ; pre_fc_norm_hidden(hidden)], the decoder layer
+# ``mtp.layers.{mtp}.*`` (gated full attention), ``mtp.norm``; zero-centred norms like every
+# other Qwen norm; the embedding and LM head are the main model's (no copies)
+_QWEN_MTP: dict[str, Row] = {
+    f"{_MTP}.enorm.weight": (("mtp.pre_fc_norm_embedding.weight",), REPLICATED),
+    f"{_MTP}.hnorm.weight": (("mtp.pre_fc_norm_hidden.weight",), REPLICATED),
+    f"{_MTP}.eh_proj.weight": (("mtp.fc.weight",), COLUMN),
+    f"{_MTP}.final_layernorm.weight": (("mtp.norm.weight",), REPLICATED),
+}
+_QWEN_MTP_KW = dict(mtp=_QWEN_MTP, mtp_layer_prefix="mtp.layers.{mtp}")
+
 _LM_HEAD: dict[str, Row] = {"output_layer.weight": (("lm_head.weight",), VOCAB)}
 
 # The critic's hidden -> 1 head, named as in transformers' *ForTokenClassification.
@@ -257,13 +280,16 @@ QWEN3_NEXT = MappingTable(
     dense_mlp=_DENSE_MLP,  # decoder_sparse_step / mlp_only_layers
     moe_mlp={**_QWEN_MOE, **_QWEN2_SHARED_EXPERT},
     linear_attention=_GDN_QWEN3_NEXT,
+    **_QWEN_MTP_KW,
     **_HEADS,
 )
-QWEN3_5 = MappingTable(_GLOBALS, _GATED_ATTENTION, dense_mlp=_DENSE_MLP, linear_attention=_GDN_QWEN3_5, **_HEADS)
+QWEN3_5 = MappingTable(_GLOBALS, _GATED_ATTENTION, dense_mlp=_DENSE_MLP, linear_attention=_GDN_QWEN3_5,
+                       **_QWEN_MTP_KW, **_HEADS)
 QWEN3_5_MOE = MappingTable(
     _GLOBALS,
     _GATED_ATTENTION,
     moe_mlp={**_QWEN_MOE, **_QWEN2_SHARED_EXPERT},
     linear_attention=_GDN_QWEN3_5,
+    **_QWEN_MTP_KW,
     **_HEADS,
 )

@@ -20,6 +20,7 @@ from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, is_quantized, qua
 from mcore_rl.mapping.mtp import missing_mtp_hint, mtp_canonical_params, mtp_hf_keys, mtp_rule
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
+from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX, is_mtp_key
 from mcore_rl.platform import active_platform
 from mcore_rl.errors import McoreRLError
 
@@ -30,7 +31,6 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _TE_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _TIED_OUTPUT = "output_layer.weight"
 _EMBEDDING = "embedding.word_embeddings.weight"
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class MappingError(McoreRLError, KeyError):
@@ -61,6 +61,7 @@ class WeightMap:
     mtp_layers: int = 0  # HF layers after the last one: multi-token prediction (MTP)
     mtp_rows: dict[str, Row] = field(default_factory=dict)  # empty: MTP layers not built, skipped
     mtp_moe: bool = False  # the MTP layers' decoder layer is an MoE layer
+    mtp_prefix: str = DEFAULT_PREFIX  # HF prefix of their decoder layers (MappingTable.mtp_layer_prefix)
     # hybrid models: ``linear_layers[i]`` tells a Gated DeltaNet layer (rows ``linear_only``) from
     # a full-attention one (rows ``attention_only``); None: every layer has attention rows
     linear_layers: tuple[bool, ...] | None = None
@@ -76,7 +77,7 @@ class WeightMap:
 
     def rule(self, canonical: str) -> tuple[list[str], Transform]:
         """HF names and transform for one canonical megatron name."""
-        mtp = mtp_rule(canonical, self.num_layers, self.mtp_rows, self.rule) if self.mtp_rows else None
+        mtp = mtp_rule(canonical, self.num_layers, self.mtp_rows, self.rule, self.mtp_prefix) if self.mtp_rows else None
         if mtp is not None:
             return mtp
         layer = expert = None
@@ -114,7 +115,7 @@ class WeightMap:
                     keys.update(t.format(layer=layer, expert=e) for t in hf_templates)
         if self.mtp_rows:
             keys |= mtp_hf_keys(self.rows, self.mtp_rows, self.num_layers, self.mtp_layers, self.mtp_moe,
-                                self.moe_only, self.dense_only, self.num_experts)
+                                self.moe_only, self.dense_only, self.num_experts, self.linear_only, self.mtp_prefix)
         return keys
 
 
@@ -179,14 +180,17 @@ def canonical_params(chunk: torch.nn.Module, adapters: bool = False) -> Iterator
 
 
 def _mtp_keys(wmap: WeightMap, source_keys: set[str]) -> set[str]:
-    """The source's tensors of multi-token-prediction layers (HF layers num_layers.. after the
-    model's own), logged once: RL trains and exports the base model only."""
-    extra = range(wmap.num_layers, wmap.num_layers + wmap.mtp_layers)
-    keys = {k for k in source_keys if (m := _HF_LAYER.match(k)) and int(m[1]) in extra}
+    """The source's tensors of the multi-token-prediction layers of a model built without them
+    (``wmap.mtp_prefix``: HF layers num_layers.. after the model's own, or Qwen's ``mtp.*``),
+    logged once."""
+    if not wmap.mtp_layers:
+        return set()
+    keys = {k for k in source_keys if is_mtp_key(k, wmap.num_layers, wmap.mtp_layers, wmap.mtp_prefix)}
     if keys:
+        first = wmap.num_layers if "{layer}" in wmap.mtp_prefix else 0
         logging.getLogger("mcore_rl").warning(
-            "skipping %d tensors of multi-token-prediction layers %s (num_nextn_predict_layers=%d): "
-            "mcore_rl loads, trains and exports the base model only", len(keys), list(extra), wmap.mtp_layers)
+            "skipping %d tensors of multi-token-prediction layers %s (%s): the model is built without them",
+            len(keys), list(range(first, first + wmap.mtp_layers)), wmap.mtp_prefix)
     return keys
 
 
@@ -207,7 +211,7 @@ def check_hf_keys(wmap: WeightMap, source_keys: set[str], ignore: set[str] = fro
     if missing:
         raise MappingError(
             f"HF checkpoint lacks tensors the {wmap.model_type} model needs: {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''}.{missing_mtp_hint(missing, wmap.num_layers, bool(wmap.mtp_rows))}"
+            f"{' ...' if len(missing) > 8 else ''}.{missing_mtp_hint(missing, wmap.num_layers, bool(wmap.mtp_rows), wmap.mtp_prefix)}"
         )
 
 

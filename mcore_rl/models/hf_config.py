@@ -15,7 +15,7 @@ from mcore_rl.models.hf_json import CLASS_DEFAULTS, JsonHFConfig, read_config_js
 from mcore_rl.models.hybrid import HybridArgs, hybrid_args_from_hf
 from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
-from mcore_rl.models.mtp import resolve_mtp_layers
+from mcore_rl.models.mtp import check_buildable, resolve_mtp_layers
 from mcore_rl.models.registry import WRAPPERS, ArchSpec, WrapperSpec, lookup_arch
 from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf
 from mcore_rl.errors import McoreRLError
@@ -76,8 +76,12 @@ class ModelArgs:
 
     @property
     def mtp_built(self) -> int:
-        """The MTP layers an actor is built with (0: none)."""
-        return self.mtp_layers if self.mtp_build else 0
+        """The MTP layers an actor is built with (0: none); more than one sharing one fc/norm set
+        (Qwen's layout) is refused here, so a model built without them still loads."""
+        if not self.mtp_build:
+            return 0
+        check_buildable(self.mtp_layers, self.arch.table.mtp_shared, self.arch.model_type, self.arch.mtp_layers_field)
+        return self.mtp_layers
 
     def with_mtp(self, build: bool) -> ModelArgs:
         """These args with the checkpoint's MTP layers built (True) or left out (False)."""
@@ -87,9 +91,11 @@ class ModelArgs:
         """These args with the MTP layer count checked against the HF tensor ``names`` the model
         will load (args read from a config object: a transformers model in memory holds none)."""
         field = self.arch.mtp_layers_field
-        if not field:
+        if not field or self.wrapper is not None:  # a wrapper's mtp.* are carried, not built
             return self
-        return replace(self, mtp_layers=resolve_mtp_layers(self.mtp_layers, set(names), self.num_layers, field, where))
+        table = self.arch.table
+        return replace(self, mtp_layers=resolve_mtp_layers(self.mtp_layers, set(names), self.num_layers, field, where,
+                                                           table.mtp_layer_prefix))
 
     @property
     def features(self) -> frozenset[str]:
@@ -336,7 +342,8 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         qkv_bias=_switch(cfg, arch.qkv_bias, arch.qkv_bias_field),
         qk_norm=_switch(cfg, arch.qk_norm, arch.qk_norm_field),
         mla=mla,
-        mtp_layers=_mtp_layers(source, cfg, arch, num_layers),
+        # a vision-language wrapper carries its mtp.* tensors through untouched (not built)
+        mtp_layers=_mtp_layers(source, cfg, arch, num_layers) if wrapper is None else 0,
         pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
                       if arch.pad_row_field else None),
         wrapper=wrapper,
@@ -365,7 +372,7 @@ def _mtp_layers(source: Any, cfg: Any, arch: ArchSpec, num_layers: int) -> int:
             keys = None
     where = f"{os.fspath(source)}/config.json" if keys is not None else f"config (model_type {cfg.model_type!r})"
     return resolve_mtp_layers(getattr(cfg, arch.mtp_layers_field, None), keys, num_layers, arch.mtp_layers_field,
-                              where)
+                              where, arch.table.mtp_layer_prefix)
 
 
 def _pad_row(value: Any, vocab_size: int, source: str) -> int | None:

@@ -44,6 +44,7 @@ def weight_map(args: ModelArgs, role: Role, tp: int, with_head: bool = True) -> 
         linear_only=frozenset(table.linear_attention),
         mtp_rows=table.mtp if mtp else {},
         mtp_moe=bool(args.moe is not None and args.moe.moe_layers[-1]),
+        mtp_prefix=table.mtp_layer_prefix,
     )
 
 

@@ -1,28 +1,28 @@
-"""Multi-token-prediction (MTP) layers of DeepSeek-V3 / GLM-4.5 checkpoints on megatron-core's
-``MultiTokenPredictionBlock``: how many a checkpoint has, the switches a trainer sets
-(``MtpConfig``, verl's ``model.mtp.*`` names), and the block spec the builder places on the last
-pipeline stage. The forward that runs them on request is ``models/mtp_model.py``.
+"""Multi-token-prediction (MTP) layers of DeepSeek-V3 / GLM-4.5 / Qwen3-Next / Qwen3.5 checkpoints
+on megatron-core's ``MultiTokenPredictionBlock``: how many a checkpoint has, the switches a
+trainer sets (``MtpConfig``, verl's ``model.mtp.*`` names), and the block spec the builder places
+on the last pipeline stage. The forward that runs them on request is ``models/mtp_model.py``.
 
 HF layout (DeepSeek-V3 and GLM-4.5): MTP layer i is HF layer ``num_hidden_layers + i`` with
 ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, a full decoder layer, and copies of the
 word embedding (``embed_tokens``) and LM head (``shared_head.head``) that megatron shares with
-the main model (mapping: ``mapping/mtp_rows.py``).
+the main model. Qwen3-Next / Qwen3.5 (the keys vLLM and SGLang load): ``mtp.fc`` over
+[``mtp.pre_fc_norm_embedding``(embedding) ; ``mtp.pre_fc_norm_hidden``(hidden)], a gated
+full-attention decoder layer ``mtp.layers.{i}.*`` and ``mtp.norm``, one fc/norm set for all MTP
+layers (so at most one here); no copies. Mapping: ``mapping/mtp.py``, ``mapping/mtp_names.py``.
 """
 from __future__ import annotations
 
 import copy
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from mcore_rl.errors import McoreRLError
+from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX, mtp_layer_prefix, mtp_layers_in
 
 # megatron-core is imported inside the functions that build: hf_config (the converters'
 # start-up) reads MtpConfig and the count without it
-
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
 
 class MtpConfigError(McoreRLError, ValueError):
     """MTP switches or an MTP layer count that cannot be honoured; the message names the value."""
@@ -59,37 +59,50 @@ class MtpConfig:
                                  "built; set mtp.enable=true.")
 
 
-def mtp_layers_in(keys: Iterable[str], num_layers: int) -> list[int]:
-    """Sorted MTP depths (0-based) whose HF tensors ``model.layers.{num_layers + i}.*`` are in ``keys``."""
-    found = {int(m[1]) - num_layers for k in keys if (m := _HF_LAYER.match(k)) and int(m[1]) >= num_layers}
-    return sorted(found)
-
-
 def resolve_mtp_layers(declared: int | None, keys: Iterable[str] | None, num_layers: int, field: str,
-                       where: str) -> int:
-    """The MTP layer count: the config's ``field`` (``declared``), else the HF layers after
-    ``num_layers`` in ``keys``; a disagreement between the two is refused. A config that declares
-    layers a checkpoint does not hold at all (transformers' save_pretrained drops them) counts 0,
-    with a log line. ``keys`` None: only the config is known."""
+                       where: str, prefix: str = DEFAULT_PREFIX) -> int:
+    """The MTP layer count: the config's ``field`` (``declared``), else the MTP layers (HF
+    decoder-layer ``prefix``, ``MappingTable.mtp_layer_prefix``) in ``keys``; a disagreement
+    between the two is refused. A config that declares layers a checkpoint does not hold at all
+    (transformers' save_pretrained drops them) counts 0, with a log line. ``keys`` None: only the
+    config is known."""
     if declared is not None and (isinstance(declared, bool) or not isinstance(declared, int) or declared < 0):
         raise MtpConfigError(f"{where}: {field}={declared!r} must be an integer >= 0; fix config.json.")
     if keys is None:
         return declared or 0
-    depths = mtp_layers_in(keys, num_layers)
+    return _count_from_keys(declared, set(keys), num_layers, field, where, prefix)
+
+
+def check_buildable(count: int, shared: bool, model_type: str, field: str | None) -> None:
+    """Refuses building ``count`` MTP layers that share one projection and norm set (``shared``,
+    ``MappingTable.mtp_shared``: Qwen's ``mtp.fc`` / ``mtp.pre_fc_norm_*`` / ``mtp.norm``) when
+    there are several: megatron-core gives each MTP layer its own."""
+    if shared and count > 1:
+        raise MtpConfigError(
+            f"model_type {model_type!r}: the checkpoint has {count} multi-token-prediction layers ({field}) that "
+            "share one projection and norm set (mtp.fc, mtp.pre_fc_norm_*, mtp.norm); megatron-core gives each MTP "
+            "layer its own, so mcore_rl builds one at most: build without them (mtp.enable=false, "
+            "ModelArgs.with_mtp(False)) or use a checkpoint with one MTP layer.")
+
+
+def _count_from_keys(declared: int | None, keys: set[str], num_layers: int, field: str, where: str,
+                     prefix: str) -> int:
+    depths = mtp_layers_in(keys, num_layers, prefix)
+    names = ", ".join(f"{mtp_layer_prefix(prefix, num_layers, d)}.*" for d in depths)
     if depths and depths != list(range(len(depths))):
-        raise MtpConfigError(f"{where}: the checkpoint's layers after num_hidden_layers={num_layers} are HF layers "
-                             f"{[num_layers + d for d in depths]}, not consecutive from {num_layers}; the checkpoint "
-                             "does not match its config.")
+        raise MtpConfigError(f"{where}: the checkpoint's multi-token-prediction layers are [{names}] (after "
+                             f"num_hidden_layers={num_layers}), not consecutive from "
+                             f"{mtp_layer_prefix(prefix, num_layers, 0)}.*; the checkpoint does not match its config.")
     if declared is None:
         return len(depths)
     if depths and len(depths) != declared:
         raise MtpConfigError(f"{where}: {field}={declared} but the checkpoint holds {len(depths)} multi-token-"
-                             f"prediction layers (HF layers {[num_layers + d for d in depths]}); set {field} to "
+                             f"prediction layers [{names}]; set {field} to "
                              f"{len(depths)} in config.json or use the checkpoint that matches it.")
     if declared and not depths:
         logging.getLogger("mcore_rl").warning(
-            "%s: %s=%d but the checkpoint holds no multi-token-prediction tensors (model.layers.%d.*): "
-            "built without MTP layers", where, field, declared, num_layers)
+            "%s: %s=%d but the checkpoint holds no multi-token-prediction tensors (%s.*): "
+            "built without MTP layers", where, field, declared, mtp_layer_prefix(prefix, num_layers, 0))
         return 0
     return declared
 
@@ -142,7 +155,9 @@ def finish_mtp_model(model: Any, vocab_size: int) -> None:
 def mtp_spec_of(args: Any, config: Any, use_te: bool, lora: bool) -> Any:
     """The MTP block spec of a last-stage chunk of ``args`` (ModelArgs) under ``config`` (a
     TransformerConfig whose ``mtp_num_layers`` says how many; None: no block). The MTP layer is
-    of the kind HF gives layer num_hidden_layers: MoE where the last decoder layer is."""
+    of the kind HF gives layer num_hidden_layers: MoE where the last decoder layer is; in a hybrid
+    model a gated full-attention layer (on GPU too, as its decoder layers: the local spec with
+    zero-centred norms), whatever kind the last decoder layer is."""
     if not config.mtp_num_layers:
         return None
     if lora:
@@ -153,6 +168,8 @@ def mtp_spec_of(args: Any, config: Any, use_te: bool, lora: bool) -> Any:
 
     moe = bool(args.moe is not None and args.moe.moe_layers[-1])
     mla = args.mla is not None
+    if args.hybrid is not None:  # Qwen3-Next / Qwen3.5: a gated full-attention layer, local spec
+        return mtp_block_spec(local_layer_spec(True, moe), config.mtp_num_layers, use_te=False)
     if use_te:
         layer = te_layer_spec(args.qk_norm, config.num_moe_experts if moe else None, mla)
     else:

@@ -131,6 +131,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             qk_norm=True,
             moe=QWEN_SHARED_GATED_MOE,
             hybrid=True,
+            mtp_layers_field="mtp_num_hidden_layers",
         ),
         ArchSpec(
             "qwen3_5_text",
@@ -139,6 +140,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             QWEN3_5,
             qk_norm=True,
             hybrid=True,
+            mtp_layers_field="mtp_num_hidden_layers",
         ),
         ArchSpec(
             "qwen3_5_moe_text",
@@ -150,6 +152,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             moe=MoEFields(shared_expert_ffn="shared_expert_intermediate_size", shared_expert_gate=True,
                           norm_topk_prob=None, sparse_step=None, mlp_only_layers=None),
             hybrid=True,
+            mtp_layers_field="mtp_num_hidden_layers",
         ),
     )
 }
