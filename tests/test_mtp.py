@@ -168,3 +168,17 @@ def test_config_object_args_checked_against_weights(mtp_models):
         check_hf_keys(weight_map(args, "actor", 1), base)
     assert args.for_weights(base).mtp_built == 0 and args.for_weights(full).mtp_built == 1
     check_hf_keys(weight_map(args.for_weights(base), "actor", 1), base)
+
+
+@pytest.mark.parametrize("values,match", [
+    (dict(enable=False, enable_train=True), r"mtp.enable_train=true with mtp.enable=false"),
+    (dict(enable=False, enable_rollout=True), r"mtp.enable_rollout=true with mtp.enable=false: .* set mtp.enable=true"),
+    (dict(mtp_loss_scaling_factor=-1), r"mtp_loss_scaling_factor=-1 must be a number >= 0"),
+])
+def test_mtp_switches_that_cannot_be_honoured_are_refused(values, match):
+    """A rollout engine asking for MTP weights the model would not build (so the sync could not
+    send them) is refused, as training them is."""
+    from mcore_rl.models.mtp import MtpConfig
+
+    with pytest.raises(MtpConfigError, match=match):
+        MtpConfig(**values)

@@ -57,6 +57,10 @@ class MtpConfig:
         if self.enable_train and not self.enable:
             raise MtpConfigError("mtp.enable_train=true with mtp.enable=false: training the MTP layers needs them "
                                  "built; set mtp.enable=true.")
+        if self.enable_rollout and not self.enable:
+            raise MtpConfigError("mtp.enable_rollout=true with mtp.enable=false: the rollout engine's speculative "
+                                 "decoding needs the MTP weights, which the weight sync sends only when the layers "
+                                 "are built; set mtp.enable=true.")
 
 
 def resolve_mtp_layers(declared: int | None, keys: Iterable[str] | None, num_layers: int, field: str,
