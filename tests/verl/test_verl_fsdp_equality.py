@@ -68,9 +68,11 @@ HYBRID_SFT = {
 # rounding in the tiny Qwen3.5 to up to 9.1e-6 of grad norm by step 3 (seeds 0-2; first step
 # <= 3e-7); at 1e-4, <= 4.1e-6 for both models and seeds 0-2
 HYBRID_LR = 1e-4
-HYBRID_LAYOUTS = {  # mcore_rl packs (GDN state restarted per sequence); verl's FSDP reference runs padded rows
+# mcore_rl packs (GDN state restarted per sequence; verl's FSDP reference runs padded rows); at TP=2
+# also verl's default gradient checkpointing (mcore_rl: full recompute of GDN and attention layers)
+HYBRID_LAYOUTS = {
     "dp2_packed": ("model.use_remove_padding=True",),
-    "tp2_sp_packed": MCORE_LAYOUTS["tp2_sp_packed"],
+    "tp2_sp_packed_recompute": MCORE_LAYOUTS["tp2_sp_packed"] + ("model.enable_gradient_checkpointing=True",),
 }
 
 
@@ -108,13 +110,14 @@ def hybrid_inputs(tmp_path_factory):
 
 
 def sft_overrides(model: str, train: str, ckpt: str, engine: tuple[str, ...], lr: float = 1e-3) -> list[str]:
-    """verl's SFT trainer: 3 steps of 8 chats (2 micro-batches of 2 per rank) at ``lr``."""
-    return [*engine, f"model.path={model}", "model.enable_gradient_checkpointing=False",
+    """verl's SFT trainer: 3 steps of 8 chats (2 micro-batches of 2 per rank) at ``lr``, no
+    gradient checkpointing unless ``engine`` (last: it wins) turns it on."""
+    return [f"model.path={model}", "model.enable_gradient_checkpointing=False",
             f"data.train_files={train}", "data.val_files=null", "data.train_batch_size=8",
             "data.micro_batch_size_per_gpu=2", "data.use_dynamic_bsz=False", "data.max_length=128",
             "data.num_workers=0", f"optim.lr={lr}", "optim.lr_warmup_steps=0", "optim.weight_decay=0",
             "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.total_training_steps=3",
-            f"trainer.default_local_dir={ckpt}", "trainer.device=cpu"]
+            f"trainer.default_local_dir={ckpt}", "trainer.device=cpu", *engine]
 
 
 def sft_cases(sft_inputs: dict, hybrid_inputs: dict) -> dict[str, tuple[str, str, tuple[str, ...], float]]:
