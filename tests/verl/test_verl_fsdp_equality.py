@@ -179,7 +179,7 @@ def test_sft_data_holds_the_pad_token_inside_the_loss_context(sft_inputs):
 
     tok = AutoTokenizer.from_pretrained(sft_inputs["model"])
     assert tok.pad_token == tok.eos_token == "<|im_end|>"
-    config = OmegaConf.create({"pad_mode": "no_padding", "max_length": 128})  # as sft() runs it
+    config = OmegaConf.create({"pad_mode": "no_padding", "max_length": 128})  # as sft_overrides runs it
     data = MultiTurnSFTDataset(sft_inputs["train"], tok, config)
     in_context = targets = 0
     for i in range(len(data)):
