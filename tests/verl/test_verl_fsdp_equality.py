@@ -95,8 +95,7 @@ def save_chat_critic(directory: str, seed: int = 2) -> str:
 @pytest.fixture(scope="module")
 def sft_inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp_sft")
-    return {"model": save_chat_model(str(d / "model")), "train": save_sft_parquet(str(d / "train.parquet")),
-            "dir": str(d)}
+    return {"model": save_chat_model(str(d / "model")), "train": save_sft_parquet(str(d / "train.parquet"))}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +161,7 @@ def _tail(path: str, proc) -> str:
 
 def _steps(runs: dict, case: str) -> list[tuple[float, float]]:
     out = runs[case]
-    assert isinstance(out, list) and len(out) == 3, f"{case}: {out if isinstance(out, str) else out}\n{runs['log']}"
+    assert isinstance(out, list) and len(out) == 3, f"{case}: {out}\n{runs['log']}"
     return out
 
 
@@ -237,9 +236,10 @@ def test_sft_trainer_mcore_rl_equals_fsdp(sft_runs, model, layout):
 def test_verl_fsdp_packed_path_leaks_gdn_state_between_sequences(sft_runs):
     """Why the hybrids' reference runs on padded rows: verl's FSDP engine with
     use_remove_padding=True runs transformers' Gated DeltaNet over the whole packed stream of a
-    micro-batch (verl patches it for the Qwen3.5 vision-language wrappers only, and for Qwen3-Next
-    not at all), so every sequence after the first starts from its predecessor's recurrent state.
-    The tiny Qwen3.5's response log-probs, packed vs padded, by the row's place in a pack of 4."""
+    micro-batch (verl 0.9.1 patches it for the vision-language wrappers, model_type qwen3_5 /
+    qwen3_5_moe, only; for qwen3_5_text and Qwen3-Next not at all), so every sequence after the
+    first starts from its predecessor's recurrent state. The tiny Qwen3.5's response log-probs,
+    packed vs padded, by the row's place in a pack of 4."""
     probe = sft_runs["probe"]
     assert isinstance(probe, dict), probe
     assert probe["engines"] == ["FSDPEngineWithLMHead"] * 2, probe["engines"]
