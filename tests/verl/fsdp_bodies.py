@@ -54,10 +54,11 @@ def eager_value_head():
         model_utils.load_valuehead_model = original
 
 
-def _worker(model_type: str, path: str, fsdp: bool):
-    """A TrainingWorker as verl's PPO trainer builds one: FSDP2 (DP=2, padded rows, eager, fp32
-    everywhere) or mcore_rl (TP=2 + SP, packed rows, fp32). Same optimizer: Adam(W), constant lr,
-    no weight decay (megatron exempts norms and biases from it, torch's AdamW does not), clip 1."""
+def _worker(model_type: str, path: str, fsdp: bool, remove_padding: bool | None = None, micro: int = MICRO):
+    """A TrainingWorker as verl's PPO trainer builds one: FSDP2 (DP=2, padded rows unless
+    ``remove_padding``, eager, fp32 everywhere) or mcore_rl (TP=2 + SP, packed rows, fp32), ``micro``
+    rows per micro-batch. Same optimizer: Adam(W), constant lr, no weight decay (megatron exempts
+    norms and biases from it, torch's AdamW does not), clip 1."""
     from verl.trainer.config.config import CheckpointConfig
     from verl.workers.config import (FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig, McoreOptimizerConfig,
                                      TrainingWorkerConfig)
@@ -65,7 +66,7 @@ def _worker(model_type: str, path: str, fsdp: bool):
 
     from mcore_rl.integrations.verl import McoreRLEngineConfig
 
-    batching = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=MICRO, infer_micro_batch_size_per_gpu=MICRO)
+    batching = dict(use_dynamic_bsz=False, micro_batch_size_per_gpu=micro, infer_micro_batch_size_per_gpu=micro)
     optim = dict(lr=LR, lr_warmup_steps=0, total_training_steps=10, weight_decay=0.0, clip_grad=1.0)
     if fsdp:
         engine = FSDPEngineConfig(strategy="fsdp2", model_dtype="fp32", mixed_precision=dict(FP32),
@@ -75,7 +76,8 @@ def _worker(model_type: str, path: str, fsdp: bool):
         engine = McoreRLEngineConfig(dtype="float32", **MCORE_LAYOUT, **batching)
         optimizer = McoreOptimizerConfig(lr_decay_style="constant", **optim)
     # FSDP on padded rows, mcore_rl on packed ones (the SFT test runs FSDP's packed path)
-    model = HFModelConfig(path=path, use_remove_padding=not fsdp, enable_gradient_checkpointing=False,
+    remove_padding = not fsdp if remove_padding is None else remove_padding
+    model = HFModelConfig(path=path, use_remove_padding=remove_padding, enable_gradient_checkpointing=False,
                           override_config={"attn_implementation": "eager"})
     worker = TrainingWorker(TrainingWorkerConfig(model_type=model_type, model_config=model, engine_config=engine,
                                                  optimizer_config=optimizer, checkpoint_config=CheckpointConfig()))
@@ -215,3 +217,30 @@ def critic_body(model_dir: str, seed: int) -> dict:
 def fsdp_and_mcore_body(actor_dir: str, critic_dir: str, seed: int) -> dict:
     """One launch: the actor's and the critic's comparisons."""
     return {"actor": actor_body(actor_dir, seed), "critic": critic_body(critic_dir, seed)}
+
+
+def fsdp_packing_probe(model_dir: str, seed: int, pack: int = 4) -> dict:
+    """How far verl's FSDP engine on its packed path (``use_remove_padding=True``: a micro-batch's
+    rows concatenated into one stream) is from its padded rows, per row's place in the pack: the
+    response log-probs of 2 * ``pack`` rows of 60 to 100 tokens (DP=2, one pack per rank), max
+    |packed - padded| over the rows at each place (0: the first sequence of a pack)."""
+    R._env()
+    os.environ["VERL_ENGINE_DEVICE"] = "cuda"
+    prompt, response, rows = 50, 50, DP * pack
+    padded, packed = (_worker("language_model", model_dir, True, remove_padding=r, micro=pack) for r in (False, True))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, padded.model_config.hf_config.vocab_size, (rows, prompt + response), generator=g)
+    left = torch.randint(0, 11, (rows, 1), generator=g)  # prompts of 40 to 50 tokens, left-padded
+    keep = torch.randint(20, response + 1, (rows, 1), generator=g)  # responses of 20 to 50, right-padded
+    cols = torch.arange(prompt + response)
+    mask = ((cols >= left) & (cols < prompt + keep)).long()
+    ids = ids * mask
+    b = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
+         "prompts": ids[:, :prompt].clone(), "responses": ids[:, prompt:].clone(),
+         "response_mask": mask[:, prompt:].clone()}
+    local = {k: v[torch.distributed.get_rank() * pack:][:pack] for k, v in b.items()}
+    out = {name: _gathered(_infer(w, local, "log_probs", temperature=1.0)) for name, w in
+           (("padded", padded), ("packed", packed))}
+    diff = ((out["packed"] - out["padded"]).abs() * b["response_mask"]).amax(-1)  # [rows]
+    return {"by_place": [float(diff[place::pack].max()) for place in range(pack)],
+            "lengths": b["attention_mask"].sum(-1).tolist(), "engines": _engines(padded, packed)}

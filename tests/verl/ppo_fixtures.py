@@ -13,15 +13,16 @@ REWARD_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arithmet
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def save_chat_model(directory: str, seed: int = 0, **overrides) -> str:
-    """A random tiny llama (tests/tiny.py sizes, tied embeddings) with SmolLM2's tokenizer."""
+def save_chat_model(directory: str, seed: int = 0, model_type: str = "llama", **overrides) -> str:
+    """A random tiny ``model_type`` (default llama; tests/tiny.py sizes, tied embeddings) with
+    SmolLM2's tokenizer."""
     from tests.tiny import tiny_config, tiny_hf_model
 
     source = os.path.join(smollm2_dir(), "hf")
     os.makedirs(directory, exist_ok=True)
     for name in TOKENIZER_FILES:
         shutil.copy(os.path.join(source, name), directory)
-    config = tiny_config("llama", **{"vocab_size": 49152, "tie_word_embeddings": True, "bos_token_id": 1,
+    config = tiny_config(model_type, **{"vocab_size": 49152, "tie_word_embeddings": True, "bos_token_id": 1,
                                      "eos_token_id": 2, "pad_token_id": 2, "max_position_embeddings": 256,
                                      **overrides})
     tiny_hf_model(config, "actor", seed).save_pretrained(directory)

@@ -4,9 +4,13 @@ tokenizer: pad = eos = ``<|im_end|>``, which ends every chat turn; transformers'
 gives its embedding row no gradient through the lookup, mcore_rl/models/padding_idx.py does the
 same on megatron's embedding).
 
-- verl's SFT trainer (``torchrun -m verl.trainer.sft_trainer``): FSDP2 at DP=2 (packed rows)
-  against mcore_rl at DP=2 (padded rows) and at TP=2 + SP (packed rows): the logged loss and grad
-  norm of 3 steps at lr 1e-3 (parameters move: the loss falls) within 1e-5 relative.
+- verl's SFT trainer (its ``SFTTrainer``, every case in ONE launch of 2 processes:
+  tests/verl/sft_runner.py): the logged loss and grad norm of 3 steps (parameters move: the loss
+  falls) within 1e-5 relative. The llama: FSDP2 at DP=2 (packed rows) against mcore_rl at DP=2
+  (padded rows) and at TP=2 + SP (packed rows), lr 1e-3. A tiny Qwen3.5 (dense) and Qwen3-Next
+  (routed + shared experts): Gated DeltaNet and gated attention layers with 1 KV head, FSDP2 at DP=2
+  on padded rows (its packed path carries the GDN state from one sequence into the next: measured
+  here) against mcore_rl packed at DP=2 and at TP=2 + SP (fewer KV heads than TP), lr 1e-4.
 - verl's TrainingWorker with ``ppo_loss`` and ``value_loss`` (bodies: fsdp_bodies.py): FSDP2 at
   DP=2 (padded rows) against mcore_rl at TP=2 + SP (packed rows), one update of two optimizer
   steps: log-probs / entropy / values before it, verl's metrics and grad norms (1e-5 relative),
@@ -26,9 +30,7 @@ hard-codes flash-attention 2).
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
+import time
 
 import pytest
 import torch
@@ -36,11 +38,12 @@ import torch
 pytest.importorskip("verl")
 
 from tests.dist import run_ranks  # noqa: E402
+from tests.hybrid_bodies import EXPERTS, HYBRID  # noqa: E402
 from tests.verl import fsdp_bodies as F  # noqa: E402
+from tests.verl import sft_runner  # noqa: E402
 from tests.verl.ppo_fixtures import TOKENIZER_FILES, save_chat_model  # noqa: E402
 from tests.verl.verl_fixtures import save_sft_parquet  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REL = 1e-5
 FSDP = ("engine.strategy=fsdp2", "+engine.mixed_precision.param_dtype=fp32",
         "+engine.mixed_precision.reduce_dtype=fp32", "+engine.mixed_precision.buffer_dtype=fp32",
@@ -51,6 +54,25 @@ MCORE_LAYOUTS = {
     "dp2_padded": ("model.use_remove_padding=False",),
     "tp2_sp_packed": ("engine.tensor_model_parallel_size=2", "engine.sequence_parallel=True",
                       "model.use_remove_padding=True"),
+}
+# Gated DeltaNet + gated attention (tests/hybrid_bodies.py sizes: layer_types [linear, full, linear,
+# linear], 4 GDN key heads: 2 per rank at TP=2), 1 KV head (fewer than TP=2), initializer_range 0.05:
+# at tests/tiny.py's 0.1 transformers' own fp32 gradients of the tiny Qwen3.5 are 1.0e-5 (grad norm)
+# from its float64 ones, the whole tolerance; at 0.05, < 1e-7
+HYBRID_SFT = {
+    "qwen3_5": ("qwen3_5_text", {**HYBRID, "num_key_value_heads": 1, "initializer_range": 0.05}),
+    "qwen3_next": ("qwen3_next", {**HYBRID, **EXPERTS, "mlp_only_layers": [2], "num_key_value_heads": 1,
+                                  "initializer_range": 0.05}),
+}
+# lr 1e-4 (as tests/verl/fsdp_bodies.py): at 1e-3 Adam's first steps amplify the engines' fp32
+# rounding in the tiny Qwen3.5 to up to 9.1e-6 of grad norm by step 3 (seeds 0-2; first step
+# <= 3e-7); at 1e-4, <= 4.1e-6 for both models and seeds 0-2
+HYBRID_LR = 1e-4
+# mcore_rl packs (GDN state restarted per sequence; verl's FSDP reference runs padded rows); at TP=2
+# also verl's default gradient checkpointing (mcore_rl: full recompute of GDN and attention layers)
+HYBRID_LAYOUTS = {
+    "dp2_packed": ("model.use_remove_padding=True",),
+    "tp2_sp_packed_recompute": MCORE_LAYOUTS["tp2_sp_packed"] + ("model.enable_gradient_checkpointing=True",),
 }
 
 
@@ -73,34 +95,73 @@ def save_chat_critic(directory: str, seed: int = 2) -> str:
 @pytest.fixture(scope="module")
 def sft_inputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp_sft")
-    return {"model": save_chat_model(str(d / "model")), "train": save_sft_parquet(str(d / "train.parquet")),
-            "dir": str(d)}
-
-
-def sft(inputs: dict, ckpt: str, engine: tuple[str, ...], env: dict | None = None) -> list[tuple[float, float]]:
-    """verl's SFT trainer on 2 CPU processes, 3 steps of 8 chats (2 micro-batches of 2 per rank),
-    lr 1e-3; returns the logged (train loss, grad norm) by step."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "verl.trainer.sft_trainer",
-           *engine, f"model.path={inputs['model']}", "model.enable_gradient_checkpointing=False",
-           f"data.train_files={inputs['train']}", "data.val_files=null", "data.train_batch_size=8",
-           "data.micro_batch_size_per_gpu=2", "data.use_dynamic_bsz=False", "data.max_length=128",
-           "data.num_workers=0", "optim.lr=1e-3", "optim.lr_warmup_steps=0", "optim.weight_decay=0",
-           "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.total_training_steps=3",
-           f"trainer.default_local_dir={ckpt}", "trainer.logger=[console]", "trainer.device=cpu"]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "WANDB_MODE": "disabled", **(env or {})}
-    proc = subprocess.run(cmd, cwd=inputs["dir"], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    found = re.findall(r"step:(\d+) - .*?train/loss:([0-9.e+-]+) - train/grad_norm:([0-9.e+-]+)",
-                       proc.stdout + proc.stderr)
-    return [(float(v), float(g)) for _, (v, g) in sorted({int(s): (v, g) for s, v, g in found}.items())]
+    return {"model": save_chat_model(str(d / "model")), "train": save_sft_parquet(str(d / "train.parquet"))}
 
 
 @pytest.fixture(scope="module")
-def fsdp_sft(sft_inputs, tmp_path_factory):
-    """The reference: verl's FSDP2 engine at DP=2 (its registration is picked by VERL_ENGINE_DEVICE)."""
-    out = sft(sft_inputs, str(tmp_path_factory.mktemp("fsdp_ckpt")), FSDP, {"VERL_ENGINE_DEVICE": "cuda"})
-    assert len(out) == 3 and out[-1][0] < 0.95 * out[0][0], out  # parameters move: the loss falls
+def hybrid_inputs(tmp_path_factory):
+    """The hybrids of HYBRID_SFT with SmolLM2's tokenizer (its pad id <|im_end|> a real token, a
+    padding_idx row in both engines) and chats of 6 to 16 words: most rows 60 to 110 tokens."""
+    d = tmp_path_factory.mktemp("hybrid_sft")
+    models = {name: save_chat_model(str(d / name), model_type=model_type, **overrides)
+              for name, (model_type, overrides) in HYBRID_SFT.items()}
+    return {**models, "train": save_sft_parquet(str(d / "train.parquet"), n_words=(6, 16))}
+
+
+def sft_overrides(model: str, train: str, ckpt: str, engine: tuple[str, ...], lr: float = 1e-3) -> list[str]:
+    """verl's SFT trainer: 3 steps of 8 chats (2 micro-batches of 2 per rank) at ``lr``, no
+    gradient checkpointing unless ``engine`` (last: it wins) turns it on."""
+    return [f"model.path={model}", "model.enable_gradient_checkpointing=False",
+            f"data.train_files={train}", "data.val_files=null", "data.train_batch_size=8",
+            "data.micro_batch_size_per_gpu=2", "data.use_dynamic_bsz=False", "data.max_length=128",
+            "data.num_workers=0", f"optim.lr={lr}", "optim.lr_warmup_steps=0", "optim.weight_decay=0",
+            "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.total_training_steps=3",
+            f"trainer.default_local_dir={ckpt}", "trainer.device=cpu", *engine]
+
+
+def sft_cases(sft_inputs: dict, hybrid_inputs: dict) -> dict[str, tuple[str, str, tuple[str, ...], float]]:
+    """'model/engine' -> (model dir, train parquet, engine overrides, lr): verl's FSDP2 engine (the
+    reference: packed rows for the llama, padded rows for the hybrids) and mcore_rl's layouts."""
+    llama = (sft_inputs["model"], sft_inputs["train"])
+    cases = {"llama/fsdp": (*llama, FSDP, 1e-3)}
+    cases.update({f"llama/{name}": (*llama, MCORE + layout, 1e-3) for name, layout in MCORE_LAYOUTS.items()})
+    for model in HYBRID_SFT:
+        hybrid = (hybrid_inputs[model], hybrid_inputs["train"])
+        cases[f"{model}/fsdp"] = (*hybrid, FSDP + ("model.use_remove_padding=False",), HYBRID_LR)
+        cases.update({f"{model}/{name}": (*hybrid, MCORE + layout, HYBRID_LR)
+                      for name, layout in HYBRID_LAYOUTS.items()})
+    return cases
+
+
+@pytest.fixture(scope="module")
+def sft_runs(sft_inputs, hybrid_inputs, tmp_path_factory) -> dict:
+    """Every SFT case, and the FSDP packing probe on the tiny Qwen3.5, in ONE launch of 2
+    processes (tests/verl/sft_runner.py): 'model/engine' -> [(loss, grad norm)] by step, or the
+    error text; 'probe' -> fsdp_bodies.fsdp_packing_probe's result."""
+    d = str(tmp_path_factory.mktemp("sft_runs"))
+    plan = [{"case": case, "sft": sft_overrides(model, train, f"{d}/ckpt{i}", engine, lr),
+             "metrics": f"{d}/metrics{i}.jsonl"}
+            for i, (case, (model, train, engine, lr)) in enumerate(sft_cases(sft_inputs, hybrid_inputs).items())]
+    plan.append({"call": "tests.verl.fsdp_bodies:fsdp_packing_probe", "args": [hybrid_inputs["qwen3_5"], 7],
+                 "out": f"{d}/probe.pt"})
+    started = time.time()
+    proc = sft_runner.launch(plan, d, timeout_s=1500)
+    print(f"\n{len(plan)} runs in one launch: {time.time() - started:.0f} s")
+    out = {e["case"]: sft_runner.read_sft(e["metrics"]) for e in plan if "sft" in e}
+    probe = plan[-1]["out"]
+    out["probe"] = torch.load(probe) if os.path.isfile(probe) else f"no probe result\n{_tail(probe, proc)}"
+    out["log"] = proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out
+
+
+def _tail(path: str, proc) -> str:
+    error = path + ".error"
+    return open(error).read() if os.path.isfile(error) else proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _steps(runs: dict, case: str) -> list[tuple[float, float]]:
+    out = runs[case]
+    assert isinstance(out, list) and len(out) == 3, f"{case}: {out}\n{runs['log']}"
     return out
 
 
@@ -117,7 +178,7 @@ def test_sft_data_holds_the_pad_token_inside_the_loss_context(sft_inputs):
 
     tok = AutoTokenizer.from_pretrained(sft_inputs["model"])
     assert tok.pad_token == tok.eos_token == "<|im_end|>"
-    config = OmegaConf.create({"pad_mode": "no_padding", "max_length": 128})  # as sft() runs it
+    config = OmegaConf.create({"pad_mode": "no_padding", "max_length": 128})  # as sft_overrides runs it
     data = MultiTurnSFTDataset(sft_inputs["train"], tok, config)
     in_context = targets = 0
     for i in range(len(data)):
@@ -130,14 +191,62 @@ def test_sft_data_holds_the_pad_token_inside_the_loss_context(sft_inputs):
     assert in_context >= 2 * len(data) and targets >= len(data), (in_context, targets, len(data))
 
 
-@pytest.mark.parametrize("layout", list(MCORE_LAYOUTS))
-def test_sft_trainer_mcore_rl_equals_fsdp(sft_inputs, fsdp_sft, tmp_path, layout):
-    ours = sft(sft_inputs, str(tmp_path / "ckpt"), MCORE + MCORE_LAYOUTS[layout])
-    assert len(ours) == len(fsdp_sft) == 3
-    diffs = {what: [_rel(o[i], f[i]) for o, f in zip(ours, fsdp_sft)] for i, what in enumerate(("loss", "grad_norm"))}
-    print(f"\n{layout}: relative difference to FSDP per step " + "; ".join(
+def test_hybrid_sft_inputs_hold_what_the_comparison_needs(hybrid_inputs):
+    """The hybrids mix both layer kinds, have 1 KV head (fewer than TP=2: gated attention relies
+    on the platform fix gated_attention_gate_follows_query) and >= 2 Gated DeltaNet key heads per
+    TP rank, Qwen3-Next its routed and shared experts; most chats are longer than the delta rule's
+    chunk of 64 tokens (verl's own SFT dataset on the parquet)."""
+    from omegaconf import OmegaConf
+    from transformers import AutoConfig, AutoTokenizer
+    from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
+
+    for name in HYBRID_SFT:
+        c = AutoConfig.from_pretrained(hybrid_inputs[name])
+        assert set(c.layer_types) == {"linear_attention", "full_attention"}, (name, c.layer_types)
+        assert c.num_key_value_heads == 1 and c.linear_num_key_heads // 2 >= 2, name
+    nxt = AutoConfig.from_pretrained(hybrid_inputs["qwen3_next"])
+    assert nxt.model_type == "qwen3_next" and nxt.num_experts > 1 and nxt.shared_expert_intermediate_size > 0
+    tok = AutoTokenizer.from_pretrained(hybrid_inputs["qwen3_5"])
+    data = MultiTurnSFTDataset(hybrid_inputs["train"], tok, OmegaConf.create({"pad_mode": "no_padding",
+                                                                              "max_length": 128}))
+    lengths = [len(data[i]["input_ids"]) for i in range(len(data))]
+    print(f"\nhybrid chats: {sum(n > 64 for n in lengths)} of {len(lengths)} longer than 64 tokens "
+          f"({min(lengths)} to {max(lengths)})")
+    assert sum(n > 64 for n in lengths) >= len(lengths) // 2 and min(lengths) < 64, lengths
+
+
+SFT_COMPARISONS = [("llama", layout) for layout in MCORE_LAYOUTS] + [
+    (model, layout) for model in HYBRID_SFT for layout in HYBRID_LAYOUTS]
+
+
+@pytest.mark.parametrize("model,layout", SFT_COMPARISONS)
+def test_sft_trainer_mcore_rl_equals_fsdp(sft_runs, model, layout):
+    """verl's SFT trainer logs the same loss and grad norm per step with engine=mcore_rl as with
+    verl's FSDP2 engine (packed rows for the llama, padded rows for the hybrids: see
+    test_verl_fsdp_packed_path_leaks_gdn_state_between_sequences)."""
+    fsdp, ours = _steps(sft_runs, f"{model}/fsdp"), _steps(sft_runs, f"{model}/{layout}")
+    falls = 0.95 if model == "llama" else 0.995  # parameters move: the loss falls (hybrids at lr 1e-4)
+    assert ours[-1][0] < falls * ours[0][0] and fsdp[-1][0] < falls * fsdp[0][0], (ours, fsdp)
+    diffs = {what: [_rel(o[i], f[i]) for o, f in zip(ours, fsdp)] for i, what in enumerate(("loss", "grad_norm"))}
+    print(f"\n{model} {layout}: relative difference to FSDP per step " + "; ".join(
         f"{k} " + " ".join(f"{d:.1e}" for d in v) for k, v in diffs.items()))
-    assert max(max(v) for v in diffs.values()) <= REL, (layout, diffs, ours, fsdp_sft)
+    assert max(max(v) for v in diffs.values()) <= REL, (model, layout, diffs, ours, fsdp)
+
+
+def test_verl_fsdp_packed_path_leaks_gdn_state_between_sequences(sft_runs):
+    """Why the hybrids' reference runs on padded rows: verl's FSDP engine with
+    use_remove_padding=True runs transformers' Gated DeltaNet over the whole packed stream of a
+    micro-batch (verl 0.9.1 patches it for the vision-language wrappers, model_type qwen3_5 /
+    qwen3_5_moe, only; for qwen3_5_text and Qwen3-Next not at all), so every sequence after the
+    first starts from its predecessor's recurrent state. The tiny Qwen3.5's response log-probs,
+    packed vs padded, by the row's place in a pack of 4."""
+    probe = sft_runs["probe"]
+    assert isinstance(probe, dict), probe
+    assert probe["engines"] == ["FSDPEngineWithLMHead"] * 2, probe["engines"]
+    first, later = probe["by_place"][0], probe["by_place"][1:]
+    print(f"\nverl FSDP packed vs padded, max |log-prob difference| by place in the pack: "
+          + " ".join(f"{d:.3g}" for d in probe["by_place"]) + f" (rows of {probe['lengths']} tokens)")
+    assert first <= 1e-5 and min(later) > 1e-2, probe["by_place"]
 
 
 def test_fsdp_on_cpu_needs_the_registry_switch_and_the_eager_value_head(tmp_path, monkeypatch):

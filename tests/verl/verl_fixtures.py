@@ -37,14 +37,15 @@ def save_tiny_model(directory: str, model_type: str = "qwen2", role: str = "acto
     return directory
 
 
-def save_sft_parquet(path: str, rows: int = 64, seed: int = 0) -> str:
-    """Chats whose answer repeats the question's words in reverse (learnable by a tiny model)."""
+def save_sft_parquet(path: str, rows: int = 64, seed: int = 0, n_words: tuple[int, int] = (3, 8)) -> str:
+    """Chats whose answer repeats the question's words (between ``n_words`` of them) in reverse
+    (learnable by a tiny model)."""
     import pandas as pd
 
     rng = random.Random(seed)
     chats = []
     for _ in range(rows):
-        words = [rng.choice(WORDS[:12]) for _ in range(rng.randint(3, 8))]
+        words = [rng.choice(WORDS[:12]) for _ in range(rng.randint(*n_words))]
         chats.append([{"role": "user", "content": " ".join(words)},
                       {"role": "assistant", "content": " ".join(reversed(words))}])
     pd.DataFrame({"messages": chats}).to_parquet(path)
