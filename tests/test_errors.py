@@ -21,7 +21,8 @@ def test_unknown_architecture_lists_supported(tmp_path):
     with pytest.raises(UnknownArchitectureError) as e:
         model_args_from_hf(tmp_path)
     msg = str(e.value)
-    assert "'gpt_neox'" in msg and "llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe" in msg
+    assert "'gpt_neox'" in msg and ("llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, "
+                                    "qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next") in msg
     assert "registry.py" in msg
 
 
