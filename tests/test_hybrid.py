@@ -35,8 +35,15 @@ def test_logits_match_transformers(layout, hybrids):
     for name in names:
         with torch.no_grad():
             ref = hybrids[name][1](**batch).logits
-        diff = (out[name]["logits"][..., :200] - ref)[real].abs().max().item()
+        ours = out[name]["logits"][..., :200]
+        diff = (ours - ref)[real].abs().max().item()
         assert diff <= 1e-4, f"{name} at {layout}: logits differ from transformers by {diff:.3g}"
+        # per-token log-probs of the next token (what RL scores)
+        nxt = batch["input_ids"][:, 1:, None]
+        lp = [torch.log_softmax(x[:, :-1].double(), -1).gather(-1, nxt)[..., 0] for x in (ours, ref)]
+        both = real[:, 1:] & real[:, :-1]
+        lp_diff = (lp[0] - lp[1])[both].abs().max().item()
+        assert lp_diff <= 1e-4, f"{name} at {layout}: log-probs differ from transformers by {lp_diff:.3g}"
         assert ref[real].abs().max() > 0.5
         assert out[name]["roundtrip_mismatch"] == [], f"{name} at {layout}: {out[name]['roundtrip_mismatch'][:4]}"
 

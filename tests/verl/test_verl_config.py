@@ -443,3 +443,21 @@ def test_a_batch_with_images_is_refused():
     with pytest.raises(BatchError, match=r"multimodal inputs \['pixel_values'\]: the mcore_rl engine runs and trains "
                                          "the language model"):
         model_inputs([mb], None, packed=True)
+
+
+def test_empty_multimodal_entries_of_a_text_batch_pass():
+    """verl's agent loop adds ``multi_modal_inputs`` with an empty dict per row to text batches
+    (main_ppo on a text dataset): those pass; a row with an image tensor in it is refused."""
+    import numpy as np
+    import torch
+    from tensordict import NonTensorStack, TensorDict
+
+    from mcore_rl.integrations.verl.verl_batches import _check_text_only
+    from mcore_rl.rl.batch import BatchError
+
+    ids = torch.nested.nested_tensor([torch.tensor([1, 2, 3]), torch.tensor([4, 5])], layout=torch.jagged)
+    for empty in (NonTensorStack({}, {}), np.array([{}, {}], dtype=object)):
+        _check_text_only(TensorDict({"input_ids": ids, "multi_modal_inputs": empty}, batch_size=[2]))
+    image = NonTensorStack({}, {"pixel_values": torch.zeros(4, 3)})
+    with pytest.raises(BatchError, match=r"multimodal inputs \['multi_modal_inputs'\]"):
+        _check_text_only(TensorDict({"input_ids": ids, "multi_modal_inputs": image}, batch_size=[2]))

@@ -10,6 +10,8 @@ verl's), entropy and values at t; as jagged tensors with ``input_ids``' offsets.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tensordict import TensorDict
 
@@ -61,10 +63,31 @@ def _padded(mb: TensorDict, lengths: Tensor) -> tuple[Tensor, Tensor]:
 MULTIMODAL_KEYS = ("multi_modal_inputs", "multi_modal_data", "pixel_values", "pixel_values_videos", "image_grid_thw")
 
 
+def _has_content(value: Any) -> bool:
+    """Whether a batch entry holds any multimodal data: verl's text datasets still add
+    ``multi_modal_inputs`` with an empty dict per row (agent loop, padding templates)."""
+    if value is None:
+        return False
+    if torch.is_tensor(value):
+        return value.numel() > 0
+    if isinstance(value, dict):
+        return any(_has_content(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_has_content(v) for v in value)
+    tolist = getattr(value, "tolist", None)  # numpy object arrays, tensordict's NonTensorStack
+    if callable(tolist):
+        return _has_content(tolist())
+    data = getattr(value, "data", None)  # tensordict's NonTensorData
+    if data is not None and data is not value:
+        return _has_content(data)
+    return bool(value)
+
+
 def _check_text_only(mb: TensorDict) -> None:
     """A batch with images or videos is refused: mcore_rl builds the language model of a
-    vision-language checkpoint only (its vision tower is carried through, never run)."""
-    found = [k for k in MULTIMODAL_KEYS if k in mb.keys()]
+    vision-language checkpoint only (its vision tower is carried through, never run). Empty
+    multimodal entries (what verl adds for text) pass."""
+    found = [k for k in MULTIMODAL_KEYS if k in mb.keys() and _has_content(mb.get(k))]
     if found:
         raise BatchError(f"the batch carries multimodal inputs {found}: the mcore_rl engine runs and trains the "
                          "language model of a vision-language checkpoint only (its vision tower is neither run nor "
