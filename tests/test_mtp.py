@@ -45,7 +45,7 @@ def test_mtp_count_from_config_or_tensors(mtp_models, caplog):
 def test_mtp_converted_loaded_at_tp2_pp2_ep2_and_merged_bit_exact(mtp_models, tmp_path):
     """HF -> converter (one rank, and EP=2) -> loaded at TP=2 x PP=2 x EP=2 -> export_hf, and ->
     merge: every tensor, MTP ones included, bit-identical; the dist checkpoint holds the MTP keys."""
-    from safetensors import safe_open
+    from mcore_rl.mapping.hf_io import SafetensorsReader
 
     from mcore_rl.conversion.merge import merge
 
@@ -62,10 +62,7 @@ def test_mtp_converted_loaded_at_tp2_pp2_ep2_and_merged_bit_exact(mtp_models, tm
         assert "mtp.layers.0.eh_proj.weight" in keys and "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in keys
         target = tmp_path / f"merged_{name}"
         merge(d, str(target))
-        merged = {}
-        for f in sorted(target.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                merged.update({k: st.get_tensor(k) for k in st.keys()})
+        merged = dict(SafetensorsReader(str(target)))
         _assert_same_hf(f"{name} merged", merged, hf_dir)
     assert results["ds_ep2"][1] == results["deepseek_v3"][1]
 

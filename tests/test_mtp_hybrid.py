@@ -70,7 +70,7 @@ def test_count_from_tensors_refusals_and_skip(models, tmp_path, caplog):
 def test_converted_loaded_at_tp2_pp2_ep2_and_merged_bit_exact(models, tmp_path):
     """HF -> converter -> loaded at TP=2 x PP=2 (EP=2 for MoE) -> export_hf, and -> merge: every
     tensor, mtp.* included, bit-identical; the dist checkpoint holds the MTP keys."""
-    from safetensors import safe_open
+    from mcore_rl.mapping.hf_io import SafetensorsReader
 
     from mcore_rl.conversion.merge import merge
 
@@ -86,10 +86,7 @@ def test_converted_loaded_at_tp2_pp2_ep2_and_merged_bit_exact(models, tmp_path):
                 "mtp.layers.0.transformer_layer.self_attention.linear_qkv.weight"} <= set(keys), name
         target = tmp_path / f"merged_{name}"
         merge(d, str(target))
-        merged = {}
-        for f in sorted(target.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                merged.update({k: st.get_tensor(k) for k in st.keys()})
+        merged = dict(SafetensorsReader(str(target)))
         _assert_same_hf(f"{name} merged", merged, hf_dir)
 
 
