@@ -18,6 +18,7 @@ from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.mtp import check_buildable, resolve_mtp_layers
 from mcore_rl.models.registry import WRAPPERS, ArchSpec, GluFields, WrapperSpec, lookup_arch
 from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf
+from mcore_rl.models.windows import WindowConfigError, window_from_hf
 from mcore_rl.errors import McoreRLError
 
 
@@ -70,6 +71,11 @@ class ModelArgs:
     # every linear has a bias (megatron's add_bias_linear: q/k/v, o_proj, router, experts)
     linear_bias: bool = False
     glu: GluArgs = GluArgs()
+    # sliding-window attention (models/windows.py): W tokens a query sees, itself included, on the
+    # layers marked True; None: no window anywhere
+    window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
+    attention_sinks: bool = False  # gpt-oss: a learnable sink logit per attention head
 
     def hf_rows(self, role: str) -> dict:
         """The mapping rows of this model as ``role``, HF names as its checkpoint spells them
@@ -287,7 +293,7 @@ def check_config_values(cfg: Any, mla: bool = False) -> None:
                           "fix the values in config.json.")
 
 
-def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
+def _check_unsupported(cfg: Any, arch: ArchSpec) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported; {arch.model_type} needs 'silu'.")
@@ -299,18 +305,6 @@ def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
         )
     if getattr(cfg, "mlp_bias", False):
         raise ConfigError("mlp_bias=True is not supported; set mlp_bias=False.")
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None) or []
-    uses_window = window is not None and (
-        "sliding_attention" in layer_types
-        or getattr(cfg, "use_sliding_window", arch.sliding_window_default)
-    )
-    if uses_window and window < max_seq_len:
-        raise ConfigError(
-            f"sliding_window={window} is shorter than the max sequence length {max_seq_len}; "
-            "sliding-window attention is not supported. Set max_seq_len <= sliding_window or "
-            "sliding_window=null in config.json."
-        )
 
 
 def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs:
@@ -322,7 +316,7 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     heads = _require(cfg, "num_attention_heads")
     max_pos = _require(cfg, "max_position_embeddings")
     max_seq_len = max_seq_len or max_pos
-    _check_unsupported(cfg, arch, max_seq_len)
+    _check_unsupported(cfg, arch)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     num_layers = _require(cfg, "num_hidden_layers")
     mla = mla_args_from_hf(cfg) if arch.attention == "mla" else None
@@ -333,6 +327,10 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     else:
         rope = rope_spec_from_hf(cfg, head_dim, arch.rope_types)
     vocab = _require(cfg, "vocab_size")
+    try:
+        window, window_layers = window_from_hf(cfg, arch.window_rule, num_layers, max_seq_len)
+    except WindowConfigError as e:
+        raise ConfigError(str(e)) from None
     moe = moe_args_from_hf(cfg, arch.moe, num_layers) if arch.moe else None
     return ModelArgs(
         arch=arch,
@@ -362,6 +360,9 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         wrapper=wrapper,
         linear_bias=_linear_bias(cfg, arch),
         glu=_glu_args(cfg, arch.glu),
+        window=window,
+        window_layers=window_layers,
+        attention_sinks=arch.attention_sinks,
     )
 
 
