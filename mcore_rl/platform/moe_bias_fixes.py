@@ -25,3 +25,35 @@ def expert_fc2_output_not_a_view() -> Callable[[], None]:
         return forward
 
     return wrap_method(RowParallelLinear, "forward", make)
+
+
+def expert_bias_grads_once() -> Callable[[], None]:
+    """Two defects of an expert's fc2 bias (its RowParallelLinear's), fixed after ``MoELayer``
+    builds its experts:
+
+    * it is marked ``sequence_parallel`` like a dense layer's bias, so with sequence parallelism
+      ``finalize_model_grads`` sums its grad over the TP group on top of the expert-data-parallel
+      reduction every routed-expert parameter gets (the ``moe_expert_grads_use_expert_dp`` fix):
+      with tp=2 and etp=1 the TP peers are in that expert-DP group and the grad is reduced twice;
+    * it is not marked tensor-parallel, and megatron's grad norm counts an unmarked parameter on
+      dense-TP rank 0 only, also in the expert optimizer, whose main grads the distributed
+      optimizer shards over the expert-DP group (with etp=1 it holds the TP peers): the shards on
+      TP rank 1 go uncounted (measured: a grad norm of 0.3934 for 0.3940). With expert-TP size 1
+      every expert parameter is whole on its rank, i.e. split over a group of one: marked so.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    def make(original: Callable) -> Callable:
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            whole = parallel_state.get_expert_tensor_parallel_world_size() == 1
+            for param in self.experts.parameters():
+                if getattr(param, "sequence_parallel", False):
+                    param.sequence_parallel = False
+                if whole and not getattr(param, "tensor_model_parallel", False):
+                    tensor_parallel.set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=1)
+
+        return __init__
+
+    return wrap_method(MoELayer, "__init__", make)
