@@ -25,7 +25,7 @@ def hf():
 def _megatron_expert(x: torch.Tensor, view, prefix: str, e: int, limit: float) -> torch.Tensor:
     """One expert as megatron's MLP computes it from the per-expert tensors the mapping table
     reads: fc1 = [gate; up] rows (+ bias), clamped quick_gelu(gate) * (up + 1), fc2 (+ bias)."""
-    from megatron.core.activations import quick_gelu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
 
     p = f"{prefix}.{e}"
     fc1 = torch.cat([view[f"{p}.gate_proj.weight"], view[f"{p}.up_proj.weight"]])

@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.activations import quick_gelu
+from megatron.core.fusions.fused_bias_geglu import quick_gelu  # the one megatron's config and MLP compare with
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
