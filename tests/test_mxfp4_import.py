@@ -5,7 +5,7 @@ The bytes are written by this file's own packing of the published layout (``pack
 cols/32, 16]`` layout) and read back by its own unpacking (``unpack``), which is cross-checked
 against transformers' ``convert_moe_packed_tensors`` on the same bytes. The reader (keys, shapes,
 stored dtypes, ``read_part``, index files with blocks and scales in different shards) and the
-converter (a tiny llama whose MLP projections are MXFP4, gpt-oss style ``modules_to_not_convert``
+converter (a tiny gpt-oss whose experts are MXFP4, the published ``modules_to_not_convert``
 honoured: fp32 bit for bit, the bf16 default one rounding) equal that unpacking. Hostile headers
 are refused by the reader, the preflight and the CLI (one ``error:`` line, exit 2, nothing
 written): header cases all in one process, in seconds; a 0xFF scale and blocks for a name the
@@ -77,7 +77,8 @@ def test_test_layout_agrees_with_transformers_on_the_same_bytes():
     rs = torch.randint(60, 190, (2, 5, 3), dtype=torch.uint8, generator=_G)
     for blocks, scales in ((_B, _S), (rb, rs)):
         for dtype in (torch.float32, torch.bfloat16):
-            assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=dtype), unpack(blocks, scales).to(dtype))
+            ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)
+            assert torch.equal(ref, unpack(blocks, scales).to(dtype))
     assert (unpack(_B, _S) - _W.double()).abs().max() <= _W.abs().max() / 4  # the packing is a quantization of _W
 
 
@@ -190,69 +191,93 @@ def test_cli_refuses_hostile_headers_in_one_line(tmp_path):
         _one_line(*said[case], HOSTILE[case][2], out)
 
 
-# ---- a tiny llama whose MLP projections are MXFP4 (gpt-oss's own architecture: tests/test_gpt_oss*) ----
-def _mxfp4_llama(src: str, dst: str, ref: str, quant: dict) -> None:
-    """``dst``: ``src``'s MLP projections as MXFP4, every other tensor bf16; ``ref``: its values in fp32."""
+# ---- a tiny gpt-oss quantized by this file, converted and run ---------------------------------------
+EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _mxfp4_gpt_oss(src: str, dst: str, ref: str) -> None:
+    """``dst``: ``src``'s expert weights as MXFP4 (as published: their biases, attention, sinks,
+    router, embeddings and lm_head bf16); ``ref``: its values in fp32, an unquantized gpt-oss."""
     tensors = load_file(os.path.join(src, "model.safetensors"))
     out, plain = {}, {}
     for name, t in tensors.items():
-        if ".mlp." in name and name.endswith("_proj.weight"):  # HF [out, in] read as [cols, rows]: out % 32 == 0
+        if name.endswith(EXPERTS):  # gate_up_proj [E, H, 2I], down_proj [E, I, H]: [*lead, cols, rows]
             out[name + "_blocks"], out[name + "_scales"] = pack(t)
             plain[name] = unpack(out[name + "_blocks"], out[name + "_scales"]).float().contiguous()
         else:
             out[name] = t.bfloat16()
             plain[name] = out[name].float()
     config = json.load(open(os.path.join(src, "config.json")))
-    _write(dst, out, quant, config=dict(config, dtype="bfloat16"))
+    _write(dst, out, MXFP4, config=dict(config, dtype="bfloat16"))
     _write(ref, plain, None, config=dict(config, dtype="float32"))
 
 
-def _convert(jobs: list[tuple[str, str, str | None]]) -> list[str]:
+def _convert_and_run(jobs: list[tuple[str, str, str | None]], outs: list[str], model: str, batch: dict) -> tuple:
+    """One world: each (hf, out, dtype) converted; the dist_ckpt tensors of ``outs``; the logits
+    of ``model`` loaded by load_hf (its MXFP4 read by the reader)."""
     from mcore_rl.conversion.convert import ConvertOptions, convert
+    from tests.steps import outputs_of_models
 
-    return [convert(ConvertOptions(hf, dst, dtype=dtype), progress=False).dtype for hf, dst, dtype in jobs]
+    from megatron.core import parallel_state
+
+    written = [convert(ConvertOptions(hf, dst, dtype=dtype), progress=False).dtype for hf, dst, dtype in jobs]
+    parallel_state.destroy_model_parallel()  # the conversions' groups
+    return written, _raw_tensors(outs), outputs_of_models({"mx": model}, {}, "actor", batch)["mx"]
 
 
-def test_converted_mxfp4_equals_the_test_dequantization(tmp_path):
-    """fp32: the converter's weights equal the test's unpacking bit for bit; the default (bf16,
-    the other weights' dtype) is its one rounding; mcore_rl.json records the MXFP4 tensors. The
-    command line refuses a 0xFF scale (naming tensor and block) and blocks for a name the model
-    lacks, in one line each, nothing written."""
+def _start_cli(hf: str, out: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "converters", "hf_to_mcore.py"), "--hf_model_path", hf,
+                             "--output_path", out], env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_gpt_oss_in_mxfp4_converts_to_the_test_dequantization_and_transformers_logits(tmp_path):
+    """A tiny gpt-oss (both layer types, window active, 4 experts) whose experts this file packs:
+    the converter's fp32 weights equal the test's unpacking bit for bit, its default (bf16, the
+    other weights' dtype) the one rounding of it; mcore_rl.json records the expert tensors as
+    MXFP4; load_hf of the MXFP4 directory gives transformers' logits of the unpacked directory
+    within 1e-4. The command line refuses a 0xFF scale (naming tensor and block) and blocks for a
+    name the model lacks, one line each, nothing written."""
+    from transformers import AutoModelForCausalLM
+
     from mcore_rl.conversion.convert_input import resolve_dtype
+    from tests.tiny import padded_batch
 
     src, mx, ref = (str(tmp_path / n) for n in ("src", "mx", "ref"))
-    tiny_hf_model(tiny_config("llama", num_hidden_layers=2)).save_pretrained(src)
-    _mxfp4_llama(src, mx, ref, MXFP4)
+    tiny_hf_model(tiny_config("gpt_oss", num_hidden_layers=2, intermediate_size=64)).save_pretrained(src)
+    _mxfp4_gpt_oss(src, mx, ref)
     assert resolve_dtype(mx) == ("bf16", None)
-    down = "model.layers.1.mlp.down_proj.weight"
-    bad = {"nan_scale": (down + "_scales", (40, 1), 0xFF, f"'{down}': scale byte 0xFF (NaN in E8M0) of block [40, 1] "
-                                                       "(the weight's [32:64, 40])"),
-           "unknown": ("model.layers.1.mlp.extra_proj.weight", None, None,
-                       "HF tensors with no row in the llama mapping table: ['model.layers.1.mlp.extra_proj.weight']")}
+    down = "model.layers.1.mlp.experts.down_proj"
+    bad = {"nan_scale": (f"'{down}': scale byte 0xFF (NaN in E8M0) of block [2, 40, 1] (the weight's [2, 32:64, 40])"),
+           "unknown": "HF tensors with no row in the gpt_oss mapping table: ['model.layers.1.mlp.experts.extra_proj']"}
     procs = {}
-    for case, (name, index, value, _) in bad.items():
+    for case in bad:
         tensors = load_file(os.path.join(mx, "model.safetensors"))
-        if index is not None:
-            tensors[name][index] = value
+        if case == "nan_scale":
+            tensors[down + "_scales"][2, 40, 1] = 0xFF
         else:
-            tensors[name + "_blocks"], tensors[name + "_scales"] = (tensors[down + p].clone() for p in ("_blocks", "_scales"))
+            extra = "model.layers.1.mlp.experts.extra_proj"
+            for part in ("_blocks", "_scales"):
+                tensors[extra + part] = tensors[down + part].clone()
         _write(tmp_path / case, tensors, MXFP4, config=json.load(open(os.path.join(mx, "config.json"))))
-        procs[case] = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "converters", "hf_to_mcore.py"), "--hf_model_path", str(tmp_path / case),
-             "--output_path", str(tmp_path / f"out_{case}")], env={**os.environ, "PYTHONPATH": ROOT,
-                                                                    "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[case] = _start_cli(str(tmp_path / case), str(tmp_path / f"out_{case}"))
     outs = [str(tmp_path / n) for n in ("mx_fp32", "mx_bf16", "ref_fp32")]
-    written = run_ranks(1, _convert, [(mx, outs[0], "fp32"), (mx, outs[1], None), (ref, outs[2], "fp32")])[0]
-    assert written == ["fp32", "bf16", "fp32"]
-    got32, got16, want = run_ranks(1, _raw_tensors, outs)[0]
-    assert set(got32) == set(want) == set(got16)
+    batch = padded_batch(200)
+    written, (got32, got16, want), logits = run_ranks(1, _convert_and_run, [
+        (mx, outs[0], "fp32"), (mx, outs[1], None), (ref, outs[2], "fp32")], outs, mx, batch)[0]
+    assert written == ["fp32", "bf16", "fp32"] and set(got32) == set(want) == set(got16)
     for key, w in want.items():
         assert got32[key].dtype == torch.float32 and torch.equal(got32[key], w), key
         assert got16[key].dtype == torch.bfloat16 and torch.equal(got16[key], w.bfloat16()), key
     stored = json.load(open(os.path.join(outs[0], "mcore_rl.json")))["hf_stored_dtypes"]
-    assert stored[down] == "MXFP4" and stored["model.embed_tokens.weight"] == "BF16" and down + "_blocks" not in stored
-    assert sum(v == "MXFP4" for v in stored.values()) == 6  # 3 projections x 2 layers
-    for case, (_, _, _, says) in bad.items():
+    assert {k for k, v in stored.items() if v == "MXFP4"} == {f"model.layers.{i}.{e}" for i in (0, 1) for e in EXPERTS}
+    assert stored["model.layers.0.mlp.experts.down_proj_bias"] == "BF16"
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        expected = hf.eval()(**batch).logits
+    real = batch["attention_mask"].bool()
+    diff = (logits[..., :expected.shape[-1]] - expected)[real].abs().max().item()
+    assert diff <= 1e-4, f"logits differ from transformers' on the dequantized directory by {diff:.3g}"
+    for case, says in bad.items():
         out, err = procs[case].communicate(timeout=600)
         _one_line(procs[case].returncode, err, says, str(tmp_path / f"out_{case}"))

@@ -107,7 +107,7 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         if key in self.mxfp4.tensors:
             blocks, scales = self.mxfp4.tensors[key]
             return dequantize_mxfp4(self._read_part(blocks, index), self._read_part(scales, index),
-                                    self.dequant_dtype, f"{key!r}[{index}]")
+                                    self.dequant_dtype, repr(key), at=(index,))
         return self._read_part(key, index)
 
     def _read_part(self, key: str, index: int) -> torch.Tensor:

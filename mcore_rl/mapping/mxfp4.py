@@ -74,12 +74,13 @@ def _powers_of_two(scales: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _block_at(lead: tuple[int, ...], flat: int, row: int, group: int) -> str:
-    """``block [*lead, row, group]`` of the blocks tensor and the values it holds in the HF parameter."""
+def _block_at(lead: tuple[int, ...], flat: int, row: int, group: int, at: tuple[int, ...] = ()) -> str:
+    """``block [*at, *lead, row, group]`` of the blocks tensor and the values it holds in the HF parameter."""
     index = [row, group]
     for size in reversed(lead):
-        flat, at = divmod(flat, size)
-        index.insert(0, at)
+        flat, i = divmod(flat, size)
+        index.insert(0, i)
+    index = [*at, *index]
     cols = f"{group * BLOCK}:{(group + 1) * BLOCK}"
     return f"block {index} (the weight's [{', '.join([*map(str, index[:-2]), cols, str(row)])}])"
 
@@ -95,7 +96,7 @@ def _check_pair(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
 
 
 def _check_range(values: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, lead: tuple[int, ...], i: int,
-                 r0: int, name: str) -> None:
+                 r0: int, name: str, at: tuple[int, ...]) -> None:
     """``values`` [r, G, 32] (float32 products of the scales ``s`` [r, G], rows ``r0``.. of lead
     index ``i``) beyond float32 (MXFP4Error: the scale is damaged) or beyond ``dtype``
     (CastOverflowError: the values have two significant bits, so only the range can fail)."""
@@ -104,7 +105,7 @@ def _check_range(values: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, lead
     if not bool(bad.any()):
         return
     r, g, _ = (int(v) for v in torch.nonzero(bad)[0])
-    where = _block_at(lead, i, r0 + r, g)
+    where = _block_at(lead, i, r0 + r, g, at)
     if not bool(torch.isfinite(values[r, g]).all()):
         raise MXFP4Error(f"{name}: {where} with scale 2^{int(s[r, g]) - SCALE_BIAS} holds values beyond float32; the "
                          "scale is damaged: copy the checkpoint again.")
@@ -114,11 +115,12 @@ def _check_range(values: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, lead
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
-                     name: str = "the tensor", chunk: int = CHUNK) -> torch.Tensor:
+                     name: str = "the tensor", chunk: int = CHUNK, at: tuple[int, ...] = ()) -> torch.Tensor:
     """``blocks`` uint8 [*lead, rows, G, 16] and ``scales`` uint8 [*lead, rows, G] -> the HF
     parameter [*lead, G * 32, rows] in ``dtype`` (module docstring), on the blocks' device. A
     scale of 0xFF (NaN in E8M0), a value beyond float32 or one ``dtype`` cannot hold is an
-    MXFP4Error / CastOverflowError naming ``name`` and the block. ``chunk`` values at a time."""
+    MXFP4Error / CastOverflowError naming ``name`` and the block (prefixed by ``at``, the
+    leading indices of this slice in the whole tensor). ``chunk`` values at a time."""
     _check_pair(blocks, scales, name)
     *lead, rows, groups, _ = blocks.shape
     cols, n = groups * BLOCK, math.prod(lead)
@@ -131,11 +133,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
             s = s3[i, r0:r0 + step]
             if bool((s == SCALE_NAN).any()):
                 r, g = (int(v) for v in torch.nonzero(s == SCALE_NAN)[0])
-                raise MXFP4Error(f"{name}: scale byte 0xFF (NaN in E8M0) of {_block_at(tuple(lead), i, r0 + r, g)}; "
-                                 "the checkpoint is damaged: copy it again.")
+                where = _block_at(tuple(lead), i, r0 + r, g, at)
+                raise MXFP4Error(f"{name}: scale byte 0xFF (NaN in E8M0) of {where}; the checkpoint is damaged: copy "
+                                 "it again.")
             values = table[b3[i, r0:r0 + step].long()].reshape(s.shape[0], groups, BLOCK)
             values = values * _powers_of_two(s).unsqueeze(-1)
-            _check_range(values, s, dtype, tuple(lead), i, r0, name)
+            _check_range(values, s, dtype, tuple(lead), i, r0, name, at)
             out[i, :, r0:r0 + step] = values.reshape(s.shape[0], cols).T  # one rounding to dtype
     return out.reshape(*lead, cols, rows)
 
