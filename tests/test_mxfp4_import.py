@@ -220,14 +220,17 @@ def _convert_and_run(jobs: list[tuple[str, str, str | None]], outs: list[str], m
 
     from megatron.core import parallel_state
 
-    written = [convert(ConvertOptions(hf, dst, dtype=dtype), progress=False).dtype for hf, dst, dtype in jobs]
+    summaries = [convert(ConvertOptions(hf, dst, dtype=dtype), progress=False) for hf, dst, dtype in jobs]
+    assert all(s.peak_live_params == 1 for s in summaries)  # streamed: one expert at a time
+    written = [s.dtype for s in summaries]
     parallel_state.destroy_model_parallel()  # the conversions' groups
     return written, _raw_tensors(outs), outputs_of_models({"mx": model}, {}, "actor", batch)["mx"]
 
 
-def _start_cli(hf: str, out: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "converters", "hf_to_mcore.py"), "--hf_model_path", hf,
-                             "--output_path", out], env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
+def _start_cli(hf: str, out: str, *extra: str) -> subprocess.Popen:
+    script = os.path.join(ROOT, "converters", "hf_to_mcore.py")
+    return subprocess.Popen([sys.executable, script, "--hf_model_path", hf, "--output_path", out, *extra],
+                            env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -236,8 +239,9 @@ def test_gpt_oss_in_mxfp4_converts_to_the_test_dequantization_and_transformers_l
     the converter's fp32 weights equal the test's unpacking bit for bit, its default (bf16, the
     other weights' dtype) the one rounding of it; mcore_rl.json records the expert tensors as
     MXFP4; load_hf of the MXFP4 directory gives transformers' logits of the unpacked directory
-    within 1e-4. The command line refuses a 0xFF scale (naming tensor and block) and blocks for a
-    name the model lacks, one line each, nothing written."""
+    within 1e-4; ``hf_to_mcore.py --test`` of it passes. The command line refuses a 0xFF scale
+    (naming tensor and block) and blocks for a name the model lacks, one line each, nothing
+    written."""
     from transformers import AutoModelForCausalLM
 
     from mcore_rl.conversion.convert_input import resolve_dtype
@@ -261,6 +265,7 @@ def test_gpt_oss_in_mxfp4_converts_to_the_test_dequantization_and_transformers_l
                 tensors[extra + part] = tensors[down + part].clone()
         _write(tmp_path / case, tensors, MXFP4, config=json.load(open(os.path.join(mx, "config.json"))))
         procs[case] = _start_cli(str(tmp_path / case), str(tmp_path / f"out_{case}"))
+    checked = _start_cli(mx, str(tmp_path / "out_test"), "--dtype", "fp32", "--test")
     outs = [str(tmp_path / n) for n in ("mx_fp32", "mx_bf16", "ref_fp32")]
     batch = padded_batch(200)
     written, (got32, got16, want), logits = run_ranks(1, _convert_and_run, [
@@ -281,3 +286,5 @@ def test_gpt_oss_in_mxfp4_converts_to_the_test_dequantization_and_transformers_l
     for case, says in bad.items():
         out, err = procs[case].communicate(timeout=600)
         _one_line(procs[case].returncode, err, says, str(tmp_path / f"out_{case}"))
+    out, err = checked.communicate(timeout=600)
+    assert checked.returncode == 0 and "PASS" in out, out[-2000:] + err[-2000:]
