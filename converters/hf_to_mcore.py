@@ -8,8 +8,9 @@ The output does not depend on --tp/--pp/--ep (they only split the work; load it 
 stating another dtype is a warning naming both; the output's config states the dtype written.
 FP8 checkpoints (block FP8, compressed-tensors FP8, per-tensor FP8) are dequantized while read;
 their default dtype is that of most of their other weights (bf16 for DeepSeek/Qwen3/GLM).
+MXFP4 checkpoints (gpt-oss: X_blocks + X_scales) are dequantized the same way (exact in bf16/fp32).
 --test: afterwards, in a fresh process, load the output at TP=1 and compare logits with
-transformers' model (fails with exit code 1 when max |diff| > 1e-4 in fp32); of an FP8 input,
+transformers' model (fails with exit code 1 when max |diff| > 1e-4 in fp32); of an FP8/MXFP4 input,
 transformers' model of its dequantized weights (converters/verify_logits.py).
 Bad input: one line "error: ..." on stderr, exit code 2, nothing written.
 """

@@ -92,11 +92,12 @@ def _hf_model(transformers, role: str, hf_dir: str):
 
 
 def _write_dequantized(hf_dir: str, config: dict, out: str, shard_bytes: int = 1 << 30) -> None:
-    """An FP8 ``hf_dir`` (the only quantization the converter reads) written into ``out`` as the
-    fp32 weights the converter's reader dequantizes (exact products) in shards of ~``shard_bytes``,
-    with its config.json less ``quantization_config``: transformers' FP8 loading on CPU handles
-    only shapes that are block multiples. The dequantization itself is checked independently
-    (tests/test_fp8_import.py); this compares the conversion's mapping and layout."""
+    """An FP8 or MXFP4 ``hf_dir`` (the quantizations the converter reads) written into ``out`` as
+    the fp32 weights the converter's reader dequantizes (exact products) in shards of
+    ~``shard_bytes``, with its config.json less ``quantization_config``: transformers' FP8 loading
+    on CPU handles only shapes that are block multiples. The dequantization itself is checked
+    independently (tests/test_fp8_import.py, tests/test_mxfp4_import.py); this compares the
+    conversion's mapping and layout."""
     import json
 
     import torch
