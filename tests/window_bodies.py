@@ -21,13 +21,15 @@ WINDOWED = {  # name -> (model_type, config overrides, seed)
 }
 # the same models without their window (the HF configs' switch off)
 NO_WINDOW = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_window=None),
-             "qwen2": dict(use_sliding_window=False), "qwen3": dict(use_sliding_window=False)}
+             "qwen2": dict(use_sliding_window=False),
+             # sliding layer types without a window: transformers 5.24's cache raises (TypeError)
+             "qwen3": dict(use_sliding_window=False, layer_types=["full_attention"] * 4)}
 
 
 def windowed_config(name: str, window: bool = True):
     """The transformers config of WINDOWED[name] (``window=False``: the same without its window)."""
     model_type, overrides, _ = WINDOWED[name]
-    return tiny_config(model_type, **overrides, **({} if window else NO_WINDOW[model_type]))
+    return tiny_config(model_type, **{**overrides, **({} if window else NO_WINDOW[model_type])})
 
 
 def save_windowed(base) -> dict:
