@@ -238,13 +238,16 @@ def test_windowed_models_match_transformers(results, window_refs, layout):
     real = batch["attention_mask"].bool()
     for name, ref in window_refs.items():
         got = ranks[0][layout][name]
-        assert _max_diff(got["logits"][real], ref["eager"][real]) <= 1e-4, f"{name} {layout}: logits"
+        diff = _max_diff(got["logits"][real], ref["eager"][real])
+        assert diff <= 1e-4, f"{name} {layout}: logits differ from transformers by {diff:.3g}"
         lp = [_next_token_log_probs(x, batch["input_ids"], real) for x in (got["logits"], ref["eager"])]
         assert _max_diff(*lp) <= 1e-4, f"{name} {layout}: next-token log-probs {_max_diff(*lp):.3g}"
         padded, packed = got["padded"], got["packed"]
         for mode in (padded, packed):
-            assert _max_diff(mode["log_probs"], ref["log_probs"]) <= 1e-4, f"{name} {layout}: response log-probs"
-        assert _max_diff(packed["log_probs"], padded["log_probs"]) <= TOL, f"{name} {layout}: packed log-probs"
+            diff = _max_diff(mode["log_probs"], ref["log_probs"])
+            assert diff <= 1e-4, f"{name} {layout}: response log-probs differ from transformers by {diff:.3g}"
+        diff = _max_diff(packed["log_probs"], padded["log_probs"])
+        assert diff <= TOL, f"{name} {layout}: packed log-probs differ from padded by {diff:.3g}"
         assert set(packed["grads"]) == set(padded["grads"])
         for key, g in padded["grads"].items():
             assert _max_diff(packed["grads"][key], g) <= TOL, f"{name} {layout} {key}: packed grad {_max_diff(packed['grads'][key], g):.3g}"
