@@ -2,7 +2,9 @@
 and of the critic (parameters after the optimizer step, grad norms, loss metrics) with CP=2,
 CP=2 x TP=2 + SP, CP=2 x PP=2, CP=2 x PP=2 x VPP=2 and CP=2 x EP=2 (MoE) equal CP=1 within 1e-5; sequence lengths
 not divisible by 2 * cp and sequences shorter than 2 * cp work; no decoder layer ever sees the
-whole sequence under CP."""
+whole sequence under CP. Sliding windows (tests/window_bodies.py): five windowed architectures
+equal transformers at world 1, TP=2+SP, PP=2 and CP=2 (windows by global position), padded and
+packed, and packed gradients equal padded ones."""
 from __future__ import annotations
 
 import pytest
@@ -215,15 +217,21 @@ def _next_token_log_probs(logits: torch.Tensor, ids: torch.Tensor, real: torch.T
     return lp[real[:, 1:] & real[:, :-1]]
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:
+    diff = _max_diff(a, b)
+    assert diff <= tol, f"{what} differ by {diff:.3g} (> {tol:g})"
+
+
 def test_windows_are_active_and_sdpa_agrees(window_refs):
     """transformers' eager and SDPA attention agree on every windowed model, and the same model
     without its window scores the tokens differently (the window cuts in these batches)."""
     batch = padded_batch(**LOGITS_BATCH)
     real = batch["attention_mask"].bool()
     for name, ref in window_refs.items():
-        eager, sdpa, full = (_next_token_log_probs(ref[k], batch["input_ids"], real) for k in ("eager", "sdpa", "no_window"))
-        assert (sdpa - eager).abs().max() <= 1e-5, f"{name}: SDPA differs from eager by {(sdpa - eager).abs().max():.3g}"
-        assert (full - eager).abs().max() > 0.05, f"{name}: the window changes nothing ({(full - eager).abs().max():.3g})"
+        eager, sdpa, full = (_next_token_log_probs(ref[k], batch["input_ids"], real)
+                             for k in ("eager", "sdpa", "no_window"))
+        _close(sdpa, eager, 1e-5, f"{name}: transformers' SDPA and eager log-probs")
+        assert _max_diff(full, eager) > 0.05, f"{name}: the window changes nothing ({_max_diff(full, eager):.3g})"
 
 
 @pytest.mark.parametrize("layout", ["win_single", *WIN])
@@ -232,30 +240,27 @@ def test_windowed_models_match_transformers(results, window_refs, layout):
     (eager), response log-probs of padded and of packed micro-batches (4 sequences a stream,
     left- and right-padded rows) within 1e-4 of transformers and 1e-5 of each other, the
     packed update's gradients and metrics within 1e-5 of the padded one's; away from world 1,
-    everything within 1e-5 of world 1."""
-    ranks, batches = results
+    logits and gradients within 1e-5 of world 1's."""
+    ranks, _ = results
     batch = padded_batch(**LOGITS_BATCH)
     real = batch["attention_mask"].bool()
     for name, ref in window_refs.items():
-        got = ranks[0][layout][name]
-        diff = _max_diff(got["logits"][real], ref["eager"][real])
-        assert diff <= 1e-4, f"{name} {layout}: logits differ from transformers by {diff:.3g}"
+        got, at = ranks[0][layout][name], f"{name} at {layout}:"
+        _close(got["logits"][real], ref["eager"][real], 1e-4, f"{at} logits and transformers'")
         lp = [_next_token_log_probs(x, batch["input_ids"], real) for x in (got["logits"], ref["eager"])]
-        assert _max_diff(*lp) <= 1e-4, f"{name} {layout}: next-token log-probs {_max_diff(*lp):.3g}"
+        _close(*lp, 1e-4, f"{at} next-token log-probs and transformers'")
         padded, packed = got["padded"], got["packed"]
-        for mode in (padded, packed):
-            diff = _max_diff(mode["log_probs"], ref["log_probs"])
-            assert diff <= 1e-4, f"{name} {layout}: response log-probs differ from transformers by {diff:.3g}"
-        diff = _max_diff(packed["log_probs"], padded["log_probs"])
-        assert diff <= TOL, f"{name} {layout}: packed log-probs differ from padded by {diff:.3g}"
+        for mode in ("padded", "packed"):
+            _close(got[mode]["log_probs"], ref["log_probs"], 1e-4, f"{at} {mode} response log-probs and transformers'")
+        _close(packed["log_probs"], padded["log_probs"], TOL, f"{at} packed and padded log-probs")
         assert set(packed["grads"]) == set(padded["grads"])
         for key, g in padded["grads"].items():
-            assert _max_diff(packed["grads"][key], g) <= TOL, f"{name} {layout} {key}: packed grad {_max_diff(packed['grads'][key], g):.3g}"
+            _close(packed["grads"][key], g, TOL, f"{at} packed and padded gradients of {key}")
         assert max(float(g.abs().max()) for g in padded["grads"].values()) > 1e-3  # the update has gradients
         for k, v in padded["metrics"].items():
-            assert abs(packed["metrics"][k] - v) <= TOL * max(1.0, abs(v)), f"{name} {layout} {k}"
+            assert abs(packed["metrics"][k] - v) <= TOL * max(1.0, abs(v)), f"{at} packed metric {k}"
         if layout != "win_single":
             single = ranks[0]["win_single"][name]
-            assert _max_diff(got["logits"][real], single["logits"][real]) <= TOL, f"{name} {layout}: logits vs world 1"
+            _close(got["logits"][real], single["logits"][real], TOL, f"{at} logits and world 1's")
             for key, g in single["padded"]["grads"].items():
-                assert _max_diff(padded["grads"][key], g) <= TOL, f"{name} {layout} {key}: grad vs world 1"
+                _close(padded["grads"][key], g, TOL, f"{at} gradients of {key} and world 1's")

@@ -33,7 +33,8 @@ def _sink_grad_and_norm() -> dict:
         use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0,
     )
     attn = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
-    heads, groups = slice(rank * HEADS // TP, (rank + 1) * HEADS // TP), slice(rank * GROUPS // TP, (rank + 1) * GROUPS // TP)
+    heads = slice(rank * HEADS // TP, (rank + 1) * HEADS // TP)  # this rank's query heads and KV groups
+    groups = slice(rank * GROUPS // TP, (rank + 1) * GROUPS // TP)
     with torch.no_grad():
         attn.softmax_offset.copy_(SINKS[heads])
     g = torch.Generator().manual_seed(5)
@@ -41,8 +42,8 @@ def _sink_grad_and_norm() -> dict:
     out = attn(q[:, :, heads], k[:, :, groups], v[:, :, groups], attention_mask=None)
     (out * w[:, :, heads].reshape(S, B, -1)).sum().backward()
     optimizer = FP32Optimizer(torch.optim.SGD([attn.softmax_offset], lr=0.1), OptimizerConfig(lr=0.1), lambda x: None)
-    return {"grad": attn.softmax_offset.grad.clone(), "counted": param_is_not_tensor_parallel_duplicate(attn.softmax_offset),
-            "norm": float(optimizer.get_grad_norm())}
+    counted = param_is_not_tensor_parallel_duplicate(attn.softmax_offset)
+    return {"grad": attn.softmax_offset.grad.clone(), "counted": counted, "norm": float(optimizer.get_grad_norm())}
 
 
 def _with_and_without_fix() -> dict:

@@ -1,6 +1,6 @@
-"""Tiny models with an active sliding window (mistral, qwen2, qwen3, mixtral; windows of 3, 4, 5
-and 8 tokens, each built from another seed), their transformers references, and the body that
-tests/test_context_parallel.py runs in its worlds (layouts named ``win_*``).
+"""Tiny models with an active sliding window (mistral, qwen2, qwen3, mixtral, qwen3_moe; windows
+of 3, 4, 5, 6 and 8 tokens, each built from another seed), their transformers references, and
+the body that tests/test_context_parallel.py runs in its worlds (layouts named ``win_*``).
 
 Windowed layers differ per model and sit unevenly over PP=2's two stages (2 layers each), so a
 stage that numbers its layers from 0 instead of its offset gets the other stage's pattern:
@@ -18,9 +18,11 @@ WINDOWED = {  # name -> (model_type, config overrides, seed)
     "qwen2_w5": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1), 2),
     "qwen3_w8": ("qwen3", dict(use_sliding_window=True, sliding_window=8, layer_types=QWEN3_TYPES, head_dim=8), 3),
     "mixtral_w4": ("mixtral", dict(sliding_window=4), 4),
+    "qwen3_moe_w6": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=6), 5),  # every layer
 }
 # the same models without their window (the HF configs' switch off)
 NO_WINDOW = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_window=None),
+             "qwen3_moe": dict(use_sliding_window=False),
              "qwen2": dict(use_sliding_window=False),
              # sliding layer types without a window: transformers 5.24's cache raises (TypeError)
              "qwen3": dict(use_sliding_window=False, layer_types=["full_attention"] * 4)}
