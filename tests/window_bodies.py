@@ -8,6 +8,8 @@ qwen2 ``max_window_layers=1`` windows layers 1-3 (stage 0: full, windowed); qwen
 ``layer_types`` window layers 0 and 3 (stage 1: full, windowed)."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tests.tiny import hf_log_probs, padded_batch, tiny_config, tiny_hf_model
@@ -35,11 +37,16 @@ def windowed_config(name: str, window: bool = True):
 
 
 def save_windowed(base) -> dict:
-    """Saves every WINDOWED model (causal LM) under ``base``; returns name -> directory."""
+    """Saves every WINDOWED model (causal LM) under ``base``; returns name -> directory. qwen2's
+    config.json loses the ``layer_types`` transformers writes, as published Qwen2.5 files have
+    none: mcore_rl derives the windowed layers from ``max_window_layers``."""
     dirs = {}
-    for name, (_, _, seed) in WINDOWED.items():
+    for name, (model_type, overrides, seed) in WINDOWED.items():
         path = base / name
         tiny_hf_model(windowed_config(name), seed=seed).save_pretrained(path)
+        if model_type == "qwen2" and "layer_types" not in overrides:
+            raw = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "layer_types"}))
         dirs[name] = str(path)
     return dirs
 
