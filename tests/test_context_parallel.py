@@ -2,7 +2,9 @@
 and of the critic (parameters after the optimizer step, grad norms, loss metrics) with CP=2,
 CP=2 x TP=2 + SP, CP=2 x PP=2, CP=2 x PP=2 x VPP=2 and CP=2 x EP=2 (MoE) equal CP=1 within 1e-5; sequence lengths
 not divisible by 2 * cp and sequences shorter than 2 * cp work; no decoder layer ever sees the
-whole sequence under CP."""
+whole sequence under CP. Sliding windows (tests/window_bodies.py): five windowed architectures
+equal transformers at world 1, TP=2+SP, PP=2 and CP=2 (windows by global position), padded and
+packed, and packed gradients equal padded ones."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +13,7 @@ from megatron.core import parallel_state
 
 from tests.dist import run_ranks
 from tests.tiny import padded_batch, rl_batch, tiny_config, tiny_hf_model
+from tests.window_bodies import LOGITS_BATCH, WINDOWED, references, save_windowed, window_layout
 
 TOL = 1e-5
 DENSE = {  # name -> layout (world 4; CP=1 reference first)
@@ -23,6 +26,8 @@ MOE = {"moe_ref": dict(), "moe_cp2_ep2": dict(cp=2, ep=2)}
 DEEP = {"deep_ref": dict(), "deep_cp2_pp2_vpp2": dict(cp=2, pp=2, vpp=2)}  # 4 layers: 2 chunks per stage
 # DeepSeek-V3: multi-latent attention under CP with TP + SP (and its sigmoid router, EP 1)
 MLA = {"mla_ref": dict(), "mla_cp2_tp2_sp": dict(cp=2, tp=2, sequence_parallel=True)}
+# sliding windows (tests/window_bodies.py): every windowed model per layout; world 1 in "single"'s world
+WIN = {"win_tp2_sp": dict(tp=2, sequence_parallel=True), "win_pp2": dict(pp=2), "win_cp2": dict(cp=2)}
 
 
 def make_batch(vocab: int, prompt: int, response: int) -> dict:
@@ -106,10 +111,14 @@ def _full_logits(engine, batch: dict) -> torch.Tensor:
 
 def run_all(hf_dirs: dict, layouts: dict, batches: list[dict]) -> dict:
     """``_run_layout`` per name -> layout kwargs or (layout kwargs, batching overrides); the
-    name's first word picks the model ("moe", "deep"; else "dense")."""
+    name's first word picks the model ("moe", "deep"; else "dense"); "win_*": ``window_layout``
+    of every windowed model (``hf_dirs["win"]``: name -> directory) on the first batch."""
     out = {}
     for name, spec in layouts.items():
         layout, batching = spec if isinstance(spec, tuple) else (spec, None)
+        if name.startswith("win_"):
+            out[name] = window_layout(hf_dirs["win"], layout, batches[0])
+            continue
         out[name] = _run_layout(hf_dirs.get(name.split("_")[0], hf_dirs["dense"]), layout, batches, batching)
     return out
 
@@ -153,11 +162,12 @@ def check_equal(out: dict, name: str, ref: str, batches: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    dirs = save_models(tmp_path_factory.mktemp("cp"))
+    base = tmp_path_factory.mktemp("cp")
+    dirs = {**save_models(base), "win": save_windowed(base / "win")}
     # s = 15 (not a multiple of 2 * cp = 4: padded), and s = 3 (< 2 * cp tokens)
     batches = [make_batch(200, 9, 6), make_batch(200, 2, 1)]
-    ranks = run_ranks(4, run_all, dirs, {**DENSE, **MOE, **DEEP, **MLA}, batches)
-    ranks[0]["single"] = run_ranks(1, run_all, dirs, {"single": {}}, batches)[0]["single"]
+    ranks = run_ranks(4, run_all, dirs, {**DENSE, **MOE, **DEEP, **MLA, **WIN}, batches)
+    ranks[0].update(run_ranks(1, run_all, dirs, {"single": {}, "win_single": {}}, batches)[0])
     return ranks, batches
 
 
@@ -182,6 +192,8 @@ def test_no_rank_holds_the_whole_sequence(results):
     s = 16  # the longest batch padded to a multiple of 2 * cp (x tp with sequence parallel)
     for rank in ranks:
         for name, out in rank.items():
+            if name.startswith("win_"):  # window_layout records no sizes
+                continue
             want = s if name.endswith(("ref", "single")) else s // 2
             assert out["seen"] <= want, f"{name}: a decoder layer saw {out['seen']} > {want} tokens"
     assert ranks[0]["cp2_tp2_sp"]["seen"] == s // 4  # CP and sequence parallel both split
@@ -192,3 +204,64 @@ def test_impossible_layouts_are_refused():
 
     with pytest.raises(LayoutError, match=r"tp\(1\) \* pp\(1\) \* cp\(3\) = 3 does not divide"):
         ParallelLayout(cp=3).validate(4)
+
+
+@pytest.fixture(scope="module")
+def window_refs(results) -> dict:
+    """transformers' outputs of every windowed model (tests/window_bodies.py ``references``)."""
+    return {name: references(name, padded_batch(**LOGITS_BATCH), results[1][0]) for name in WINDOWED}
+
+
+def _next_token_log_probs(logits: torch.Tensor, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """log p(token t+1 | ..t) at every t where both tokens are real: [n] (fp64)."""
+    lp = torch.log_softmax(logits[:, :-1, :200].double(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return lp[real[:, 1:] & real[:, :-1]]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float, what: str) -> None:
+    diff = _max_diff(a, b)
+    assert diff <= tol, f"{what} differ by {diff:.3g} (> {tol:g})"
+
+
+def test_windows_are_active_and_sdpa_agrees(window_refs):
+    """transformers' eager and SDPA attention agree on every windowed model, and the same model
+    without its window scores the tokens differently (the window cuts in these batches)."""
+    batch = padded_batch(**LOGITS_BATCH)
+    real = batch["attention_mask"].bool()
+    for name, ref in window_refs.items():
+        eager, sdpa, full = (_next_token_log_probs(ref[k], batch["input_ids"], real)
+                             for k in ("eager", "sdpa", "no_window"))
+        _close(sdpa, eager, 1e-5, f"{name}: transformers' SDPA and eager log-probs")
+        assert _max_diff(full, eager) > 0.05, f"{name}: the window changes nothing ({_max_diff(full, eager):.3g})"
+
+
+@pytest.mark.parametrize("layout", ["win_single", *WIN])
+def test_windowed_models_match_transformers(results, window_refs, layout):
+    """Per model: logits and next-token log-probs of a padded batch within 1e-4 of transformers
+    (eager), response log-probs of padded and of packed micro-batches (4 sequences a stream,
+    left- and right-padded rows) within 1e-4 of transformers and 1e-5 of each other, the
+    packed update's gradients and metrics within 1e-5 of the padded one's; away from world 1,
+    logits and gradients within 1e-5 of world 1's."""
+    ranks, _ = results
+    batch = padded_batch(**LOGITS_BATCH)
+    real = batch["attention_mask"].bool()
+    for name, ref in window_refs.items():
+        got, at = ranks[0][layout][name], f"{name} at {layout}:"
+        _close(got["logits"][real], ref["eager"][real], 1e-4, f"{at} logits and transformers'")
+        lp = [_next_token_log_probs(x, batch["input_ids"], real) for x in (got["logits"], ref["eager"])]
+        _close(*lp, 1e-4, f"{at} next-token log-probs and transformers'")
+        padded, packed = got["padded"], got["packed"]
+        for mode in ("padded", "packed"):
+            _close(got[mode]["log_probs"], ref["log_probs"], 1e-4, f"{at} {mode} response log-probs and transformers'")
+        _close(packed["log_probs"], padded["log_probs"], TOL, f"{at} packed and padded log-probs")
+        assert set(packed["grads"]) == set(padded["grads"])
+        for key, g in padded["grads"].items():
+            _close(packed["grads"][key], g, TOL, f"{at} packed and padded gradients of {key}")
+        assert max(float(g.abs().max()) for g in padded["grads"].values()) > 1e-3  # the update has gradients
+        for k, v in padded["metrics"].items():
+            assert abs(packed["metrics"][k] - v) <= TOL * max(1.0, abs(v)), f"{at} packed metric {k}"
+        if layout != "win_single":
+            single = ranks[0]["win_single"][name]
+            _close(got["logits"][real], single["logits"][real], TOL, f"{at} logits and world 1's")
+            for key, g in single["padded"]["grads"].items():
+                _close(padded["grads"][key], g, TOL, f"{at} gradients of {key} and world 1's")

@@ -84,9 +84,14 @@ def test_mistral_window_is_applied_not_refused():
     assert (args.window, args.window_layers) == (64, (True,) * 4)
 
 
-def test_qwen_window_ignored_unless_enabled():
-    cfg = tiny_config("qwen2", sliding_window=8, use_sliding_window=False)
-    model_args_from_hf(cfg)  # qwen applies the window only with use_sliding_window=True
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen3_moe"])
+def test_qwen_window_ignored_unless_enabled(model_type):
+    """qwen applies the window only with use_sliding_window=True (transformers nulls it else)."""
+    off = model_args_from_hf(tiny_config(model_type, sliding_window=8, use_sliding_window=False))
+    assert (off.window, off.window_layers) == (None, None)
+    on = model_args_from_hf(tiny_config(model_type, sliding_window=8, use_sliding_window=True, max_window_layers=1))
+    layers = (True,) * 4 if model_type == "qwen3_moe" else (False, True, True, True)  # MoE: every layer
+    assert (on.window, on.window_layers) == (8, layers)
 
 
 def test_tp_not_dividing_heads():

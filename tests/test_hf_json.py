@@ -47,8 +47,12 @@ def test_every_architecture_has_class_defaults_equal_to_transformers():
     for model_type, defaults in CLASS_DEFAULTS.items():
         cfg = AutoConfig.for_model(model_type)
         rope = cfg.rope_parameters
+        # a window behind use_sliding_window: the class's value, which transformers nulls while it is off
+        gated = "use_sliding_window" in defaults.values
+        window = AutoConfig.for_model(model_type, use_sliding_window=True).sliding_window if gated else None
         for name, value in defaults.values.items():
             expected = rope.get(name) if name in ("rope_theta", "partial_rotary_factor") else getattr(cfg, name)
+            expected = window if name == "sliding_window" and gated else expected
             assert value == expected and type(value) is type(expected), (model_type, name, value, expected)
         assert dict(defaults.aliases) == dict(getattr(cfg, "attribute_map", {})), model_type
 
@@ -147,3 +151,59 @@ def test_vision_language_wrappers_read_their_text_config_as_transformers(tmp_pat
     _write(tmp_path / "bad", {**full, "text_config": {**text, "model_type": "qwen3"}})
     with pytest.raises(ConfigError, match=r"text_config.model_type='qwen3' .*expected 'qwen3_5"):
         model_args_from_hf(tmp_path / "bad")
+
+
+_MIXED = ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+WINDOWED_FILES = {  # name -> (model_type, fields over the tiny config; layer_types dropped unless given)
+    "mistral": ("mistral", {"sliding_window": 5}),
+    "mixtral": ("mixtral", {"sliding_window": 4}),
+    "qwen2_max_window_layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 2}),
+    "qwen3_layer_types": ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3,
+                                    "layer_types": _MIXED}),
+    "qwen3_moe": ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 6}),
+}
+WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
+
+
+@pytest.mark.parametrize("name", WINDOWED_FILES)
+def test_window_fields_give_transformers_window(tmp_path, name):
+    """A file with an active window gives transformers' window and windowed layers, also with
+    each window field left out in turn (transformers' class default applies)."""
+    model_type, fields = WINDOWED_FILES[name]
+    raw = json.loads(tiny_config(model_type).to_json_string(use_diff=False))
+    full = {**{k: v for k, v in raw.items() if k != "layer_types"}, **fields}
+    _write(tmp_path / "full", full)
+    json_args, hf_args = _both(tmp_path / "full")
+    assert json_args == hf_args and json_args.window == fields["sliding_window"], (json_args, hf_args)
+    assert any(json_args.window_layers)
+    for key in WINDOW_FIELDS:
+        if key in full:
+            _write(tmp_path / key, {k: v for k, v in full.items() if k != key})
+            json_args, hf_args = _both(tmp_path / key)
+            assert hf_args is not None and json_args == hf_args, (name, key, json_args, hf_args)
+
+
+@pytest.mark.parametrize("fields", [
+    {"use_sliding_window": False, "sliding_window": 131072, "max_window_layers": 21},  # Qwen2.5-7B-Instruct
+    {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},  # Qwen2.5-0.5B
+    {"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 1},  # short, but switched off
+])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_files_with_the_window_switched_off_have_none(tmp_path, model_type, fields):
+    raw = json.loads(tiny_config(model_type).to_json_string(use_diff=False))
+    _write(tmp_path, {**{k: v for k, v in raw.items() if k != "layer_types"}, **fields})
+    json_args, hf_args = _both(tmp_path)
+    assert json_args == hf_args and (json_args.window, json_args.window_layers) == (None, None)
+
+
+def test_window_on_an_architecture_without_a_rule_is_refused_from_the_file_too(tmp_path):
+    """qwen2_moe has no window rule: an active window shorter than the sequence is refused with
+    the same message from config.json as from transformers' config, naming the value and the fix."""
+    raw = json.loads(tiny_config("qwen2_moe").to_json_string(use_diff=False))
+    _write(tmp_path, {**{k: v for k, v in raw.items() if k != "layer_types"}, "use_sliding_window": True,
+                      "sliding_window": 6})
+    json_args, hf_args = _both(tmp_path)
+    assert json_args == hf_args
+    assert json_args == ("ConfigError: sliding_window=6 is shorter than the max sequence length 128, and model_type "
+                         "'qwen2_moe' has no sliding-window rule in mcore_rl's registry; set max_seq_len <= "
+                         "sliding_window or sliding_window=null in config.json.")

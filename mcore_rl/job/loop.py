@@ -43,7 +43,7 @@ def tiny_hf_config(cfg: TinyModelConfig):
 
     kwargs = cfg.hf_kwargs()
     if cfg.model_type in ("mistral", "mixtral"):
-        kwargs.setdefault("sliding_window", None)  # HF's default window is refused (shorter than the sequence)
+        kwargs.setdefault("sliding_window", None)  # not HF's default 4096: no window (it would never cut)
     return AutoConfig.for_model(cfg.model_type, tie_word_embeddings=False, **kwargs)
 
 

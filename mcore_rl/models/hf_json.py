@@ -34,6 +34,9 @@ _HYBRID = {**_DENSE, "attention_bias": False, "head_dim": 256, "max_position_emb
            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
            "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 _EXPERTS = {"num_experts": "num_local_experts"}  # mixtral, qwen3_moe
+# Qwen2/Qwen3 (and their MoE): the class's window (4096) applies once the file sets
+# use_sliding_window: true (transformers nulls it otherwise; models/windows.py does the same)
+_GATED_WINDOW = {"use_sliding_window": False, "sliding_window": 4096}
 _SIGMOID = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
 
 # transformers 5 class defaults of the fields mcore_rl reads (rope_theta and partial_rotary_factor:
@@ -48,23 +51,23 @@ CLASS_DEFAULTS: dict[str, ClassDefaults] = {
         "num_attention_heads": 32, "max_position_embeddings": 131072, "num_hidden_layers": 32,
         "vocab_size": 32000, "intermediate_size": 14336, "rms_norm_eps": 1e-06, "rope_theta": 10000.0}),
     "qwen2": ClassDefaults({
-        **_DENSE, "use_sliding_window": False, "max_window_layers": 28, "num_key_value_heads": 32, "hidden_size": 4096,
+        **_DENSE, **_GATED_WINDOW, "max_window_layers": 28, "num_key_value_heads": 32, "hidden_size": 4096,
         "num_attention_heads": 32, "max_position_embeddings": 32768, "num_hidden_layers": 32,
         "vocab_size": 151936, "intermediate_size": 22016, "rms_norm_eps": 1e-06, "rope_theta": 10000.0}),
     "qwen3": ClassDefaults({
-        **_DENSE, "attention_bias": False, "use_sliding_window": False, "max_window_layers": 28, "head_dim": 128,
+        **_DENSE, **_GATED_WINDOW, "attention_bias": False, "max_window_layers": 28, "head_dim": 128,
         "num_key_value_heads": 32, "hidden_size": 4096, "num_attention_heads": 32,
         "max_position_embeddings": 32768, "num_hidden_layers": 32, "vocab_size": 151936,
         "intermediate_size": 22016, "rms_norm_eps": 1e-06, "rope_theta": 10000.0}),
     "qwen2_moe": ClassDefaults({
-        **_DENSE, "use_sliding_window": False, "num_key_value_heads": 16, "hidden_size": 2048,
+        **_DENSE, **_GATED_WINDOW, "num_key_value_heads": 16, "hidden_size": 2048,
         "num_attention_heads": 16, "max_position_embeddings": 32768, "num_hidden_layers": 24,
         "vocab_size": 151936, "intermediate_size": 5632, "rms_norm_eps": 1e-06, "num_experts": 60,
         "moe_intermediate_size": 1408, "num_experts_per_tok": 4, "norm_topk_prob": False,
         "decoder_sparse_step": 1, "mlp_only_layers": [], "shared_expert_intermediate_size": 5632,
         "rope_theta": 10000.0}),
     "qwen3_moe": ClassDefaults({
-        **_DENSE, "attention_bias": False, "use_sliding_window": False, "num_key_value_heads": 4,
+        **_DENSE, **_GATED_WINDOW, "attention_bias": False, "num_key_value_heads": 4,
         "hidden_size": 2048, "num_attention_heads": 32, "max_position_embeddings": 32768,
         "num_hidden_layers": 24, "vocab_size": 151936, "intermediate_size": 6144, "rms_norm_eps": 1e-06,
         "num_local_experts": 128, "moe_intermediate_size": 768, "num_experts_per_tok": 8,

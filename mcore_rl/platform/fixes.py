@@ -20,6 +20,7 @@ from packaging.version import Version
 
 from mcore_rl.errors import McoreRLError
 from mcore_rl.platform.patching import wrap_method as _wrap_method
+from mcore_rl.platform.attention_fixes import sinks_tensor_parallel
 from mcore_rl.platform.moe_bias_fixes import expert_bias_grads_once, expert_fc2_output_not_a_view
 from mcore_rl.platform.hybrid_fixes import (
     conv1d_on_host, gate_follows_query_heads, gated_output_eager, install_torch_kernels,
@@ -449,6 +450,16 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=False,
         apply=expert_bias_grads_once,
+    ),
+    Fix(
+        name="attention_sinks_tensor_parallel",
+        defect="softmax_type='learnable': DotProductAttention/TEDotProductAttention's softmax_offset "
+        "(a TP rank's heads) is not marked tensor-parallel, so the grad norm drops the sink grads "
+        "of TP ranks other than 0",
+        min_version="0.16.1",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=sinks_tensor_parallel,
     ),
     Fix(
         name="jit_fuser_compiles_at_import",
