@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from mcore_rl.platform.fix_spec import Fix
 from mcore_rl.platform.patching import wrap_method
 
 
@@ -60,3 +61,17 @@ def sinks_tensor_parallel() -> Callable[[], None]:
             one()
 
     return undo
+
+
+ATTENTION_FIXES: tuple[Fix, ...] = (
+    Fix(
+        name="attention_sinks_tensor_parallel",
+        defect="softmax_type='learnable': DotProductAttention/TEDotProductAttention's softmax_offset "
+        "(a TP rank's heads) is not marked tensor-parallel, so the grad norm drops the sink grads "
+        "of TP ranks other than 0",
+        min_version="0.16.1",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=sinks_tensor_parallel,
+    ),
+)

@@ -12,42 +12,20 @@ import functools
 import inspect
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
-from packaging.version import Version
 
 from mcore_rl.errors import McoreRLError
 from mcore_rl.platform.patching import wrap_method as _wrap_method
-from mcore_rl.platform.attention_fixes import sinks_tensor_parallel
-from mcore_rl.platform.moe_bias_fixes import expert_bias_grads_once, expert_fc2_output_not_a_view
-from mcore_rl.platform.hybrid_fixes import (
-    conv1d_on_host, gate_follows_query_heads, gated_output_eager, install_torch_kernels,
-)
+from mcore_rl.platform.attention_fixes import ATTENTION_FIXES
+from mcore_rl.platform.fix_spec import Fix
+from mcore_rl.platform.hybrid_fixes import HYBRID_FIXES
+from mcore_rl.platform.moe_bias_fixes import MOE_BIAS_FIXES
 
 
 class FixError(McoreRLError, LookupError):
     """A fix was named that is not applied."""
-
-
-@dataclass(frozen=True)
-class Fix:
-    """One workaround: ``apply()`` patches megatron-core when ``min_version <= v <= max_version``
-    and returns a callable that undoes the patch (used by the test that proves the fix)."""
-
-    name: str
-    defect: str
-    min_version: str
-    max_version: str
-    cpu_only: bool
-    apply: Callable[[], Callable[[], None]]
-    before_import: bool = False  # acts on megatron-core's import: ``megatron_import_fixes`` applies it
-
-    def matches(self, megatron_version: str, on_cpu: bool) -> bool:
-        v = Version(megatron_version)
-        in_range = Version(self.min_version) <= v <= Version(self.max_version)
-        return in_range and (on_cpu or not self.cpu_only)
 
 
 def _define_te_general_gemm() -> Callable[[], None]:
@@ -387,16 +365,6 @@ FIXES: list[Fix] = [
         apply=_mla_yarn_on_host,
     ),
     Fix(
-        name="gated_attention_gate_follows_query",
-        defect="attention_output_gate with num_query_groups < TP: the gate keeps all heads of the "
-        "shared KV group while the query is narrowed to the rank's (RuntimeError in "
-        "_apply_output_gate's view)",
-        min_version="0.16.0",
-        max_version="0.16.1",
-        cpu_only=False,
-        apply=gate_follows_query_heads,
-    ),
-    Fix(
         name="frozen_linear_dgrad_folded",
         defect="LinearWithFrozenWeight's dgrad of GPTModel's transposed logits gradient runs as a "
         "batched matmul against the weight expanded per position (~5x slower on the CPU)",
@@ -404,62 +372,6 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=True,
         apply=_frozen_linear_dgrad_folded,
-    ),
-    Fix(
-        name="gdn_torch_kernels",
-        defect="GatedDeltaNet raises ImportError without flash-linear-attention (a Triton/GPU "
-        "package) and its forward calls FLA's l2norm and chunk_gated_delta_rule",
-        min_version="0.16.0",
-        max_version="0.16.1",
-        cpu_only=False,
-        apply=install_torch_kernels,
-    ),
-    Fix(
-        name="gdn_conv1d_on_host",
-        defect="GatedDeltaNet builds nn.Conv1d(device=torch.cuda.current_device()): a CPU-only "
-        "torch raises (RuntimeError: Cannot access accelerator device)",
-        min_version="0.16.0",
-        max_version="0.16.1",
-        cpu_only=True,
-        apply=conv1d_on_host,
-    ),
-    Fix(
-        name="gated_output_eager_on_cpu",
-        defect="Attention._apply_output_gate (gated attention) is a jit_fuser (torch.compile) function: "
-        "its first call compiles it with inductor, 2.6-4.4 s per CPU process and again per new shape",
-        min_version="0.16.0",
-        max_version="0.16.1",
-        cpu_only=True,
-        apply=gated_output_eager,
-    ),
-    Fix(
-        name="expert_fc2_bias_in_place_on_view",
-        defect="experts with biases at ep=1, etp=1: MLP adds the fc2 bias in place to the output of "
-        "an identity all-reduce, a view (RuntimeError: ... is a view and is being modified inplace)",
-        min_version="0.16.0",
-        max_version="0.16.1",
-        cpu_only=False,
-        apply=expert_fc2_output_not_a_view,
-    ),
-    Fix(
-        name="expert_bias_grads_reduced_once",
-        defect="experts with biases at tp > 1, etp = 1: the fc2 bias is marked sequence_parallel (its grad "
-        "summed over TP after the expert-DP reduction: twice) and not tensor-parallel (the grad norm "
-        "skips its distributed-optimizer shards on TP ranks > 0)",
-        min_version="0.16.0",
-        max_version="0.16.1",
-        cpu_only=False,
-        apply=expert_bias_grads_once,
-    ),
-    Fix(
-        name="attention_sinks_tensor_parallel",
-        defect="softmax_type='learnable': DotProductAttention/TEDotProductAttention's softmax_offset "
-        "(a TP rank's heads) is not marked tensor-parallel, so the grad norm drops the sink grads "
-        "of TP ranks other than 0",
-        min_version="0.16.1",
-        max_version="0.16.1",
-        cpu_only=False,
-        apply=sinks_tensor_parallel,
     ),
     Fix(
         name="jit_fuser_compiles_at_import",
@@ -471,6 +383,9 @@ FIXES: list[Fix] = [
         apply=_defer_import_time_compile,
         before_import=True,
     ),
+    *HYBRID_FIXES,
+    *MOE_BIAS_FIXES,
+    *ATTENTION_FIXES,
 ]
 _undo: dict[str, Callable[[], None]] = {}
 

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from mcore_rl.platform import gdn_kernels
+from mcore_rl.platform.fix_spec import Fix
 from mcore_rl.platform.patching import wrap_method
 from mcore_rl.platform.cpu_shim import NamespaceProxy
 from mcore_rl.platform.cpu_standins import cpu_if_cuda
@@ -105,3 +106,44 @@ def gated_output_eager() -> Callable[[], None]:
         return lambda: None
     Attention._apply_output_gate = eager
     return lambda: setattr(Attention, "_apply_output_gate", compiled)
+
+
+HYBRID_FIXES: tuple[Fix, ...] = (
+    Fix(
+        name="gated_attention_gate_follows_query",
+        defect="attention_output_gate with num_query_groups < TP: the gate keeps all heads of the "
+        "shared KV group while the query is narrowed to the rank's (RuntimeError in "
+        "_apply_output_gate's view)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=gate_follows_query_heads,
+    ),
+    Fix(
+        name="gdn_torch_kernels",
+        defect="GatedDeltaNet raises ImportError without flash-linear-attention (a Triton/GPU "
+        "package) and its forward calls FLA's l2norm and chunk_gated_delta_rule",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=install_torch_kernels,
+    ),
+    Fix(
+        name="gdn_conv1d_on_host",
+        defect="GatedDeltaNet builds nn.Conv1d(device=torch.cuda.current_device()): a CPU-only "
+        "torch raises (RuntimeError: Cannot access accelerator device)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=True,
+        apply=conv1d_on_host,
+    ),
+    Fix(
+        name="gated_output_eager_on_cpu",
+        defect="Attention._apply_output_gate (gated attention) is a jit_fuser (torch.compile) function: "
+        "its first call compiles it with inductor, 2.6-4.4 s per CPU process and again per new shape",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=True,
+        apply=gated_output_eager,
+    ),
+)

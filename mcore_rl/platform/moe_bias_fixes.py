@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from mcore_rl.platform.fix_spec import Fix
 from mcore_rl.platform.patching import wrap_method
 
 
@@ -57,3 +58,26 @@ def expert_bias_grads_once() -> Callable[[], None]:
         return __init__
 
     return wrap_method(MoELayer, "__init__", make)
+
+
+MOE_BIAS_FIXES: tuple[Fix, ...] = (
+    Fix(
+        name="expert_fc2_bias_in_place_on_view",
+        defect="experts with biases at ep=1, etp=1: MLP adds the fc2 bias in place to the output of "
+        "an identity all-reduce, a view (RuntimeError: ... is a view and is being modified inplace)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=expert_fc2_output_not_a_view,
+    ),
+    Fix(
+        name="expert_bias_grads_reduced_once",
+        defect="experts with biases at tp > 1, etp = 1: the fc2 bias is marked sequence_parallel (its grad "
+        "summed over TP after the expert-DP reduction: twice) and not tensor-parallel (the grad norm "
+        "skips its distributed-optimizer shards on TP ranks > 0)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=expert_bias_grads_once,
+    ),
+)
