@@ -126,15 +126,17 @@ def export_hf_buckets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.data,
     fp8: BlockFp8 | None = None,
+    mxfp4: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full HF tensors of a live sharded model in buckets of at most ``bucket_bytes`` (a larger
     tensor alone), the same on every rank, e.g. to feed co-located rollout engines; ``fp8``:
-    the linear weights as block FP8 + ``_scale_inv`` (as ``merge --dtype fp8``).
+    the linear weights as block FP8 + ``_scale_inv`` (as ``merge --dtype fp8``); ``mxfp4``
+    (gpt-oss, for engines serving MXFP4 natively): the experts as ``_blocks`` + ``_scales``.
     Collective: every rank iterates to the end. See ``mapping.weights.iter_hf_buckets``."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8)
+    return iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8, mxfp4=mxfp4)
 
 
 def export_hf(
