@@ -38,8 +38,7 @@ from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter
 from mcore_rl.fileio.staging import Staging
 from mcore_rl.mapping.casts import NonFiniteWarning, cast_checked, describe_nonfinite, first_nonfinite, wider_dtypes
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, quantize_block_fp8
-from mcore_rl.mapping.mxfp4_format import BLOCKS_SUFFIX, SCALES_SUFFIX
-from mcore_rl.mapping.mxfp4_quant import quantize_checked
+from mcore_rl.mapping.mxfp4_quant import as_mxfp4
 from mcore_rl.mapping.transforms import Dims
 from mcore_rl.models.hf_layout import CARRIED_FILE
 
@@ -131,9 +130,8 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
     for name, tensor in tensors:
         fmt = formats[name]
         if fmt is None and mxfp4:
-            blocks, scales = quantize_checked(tensor, name)  # refuses NaN/inf
-            writer.write(name + BLOCKS_SUFFIX, blocks)
-            writer.write(name + SCALES_SUFFIX, scales)
+            for part, packed in as_mxfp4(name, tensor):  # refuses NaN/inf naming the block
+                writer.write(part, packed)
             continue
         if fmt is None:
             q, scale = quantize_block_fp8(tensor, fp8, name)  # refuses NaN/inf itself

@@ -11,9 +11,9 @@ the experts' biases). The export gives back exactly that:
 - without a record (a model converted from bf16 weights) the tensors the published checkpoints
   quantize (``is_mxfp4``) are, every other one is written as bf16.
 ``quantization_config`` says ``quant_method: mxfp4`` with ``modules_to_not_convert`` as the
-published config spells it, plus every experts module written unquantized. A NaN or inf is an
-error naming the tensor and the block (the E8M0 scale has no encoding for them but 0xFF, which
-readers take for a NaN block). No megatron import.
+published config spells it, plus every experts module written unquantized. The values:
+``mapping.mxfp4.quantize_mxfp4`` (its rule; a NaN or inf is an error naming the tensor and the
+block, and nothing is written: the merge stages its output). No megatron import.
 """
 from __future__ import annotations
 
@@ -22,15 +22,19 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from mcore_rl.conversion.merge_fp8 import STORED_KEY
-from mcore_rl.errors import CheckpointError
+from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.safetensors_write import TensorSpec, dtype_of_name
 from mcore_rl.mapping.mxfp4_format import BLOCK
-from mcore_rl.mapping.mxfp4_quant import QUANTIZED, Mxfp4ExportError, is_mxfp4, mxfp4_specs
+from mcore_rl.mapping.mxfp4_quant import QUANTIZED, is_mxfp4, mxfp4_specs
 
 MXFP4_STORED = "MXFP4"  # the record's name for a tensor the source stored as blocks + scales
 # the published ``modules_to_not_convert`` (openai/gpt-oss-20b and -120b config.json)
 PUBLISHED_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
 MXFP4_ARCHS = ("gpt_oss",)  # the architectures transformers and vLLM read MXFP4 experts of
+
+
+class Mxfp4ExportError(McoreRLError, ValueError):
+    """A model ``merge --dtype mxfp4`` cannot write as MXFP4."""
 
 
 def check_arch(model_type: str, where: str) -> None:

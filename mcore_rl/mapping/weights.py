@@ -17,8 +17,7 @@ import torch
 from megatron.core import parallel_state
 
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, is_quantized, quantize_block_fp8
-from mcore_rl.mapping.mxfp4_format import BLOCKS_SUFFIX, SCALES_SUFFIX
-from mcore_rl.mapping.mxfp4_quant import is_mxfp4, quantize_checked
+from mcore_rl.mapping.mxfp4_quant import as_mxfp4, is_mxfp4
 from mcore_rl.mapping.mtp import missing_mtp_hint, mtp_canonical_params, mtp_hf_keys, mtp_rule
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
@@ -422,8 +421,7 @@ def _as_written(name: str, tensor: Tensor, fp8: BlockFp8 | None, mxfp4: bool = F
     """[(name, tensor)], or with ``fp8`` for a quantized weight [(name, q), (name_scale_inv, s)],
     with ``mxfp4`` for an experts stack [(name_blocks, blocks), (name_scales, scales)]."""
     if mxfp4 and is_mxfp4(name, tuple(tensor.shape)):
-        blocks, scales = quantize_checked(tensor, name)
-        return [(name + BLOCKS_SUFFIX, blocks), (name + SCALES_SUFFIX, scales)]
+        return as_mxfp4(name, tensor)
     if fp8 is None or not is_quantized(name, tuple(tensor.shape)):
         return [(name, tensor)]
     q, scale = quantize_block_fp8(tensor, fp8, name)
