@@ -10,6 +10,7 @@ tensor and the block). Used by ``merge --dtype mxfp4`` and the bucketed weight s
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -40,3 +41,14 @@ def as_mxfp4(name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     (``quantize_mxfp4``: NaN/inf is an MXFP4Error naming ``name`` and the block)."""
     blocks, scales = quantize_mxfp4(weight, name)
     return [(name + BLOCKS_SUFFIX, blocks), (name + SCALES_SUFFIX, scales)]
+
+
+def mxfp4_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``buckets`` of HF tensors with every tensor ``is_mxfp4`` names replaced in place by its
+    blocks and scales (``as_mxfp4``; a bucket only shrinks, so its bound still holds)."""
+    for bucket in buckets:
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in bucket:
+            out += as_mxfp4(name, tensor) if is_mxfp4(name, tuple(tensor.shape)) else [(name, tensor)]
+        del bucket
+        yield out

@@ -17,7 +17,6 @@ import torch
 from megatron.core import parallel_state
 
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, is_quantized, quantize_block_fp8
-from mcore_rl.mapping.mxfp4_quant import as_mxfp4, is_mxfp4
 from mcore_rl.mapping.mtp import missing_mtp_hint, mtp_canonical_params, mtp_hf_keys, mtp_rule
 from mcore_rl.mapping.tables import Row
 from mcore_rl.mapping.transforms import Dims, Transform
@@ -382,7 +381,6 @@ def iter_hf_buckets(
     tensor_of: Callable[[torch.nn.Parameter], Tensor] = lambda p: p.data,
     fp8: BlockFp8 | None = None,
     adapters: bool = False,
-    mxfp4: bool = False,
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Full HF-named tensors of a live sharded model, on every rank, in buckets.
 
@@ -402,9 +400,6 @@ def iter_hf_buckets(
     ``fp8``: the tensors ``fp8_quant.is_quantized`` names go out as block FP8 (float8_e4m3fn)
     each followed by its float32 ``<name>_scale_inv`` in the same bucket, as ``merge --dtype
     fp8`` writes them; the bucket bound counts the scales' bytes.
-    ``mxfp4`` (off by default; for engines that serve gpt-oss's MXFP4 experts natively): the
-    tensors ``mxfp4_quant.is_mxfp4`` names go out as ``<name>_blocks`` + ``<name>_scales``
-    (uint8) in one bucket, as ``merge --dtype mxfp4`` writes them from a bf16 source.
     ``adapters``: export the LoRA factors instead of the base weights (``wmap`` then names
     their rules: mapping/peft.py's ``AdapterMap``).
     """
@@ -412,16 +407,11 @@ def iter_hf_buckets(
         raise ExportError(
             f"bucket_bytes={bucket_bytes!r} must be a positive int (bytes per bucket, e.g. 512 << 20)."
         )
-    if fp8 is not None and mxfp4:
-        raise ExportError("fp8 and mxfp4 were both asked for; the weight sync sends one quantized format.")
-    return _buckets(chunks, wmap, bucket_bytes, tensor_of, fp8, adapters, mxfp4)
+    return _buckets(chunks, wmap, bucket_bytes, tensor_of, fp8, adapters)
 
 
-def _as_written(name: str, tensor: Tensor, fp8: BlockFp8 | None, mxfp4: bool = False) -> list[tuple[str, Tensor]]:
-    """[(name, tensor)], or with ``fp8`` for a quantized weight [(name, q), (name_scale_inv, s)],
-    with ``mxfp4`` for an experts stack [(name_blocks, blocks), (name_scales, scales)]."""
-    if mxfp4 and is_mxfp4(name, tuple(tensor.shape)):
-        return as_mxfp4(name, tensor)
+def _as_written(name: str, tensor: Tensor, fp8: BlockFp8 | None) -> list[tuple[str, Tensor]]:
+    """[(name, tensor)], or with ``fp8`` for a quantized weight [(name, q), (name_scale_inv, s)]."""
     if fp8 is None or not is_quantized(name, tuple(tensor.shape)):
         return [(name, tensor)]
     q, scale = quantize_block_fp8(tensor, fp8, name)
@@ -431,13 +421,13 @@ def _as_written(name: str, tensor: Tensor, fp8: BlockFp8 | None, mxfp4: bool = F
 # no torch.no_grad() here: on a generator its wrapper holds the last yielded bucket while the next
 # one fills (two buckets alive); _fetch carries it instead
 def _buckets(chunks, wmap: WeightMap, bucket_bytes: int, tensor_of: Callable,
-             fp8: BlockFp8 | None = None, adapters: bool = False, mxfp4: bool = False) -> Iterator[list]:
+             fp8: BlockFp8 | None = None, adapters: bool = False) -> Iterator[list]:
     local, params = _local_items(chunks, wmap, tensor_of, adapters)
     bucket: list[tuple[str, Tensor]] = []
     filled = 0
     for item in _export_plan(local):
         for (name, _, _), tensor in zip(item.hf, _fetch(item, params.get(item.canonical), wmap, tensor_of)):
-            written = _as_written(name, tensor, fp8, mxfp4)  # a weight and its scale stay in one bucket
+            written = _as_written(name, tensor, fp8)  # a weight and its scale stay in one bucket
             nbytes = sum(t.numel() * t.element_size() for _, t in written)
             if bucket and filled + nbytes > bucket_bytes:
                 yield bucket

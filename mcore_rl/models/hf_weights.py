@@ -9,6 +9,7 @@ import torch
 from mcore_rl.mapping.fp8_quant import BlockFp8
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.mtp import with_copies
+from mcore_rl.mapping.mxfp4_quant import mxfp4_buckets
 from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.hf_layout import carried_names, hf_view, log_ignored
@@ -130,13 +131,18 @@ def export_hf_buckets(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full HF tensors of a live sharded model in buckets of at most ``bucket_bytes`` (a larger
     tensor alone), the same on every rank, e.g. to feed co-located rollout engines; ``fp8``:
-    the linear weights as block FP8 + ``_scale_inv`` (as ``merge --dtype fp8``); ``mxfp4``
-    (gpt-oss, for engines serving MXFP4 natively): the experts as ``_blocks`` + ``_scales``.
+    the linear weights as block FP8 + ``_scale_inv`` (as ``merge --dtype fp8``); ``mxfp4`` (off
+    by default; gpt-oss, for engines that serve MXFP4 natively): the experts' stacks that
+    ``mxfp4_quant.is_mxfp4`` names as ``_blocks`` + ``_scales`` in their bucket, the bytes a
+    ``merge --dtype mxfp4`` of a bf16-sourced checkpoint writes.
     Collective: every rank iterates to the end. See ``mapping.weights.iter_hf_buckets``."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8, mxfp4=mxfp4)
+    if fp8 is not None and mxfp4:
+        raise ConfigError("fp8 and mxfp4 were both asked for; the weight sync sends one quantized format.")
+    buckets = iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8)
+    return mxfp4_buckets(buckets) if mxfp4 else buckets
 
 
 def export_hf(
