@@ -57,3 +57,236 @@ def test_quantization_config_is_the_published_one_plus_unquantized_experts():
              "model.layers.2.mlp.experts.down_proj": torch.bfloat16}  # layer 2's gate_up_proj is still MXFP4
     assert quantization_config({**experts, **plain})["modules_to_not_convert"] == \
         published + ["model.layers.10.mlp.experts"]
+
+
+# ---- a tiny gpt-oss, converted once (one spawned rank) and merged back ------------------------------
+# intermediate 64: both expert stacks have whole blocks of 32 along their input dim (H = I = 64)
+CFG = dict(num_hidden_layers=2, intermediate_size=64)
+NAN_AT = ("model.layers.1.mlp.experts.gate_up_proj", (2, 40, 7))  # [expert, col (hidden), row (2I)]
+PUBLISHED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def _write(directory: str, tensors: dict, config: dict) -> None:
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(directory)
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def _engine_body(jobs: list, batch: dict) -> dict:
+    """One rank: convert each (hf, out) with the defaults; the fp32 engine's log-probs on
+    ``batch`` from each MXFP4 / bf16 source, and its weight sync buckets with mxfp4=True."""
+    from mcore_rl.conversion.convert import ConvertOptions, convert
+    from mcore_rl.models.builder import BuildOptions
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from mcore_rl.models.hf_weights import export_hf_buckets
+    from mcore_rl.models.moe import MoEOptions
+    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.platform import active_platform
+    from mcore_rl.rl.actor import Actor, ActorConfig
+    from mcore_rl.rl.engine import ModelEngine
+    from tests.steps import EXACT_MOE
+
+    out = {}
+    for hf, dst in jobs:
+        convert(ConvertOptions(hf, dst), progress=False)
+    for hf, _ in jobs[:2]:
+        initialize_parallel_state(ParallelLayout(), seed=1)
+        args = model_args_from_hf(hf)
+        engine = ModelEngine(args, ParallelLayout(), "actor", active_platform(),
+                             BuildOptions(moe=MoEOptions(**EXACT_MOE)), None, hf)
+        actor = Actor(engine, ActorConfig(micro_batch_size=4, ppo_mini_batch_size=4))
+        out[hf] = {"log_probs": actor.compute_log_prob(batch)["log_probs"],
+                   "buckets": [[(n, t.clone()) for n, t in b]
+                               for b in export_hf_buckets(engine.model, args, "actor", 40_000, mxfp4=True)]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory):
+    """A tiny fp32 gpt-oss; ``mx``: its experts as MXFP4 by the exporter's rule, the rest bf16,
+    with the published quantization_config; ``bf16``: all of it bf16 (no record: the rule picks);
+    ``nan``: bf16 with one NaN in an expert. Each converted (defaults: bf16), the engine's
+    log-probs and MXFP4 weight sync from the first two."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from mcore_rl.mapping.mxfp4 import quantize_mxfp4
+    from tests.dist import run_ranks
+    from tests.tiny import rl_batch, tiny_config, tiny_hf_model
+
+    base = str(tmp_path_factory.mktemp("oss"))
+    hf = os.path.join(base, "hf")
+    tiny_hf_model(tiny_config("gpt_oss", **CFG)).save_pretrained(hf)
+    orig = load_file(os.path.join(hf, "model.safetensors"))
+    with open(os.path.join(hf, "config.json")) as f:
+        config = {**json.load(f), "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    mx = {}
+    for name, t in orig.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            mx[name + "_blocks"], mx[name + "_scales"] = quantize_mxfp4(t, name)
+        else:
+            mx[name] = t.bfloat16()
+    bf16 = {k: v.bfloat16() for k, v in orig.items()}
+    nan = dict(bf16)
+    nan[NAN_AT[0]] = bf16[NAN_AT[0]].clone()
+    nan[NAN_AT[0]][NAN_AT[1]] = float("nan")
+    dirs = {n: os.path.join(base, n) for n in ("mx", "bf16", "nan")}
+    _write(dirs["mx"], mx, {**config, "quantization_config": {"modules_to_not_convert": PUBLISHED,
+                                                               "quant_method": "mxfp4"}})
+    _write(dirs["bf16"], bf16, config)
+    _write(dirs["nan"], nan, config)
+    batch = rl_batch(config["vocab_size"], batch=4, prompt=8, response=6, seed=5)
+    jobs = [(dirs[n], os.path.join(base, f"conv_{n}")) for n in ("mx", "bf16", "nan")]
+    ran = run_ranks(1, _engine_body, jobs, batch, daemon=False)[0]
+    return {"base": base, "mx": mx, "bf16": bf16, "batch": batch, "ran": ran, "src": dirs,
+            **{f"conv_{n}": os.path.join(base, f"conv_{n}") for n in ("mx", "bf16", "nan")}}
+
+
+def _read(target) -> tuple[dict, dict]:
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(target, "config.json")) as f:
+        return load_file(os.path.join(target, "model.safetensors")), json.load(f)
+
+
+def test_round_trip_gives_the_same_bytes(oss, tmp_path):
+    """MXFP4 (the exporter's rule) -> converter (bf16) -> merge --dtype mxfp4: every block and
+    scale byte, every other tensor bf16 with its values, the published quantization_config."""
+    from mcore_rl.conversion.merge import merge
+
+    summary = merge(oss["conv_mx"], str(tmp_path / "out"), dtype="mxfp4")
+    out, config = _read(tmp_path / "out")
+    assert sorted(out) == sorted(oss["mx"])
+    for name, want in oss["mx"].items():
+        assert out[name].dtype == want.dtype and torch.equal(out[name].view(torch.uint8), want.view(torch.uint8)), name
+    assert sum(n.endswith("_blocks") for n in out) == 4 and "mxfp4 (4 tensors) + bfloat16" in summary.line()
+    assert config["quantization_config"] == {"modules_to_not_convert": PUBLISHED, "quant_method": "mxfp4"}
+    assert config["dtype"] == "bfloat16"
+
+
+def test_from_bf16_the_experts_are_quantized_and_the_error_is_measured(oss, tmp_path):
+    """bf16 source (no record) -> merge --dtype mxfp4: the experts, quantized by the codec's rule
+    from the checkpoint's values (the same bytes as quantize_mxfp4 on them), the rest bf16; the
+    error stated: per value at most half the top E2M1 step, 2^k, of a block whose max > 3 * 2^k."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.mapping.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    merge(oss["conv_bf16"], str(tmp_path / "out"), dtype="mxfp4")
+    out, config = _read(tmp_path / "out")
+    assert config["quantization_config"]["modules_to_not_convert"] == PUBLISHED
+    worst = rms = 0.0
+    for name, w in oss["bf16"].items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], w), name
+            continue
+        blocks, scales = out[name + "_blocks"], out[name + "_scales"]
+        want = quantize_mxfp4(w, name)
+        assert torch.equal(blocks, want[0]) and torch.equal(scales, want[1]), name
+        err = (dequantize_mxfp4(blocks, scales) - w.float()).transpose(-1, -2)  # [E, rows, cols]
+        amax = w.float().transpose(-1, -2).abs().unflatten(-1, (-1, 32)).amax(-1, keepdim=True)
+        rel = (err.unflatten(-1, (-1, 32)).abs() / amax)
+        worst, rms = max(worst, rel.max().item()), max(rms, (err.pow(2).mean() / w.float().pow(2).mean()).sqrt().item())
+    print(f"bf16 -> MXFP4: worst |error| / block max {worst:.3f}, relative RMS error {rms:.3f}")
+    assert 0 < worst <= 1 / 3 and 0 < rms < 0.2
+
+
+def _hf_model(directory):
+    from transformers import AutoModelForCausalLM
+
+    # on CPU transformers 5.24 dequantizes MXFP4 itself (no triton kernels: it switches
+    # Mxfp4Config.dequantize on and warns), into the parameters' dtype: fp32 here
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def test_transformers_loads_the_export_to_the_engine_log_probs(oss, tmp_path):
+    """transformers reads the exported MXFP4 on CPU into exactly our dequantized experts; its
+    log-probs are the engine's (on the MXFP4 source: within 1e-4; on the bf16 source the export
+    quantized: within the measured quantization error of the log-probs, + 1e-4)."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.mapping.mxfp4 import dequantize_mxfp4
+    from tests.tiny import hf_log_probs
+
+    batch, ran = oss["batch"], oss["ran"]
+    lps = {}
+    for source in ("mx", "bf16"):
+        merge(oss[f"conv_{source}"], str(tmp_path / source), dtype="mxfp4")
+        model = _hf_model(tmp_path / source)
+        out, _ = _read(tmp_path / source)
+        state = model.state_dict()
+        for name in (n.removesuffix("_blocks") for n in out if n.endswith("_blocks")):
+            assert torch.equal(state[name], dequantize_mxfp4(out[name + "_blocks"], out[name + "_scales"])), name
+        lps[source] = hf_log_probs(model, batch)[0]
+    engine_mx, engine_bf = (ran[oss["src"][s]]["log_probs"] for s in ("mx", "bf16"))
+    source_bf = hf_log_probs(_hf_model(oss["src"]["bf16"]), batch)[0]
+    quant = (lps["bf16"] - source_bf).abs().max().item()
+    print(f"log-prob error: MXFP4 export vs the engine {(lps['mx'] - engine_mx).abs().max().item():.2e} (MXFP4 "
+          f"source), bf16 source quantized on export: {quant:.3e} vs transformers on the source, "
+          f"{(lps['bf16'] - engine_bf).abs().max().item():.3e} vs the engine")
+    assert torch.allclose(lps["mx"], engine_mx, rtol=0, atol=1e-4)
+    assert torch.allclose(source_bf, engine_bf, rtol=0, atol=1e-4) and quant > 1e-3
+    assert (lps["bf16"] - engine_bf).abs().max().item() <= quant + 1e-4
+
+
+def test_nan_is_refused_naming_tensor_and_block_and_nothing_is_written(oss, tmp_path, capsys):
+    from converters.mcore_to_hf import main
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.mapping.mxfp4 import MXFP4Error
+
+    target = tmp_path / "out"
+    with pytest.raises(MXFP4Error, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj: 1 NaN/inf value\(s\), the "
+                                         r"first nan in block \[2, 7, 1\]"):
+        merge(oss["conv_nan"], str(target), dtype="mxfp4")
+    assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+    assert main(["merge", "--local_dir", oss["conv_nan"], "--target_dir", str(target), "--dtype", "mxfp4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "block [2, 7, 1]" in err, err
+    assert not target.exists()
+    assert main(["merge", "--local_dir", oss["conv_mx"], "--target_dir", str(target), "--dtype", "mxfp4",
+                 "--scale_fmt", "ue8m0"]) == 2
+    assert "apply to --dtype fp8 only" in capsys.readouterr().err and not target.exists()
+    assert main(["merge", "--local_dir", oss["conv_mx"], "--target_dir", str(target), "--dtype", "mxfp4"]) == 0
+    assert "mxfp4 (4 tensors)" in capsys.readouterr().out
+
+
+def test_weight_sync_sends_what_the_merge_writes(oss, tmp_path):
+    """export_hf_buckets(mxfp4=True) of the engine on the bf16 source: the merge's names and
+    bytes (blocks, scales; the rest as the engine holds it, bf16 values in fp32), each stack's
+    blocks and scales side by side in one bucket, within the bound (40 kB) unless alone."""
+    from mcore_rl.conversion.merge import merge
+
+    merge(oss["conv_bf16"], str(tmp_path / "out"), dtype="mxfp4")
+    merged, _ = _read(tmp_path / "out")
+    buckets = oss["ran"][oss["src"]["bf16"]]["buckets"]
+    names = [n for b in buckets for n, _ in b]
+    assert sorted(names) == sorted(merged) and len(names) == len(set(names))
+    for bucket in buckets:
+        for i, (name, t) in enumerate(bucket):
+            want = merged[name]
+            got = t if t.dtype == torch.uint8 else t.to(want.dtype)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+            if name.endswith("_scales"):
+                assert bucket[i - 1][0] == name.removesuffix("_scales") + "_blocks", name
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert nbytes <= 40_000 or len({n.removesuffix("_blocks").removesuffix("_scales") for n, _ in bucket}) == 1
+    assert sum(n.endswith("_blocks") for n in names) == 4
+
+
+def test_check_arch_refuses_other_models():
+    from mcore_rl.conversion.merge_mxfp4 import Mxfp4ExportError, check_arch
+
+    check_arch("gpt_oss", "x")
+    with pytest.raises(Mxfp4ExportError, match=r"ckpt: merge --dtype mxfp4 writes gpt-oss experts .* this model is "
+                                               r"'llama'.*merge with --dtype bf16"):
+        check_arch("llama", "ckpt")
