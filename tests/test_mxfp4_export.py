@@ -86,7 +86,7 @@ def _engine_body(jobs: list, batch: dict) -> dict:
     from mcore_rl.models.hf_config import model_args_from_hf
     from mcore_rl.models.hf_weights import export_hf_buckets
     from mcore_rl.models.moe import MoEOptions
-    from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+    from mcore_rl.parallel import ParallelLayout, destroy_parallel_state, initialize_parallel_state
     from mcore_rl.platform import active_platform
     from mcore_rl.rl.actor import Actor, ActorConfig
     from mcore_rl.rl.engine import ModelEngine
@@ -96,6 +96,7 @@ def _engine_body(jobs: list, batch: dict) -> dict:
     for hf, dst in jobs:
         convert(ConvertOptions(hf, dst), progress=False)
     for hf, _ in jobs[:2]:
+        destroy_parallel_state()  # the converter's
         initialize_parallel_state(ParallelLayout(), seed=1)
         args = model_args_from_hf(hf)
         engine = ModelEngine(args, ParallelLayout(), "actor", active_platform(),

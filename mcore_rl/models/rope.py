@@ -186,6 +186,6 @@ def _yarn_inv_freq(spec: RopeSpec) -> torch.Tensor:
         high += 0.001  # HF: no singular ramp
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (spec.factor * pos_freqs)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     keep = 1 - ramp
     return interpolation * (1 - keep) + extrapolation * keep
