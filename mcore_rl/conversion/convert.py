@@ -353,7 +353,7 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
                 record_mtp_count(os.path.join(stage.path, "huggingface", "config.json"), args, args.mtp_built)
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
             meta = build_metadata(facts, role, ("model",), None)
-            if reader.fp8.scheme is not None:  # an FP8 import: merge --dtype fp8 writes back what was FP8
+            if reader.quantized:  # an FP8 / MXFP4 import: merge --dtype fp8 / mxfp4 writes back what was quantized
                 meta[STORED_KEY] = reader.stored_dtypes
             storage.write_json_atomic(os.path.join(stage.path, META), meta)
             write_record(stage.path, role)  # last: every file with size and CRC-32, which readers verify

@@ -17,7 +17,7 @@ from mcore_rl.fileio.files import hf_side_files
 from mcore_rl.fileio.output_dir import check_replaceable, input_overlap, refuse_file, settle_output
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_header import check_safetensors
-from mcore_rl.mapping.fp8_dequant import FP8Plan, plan_fp8, scheme_of_directory
+from mcore_rl.mapping.mxfp4_import import plan_quantized
 from mcore_rl.mapping.hf_io import SafetensorsFormatError, read_weight_map
 from mcore_rl.models.registry import WRAPPERS
 
@@ -93,15 +93,16 @@ _FLOAT_NAMES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 _KEPT_FP32 = ("e_score_correction_bias",)
 
 
-def stored_tensors(hf_dir: str) -> tuple[dict[str, list[tuple[str, int]]], FP8Plan]:
-    """The tensors read as stored, by --dtype name: [(name, elements)]; and the checkpoint's FP8
-    plan (FP8 weights, dequantized, and their scales are not among the tensors). Other
-    safetensors float types are refused: the converter writes fp32, bf16 or fp16."""
+def stored_tensors(hf_dir: str) -> tuple[dict[str, list[tuple[str, int]]], str | None]:
+    """The tensors read as stored, by --dtype name: [(name, elements)]; and the quantized format
+    the checkpoint holds weights in ("FP8", "MXFP4" or None; those weights, dequantized, their
+    scales and blocks are not among the tensors). Other safetensors float types are refused:
+    the converter writes fp32, bf16 or fp16."""
     entries: dict[str, dict] = {}
     for path in shard_files(hf_dir):
         entries.update(check_shard(path))
-    plan = plan_fp8(entries, scheme_of_directory(hf_dir), hf_dir)
-    plain = {n: e for n, e in entries.items() if n not in plan.scales and n not in plan.hidden}
+    plan, mx = plan_quantized(entries, hf_dir)
+    plain = {n: e for n, e in entries.items() if n not in plan.scales and n not in plan.hidden | mx.hidden}
     floats = {e["dtype"] for e in plain.values() if e["dtype"].startswith(("F", "BF", "C"))}
     other = sorted(floats - set(_FLOAT_NAMES))
     if other:
@@ -112,7 +113,7 @@ def stored_tensors(hf_dir: str) -> tuple[dict[str, list[tuple[str, int]]], FP8Pl
     for name, e in plain.items():
         if e["dtype"] in _FLOAT_NAMES:
             out.setdefault(_FLOAT_NAMES[e["dtype"]], []).append((name, math.prod(e["shape"])))
-    return out, plan
+    return out, "FP8" if plan.scales else "MXFP4" if mx.tensors else None
 
 
 def stored_dtypes(hf_dir: str) -> set[str]:
@@ -121,9 +122,11 @@ def stored_dtypes(hf_dir: str) -> set[str]:
     return set(stored_tensors(hf_dir)[0])
 
 
-def _fp8_dtype(hf_dir: str, tensors: dict[str, list[tuple[str, int]]]) -> tuple[DtypeName, list[str]]:
-    """An FP8 checkpoint's default: the dtype of most other weights' elements (DeepSeek, Qwen3,
-    GLM: bf16), to which the fp32 products are rounded once; and notes on other tensors rounded."""
+def _fp8_dtype(hf_dir: str, tensors: dict[str, list[tuple[str, int]]],
+               fmt: str = "FP8") -> tuple[DtypeName, list[str]]:
+    """An FP8 (or MXFP4: ``fmt``) checkpoint's default: the dtype of most other weights'
+    elements (DeepSeek, Qwen3, GLM, gpt-oss: bf16), to which the fp32 products are rounded once
+    (MXFP4 values are exact in bf16); and notes on other tensors rounded."""
     if not tensors:
         return "fp32", []
     width = {"fp16": 0, "bf16": 1, "fp32": 2}
@@ -132,7 +135,7 @@ def _fp8_dtype(hf_dir: str, tensors: dict[str, list[tuple[str, int]]]) -> tuple[
                      for name, _ in named if chosen != "fp32" and not (d == "fp32" and name.endswith(_KEPT_FP32)))
     if not rounded:
         return chosen, []
-    return chosen, [f"{hf_dir} holds FP8 weights: they are dequantized in fp32 and rounded once to {chosen}, the "
+    return chosen, [f"{hf_dir} holds {fmt} weights: they are dequantized in fp32 and rounded once to {chosen}, the "
                     f"dtype of most other weights; {len(rounded)} tensors stored in another dtype "
                     f"({rounded[:3]}) are rounded to {chosen} too; pass --dtype fp32 to keep every value exact"]
 
@@ -141,18 +144,18 @@ def resolve_dtype(hf_dir: str) -> tuple[DtypeName, str | None]:
     """The dtype the converter writes by default and a warning, if any: the weights' own dtype
     (never rounded); mixed float dtypes give the widest (fp32 when bf16 and fp16 are mixed, as
     neither holds the other); a config.json stating another dtype is named in the warning.
-    FP8 checkpoints (``_fp8_dtype``): the dtype of most of their other weights."""
-    tensors, plan = stored_tensors(hf_dir)
+    FP8 and MXFP4 checkpoints (``_fp8_dtype``): the dtype of most of their other weights."""
+    tensors, quantized = stored_tensors(hf_dir)
     stored = set(tensors)
     stated = stated_dtype(hf_dir)
     notes = []
-    if plan.scales:
-        chosen, notes = _fp8_dtype(hf_dir, tensors)
+    if quantized:
+        chosen, notes = _fp8_dtype(hf_dir, tensors, quantized)
     elif not stored:  # no floating-point tensor at all: what the config says, else fp32
         chosen: DtypeName = stated or "fp32"
     else:
         chosen = next(iter(stored)) if len(stored) == 1 else "fp32"  # type: ignore[assignment]
-    if len(stored) > 1 and not plan.scales:
+    if len(stored) > 1 and not quantized:
         notes.append(f"the weights in {hf_dir} are stored in {sorted(stored)}; writing {chosen} (no tensor rounded)")
     if stated is not None and stated != chosen:
         notes.append(f"{hf_dir}/config.json states dtype {HF_DTYPE_NAMES[stated]} but the weights are stored in "
@@ -215,8 +218,8 @@ def check_input(hf_dir: str) -> list[str]:
             raise ConvertError(f"{index} names tensors their files do not hold: {absent[:6]}"
                                f"{f' and {len(absent) - 6} more' if len(absent) > 6 else ''}; the index does not "
                                "match the shards: copy the complete checkpoint again or re-export it.")
-    # FP8 weights and their scales (or another quantization method, refused), from the headers
-    plan_fp8({k: v for entries in held.values() for k, v in entries.items()}, scheme_of_directory(hf_dir), hf_dir)
+    # FP8 weights and their scales, MXFP4 blocks and theirs (another quantization method: refused), from the headers
+    plan_quantized({k: v for entries in held.values() for k, v in entries.items()}, hf_dir)
     return shards
 
 

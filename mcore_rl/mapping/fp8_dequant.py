@@ -13,8 +13,9 @@ Formats (``quantization_config`` in config.json):
 A tensor is dequantized exactly when it is stored as FP8 and its scale exists; every other tensor
 passes through in its own dtype; activation scales (``X.input_scale``) are dropped. Arithmetic is
 fp32 (the FP8 value and the scale are exact in it), then one rounding to the target dtype.
-Every other quantization method is refused naming it, and so is an integer or bool tensor
-where the model expects a float weight (FP8 payloads are legal only beside their scale).
+Every other quantization method is refused naming it (MXFP4 is ``mxfp4_import``'s), and so is
+an integer or bool tensor where the model expects a float weight (FP8 payloads are legal only
+beside their scale).
 Values are checked while dequantized (block-FP8 releases carry no checksums): a NaN, inf or
 negative scale, a zero scale of a block holding non-zero values (zero scales of all-zero blocks
 are legal: the block is zeros either way), a NaN encoding among the FP8 values (0x7F/0xFF), a
@@ -114,21 +115,25 @@ _METHODS = {"fp8": _fp8_method, "compressed-tensors": _compressed_tensors}
 
 
 def scheme_from_config(config: Mapping[str, Any], where: str) -> FP8Scheme | None:
-    """The FP8 scheme a config.json's ``quantization_config`` declares; None without one. Other
-    methods (gptq, awq, bitsandbytes, mxfp4, int8 compressed-tensors, ...) are refused."""
+    """The FP8 scheme a config.json's ``quantization_config`` declares; None without one and for
+    ``mxfp4`` (``mxfp4_import`` plans it). Other methods (gptq, awq, bitsandbytes, int8
+    compressed-tensors, ...) are refused."""
     q = config.get("quantization_config")
     if q is None:
         return None
     if not isinstance(q, dict):
         raise _refuse(where, f"quantization_config is a JSON {type(q).__name__}, not an object")
     method = q.get("quant_method")
+    if method == "mxfp4":
+        return None
     if method not in _METHODS:
         raise _refuse(where, f"quantization_config.quant_method={method!r}")
     return _METHODS[method](q, where)
 
 
-def scheme_of_directory(directory: str) -> FP8Scheme | None:
-    """``scheme_from_config`` of ``directory``/config.json (None when the directory has none)."""
+def config_of_directory(directory: str) -> dict | None:
+    """``directory``/config.json as a dict (None when absent or not a JSON object); unreadable
+    JSON is a QuantizationError naming the file."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         return None
@@ -138,7 +143,13 @@ def scheme_of_directory(directory: str) -> FP8Scheme | None:
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise QuantizationError(f"{path} is not readable JSON ({type(e).__name__}: {e}); fix or copy it "
                                 "again.") from None
-    return scheme_from_config(config, path) if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else None
+
+
+def scheme_of_directory(directory: str) -> FP8Scheme | None:
+    """``scheme_from_config`` of ``directory``/config.json (None when the directory has none)."""
+    config = config_of_directory(directory)
+    return scheme_from_config(config, os.path.join(directory, "config.json")) if config is not None else None
 
 
 def expected_scale_shapes(shape: tuple[int, ...], scheme: FP8Scheme) -> list[tuple[int, ...]]:

@@ -17,7 +17,9 @@ from safetensors import SafetensorError, safe_open
 from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_header import check_safetensors
-from mcore_rl.mapping.fp8_dequant import dequantize, plan_fp8, scheme_of_directory
+from mcore_rl.mapping.fp8_dequant import dequantize
+from mcore_rl.mapping.mxfp4 import dequantize_mxfp4
+from mcore_rl.mapping.mxfp4_import import STORED_MXFP4, plan_quantized
 
 class HFWeightsError(McoreRLError, FileNotFoundError):
     """A HF directory without readable safetensors weights."""
@@ -50,6 +52,9 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
     FP8 checkpoints (``mapping.fp8_dequant``): an FP8 weight is read dequantized with its scale,
     in fp32, rounded once to ``dequant_dtype`` [same shape]; scales and activation scales are not
     among the keys; the config's quantization method and every scale's shape are checked here.
+    MXFP4 checkpoints (``mapping.mxfp4_import``): ``X_blocks`` + ``X_scales`` read as ``X``
+    [*lead, cols, rows], dequantized in fp32 and rounded once to ``dequant_dtype``; the parts
+    are not among the keys; ``stored_dtypes`` records ``X`` as ``"MXFP4"``.
     """
 
     def __init__(self, directory: str | os.PathLike, dequant_dtype: torch.dtype = torch.float32) -> None:
@@ -81,15 +86,32 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
                 f"no *.safetensors weights in {self.directory!r}; save the HF model with "
                 "save_pretrained(..., safe_serialization=True)."
             )
-        self.fp8 = plan_fp8(entries, scheme_of_directory(self.directory), self.directory)
-        self._keys = [k for k in self._files if k not in self.fp8.hidden]
-        self.stored_dtypes = {k: entries[k]["dtype"] for k in self._keys}  # safetensors names, as on disk
-        self.shapes = {k: tuple(entries[k]["shape"]) for k in self._keys}
+        self.fp8, self.mxfp4 = plan_quantized(entries, self.directory)
+        of_blocks, hidden = {b: x for x, (b, _) in self.mxfp4.tensors.items()}, self.fp8.hidden | self.mxfp4.hidden
+        self._keys = [of_blocks.get(k, k) for k in self._files  # an MXFP4 parameter in its blocks' place
+                      if k in of_blocks or k not in hidden]
+        # safetensors names, as on disk; an MXFP4 parameter "MXFP4"
+        self.stored_dtypes = {k: STORED_MXFP4 if k in self.mxfp4.tensors else entries[k]["dtype"] for k in self._keys}
+        self.shapes = {k: self.mxfp4.shapes.get(k) or tuple(entries[k]["shape"]) for k in self._keys}
+
+    @property
+    def quantized(self) -> bool:
+        """Whether config.json declares FP8 or MXFP4 (the converter then records ``stored_dtypes``)."""
+        return self.fp8.scheme is not None or self.mxfp4.active
 
     def read_part(self, key: str, index: int) -> torch.Tensor:
-        """``self[key][index]`` reading only that slice (an FP8 weight: dequantized whole)."""
-        if key in self.fp8.scales:
+        """``self[key][index]`` reading only that slice (an FP8 weight: dequantized whole; an
+        MXFP4 one: the blocks and scales of that index of its leading dimension)."""
+        if key in self.fp8.scales or (key in self.mxfp4.tensors and len(self.shapes[key]) < 3):
             return self[key][index]
+        if key in self.mxfp4.tensors:
+            blocks, scales = self.mxfp4.tensors[key]
+            return dequantize_mxfp4(self._read_part(blocks, index), self._read_part(scales, index),
+                                    self.dequant_dtype, f"{key!r}[{index}]")
+        return self._read_part(key, index)
+
+    def _read_part(self, key: str, index: int) -> torch.Tensor:
+        """``key``'s slice ``index`` of its first dimension, as stored."""
         path = self._files[key]
         try:
             with safe_open(path, framework="pt") as f:
@@ -99,8 +121,11 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
                                          f"{' '.join(str(e).split())[:200]}); copy the file again.") from None
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key in self.fp8.hidden:
+        if key in self.fp8.hidden or key in self.mxfp4.hidden:
             raise KeyError(key)
+        if key in self.mxfp4.tensors:
+            blocks, scales = self.mxfp4.tensors[key]
+            return dequantize_mxfp4(self._read(blocks), self._read(scales), self.dequant_dtype, repr(key))
         scale = self.fp8.scales.get(key)
         if scale is None:
             return self._read(key)
@@ -115,6 +140,9 @@ class SafetensorsReader(Mapping[str, torch.Tensor]):
         except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as e:
             raise SafetensorsFormatError(f"{path}: tensor {key!r} is unreadable ({type(e).__name__}: "
                                          f"{' '.join(str(e).split())[:200]}); copy the file again.") from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.shapes  # without reading (Mapping's would read and dequantize)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)

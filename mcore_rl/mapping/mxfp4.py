@@ -109,8 +109,8 @@ def _check_range(values: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, lead
         raise MXFP4Error(f"{name}: {where} with scale 2^{int(s[r, g]) - SCALE_BIAS} holds values beyond float32; the "
                          "scale is damaged: copy the checkpoint again.")
     raise CastOverflowError(f"{name}: {int(bad.sum())} value(s) beyond {str(dtype).removeprefix('torch.')}'s range "
-                            f"+-{limit:.6g}, the first {values[bad][0].item():.6g} in {where}, would be written as inf; "
-                            "read it in bf16 or fp32.")
+                            f"+-{limit:.6g}, the first {values[bad][0].item():.6g} in {where}, would be written as "
+                            "inf; read it in bf16 or fp32.")
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,

@@ -17,7 +17,7 @@ from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.mtp import check_buildable, resolve_mtp_layers
 from mcore_rl.models.registry import WRAPPERS, ArchSpec, GluFields, WrapperSpec, lookup_arch
-from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf
+from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf, yarn_config_attributes
 from mcore_rl.models.windows import WindowConfigError, window_from_hf
 from mcore_rl.errors import McoreRLError
 
@@ -326,6 +326,8 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         head_dim = mla.qk_head_dim
     else:
         rope = rope_spec_from_hf(cfg, head_dim, arch.rope_types)
+        if rope.rope_type == "yarn":
+            yarn_config_attributes(rope)  # refuses an attention factor megatron cannot apply, now
     vocab = _require(cfg, "vocab_size")
     try:
         window, window_layers = window_from_hf(cfg, arch.window_rule, num_layers, max_seq_len)
