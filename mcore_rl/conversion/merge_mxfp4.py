@@ -25,9 +25,9 @@ from mcore_rl.conversion.merge_fp8 import STORED_KEY
 from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.safetensors_write import TensorSpec, dtype_of_name
 from mcore_rl.mapping.mxfp4_format import BLOCK
+from mcore_rl.mapping.mxfp4_import import STORED_MXFP4 as MXFP4_STORED  # the record's word for blocks + scales
 from mcore_rl.mapping.mxfp4_quant import QUANTIZED, is_mxfp4, mxfp4_specs
 
-MXFP4_STORED = "MXFP4"  # the record's name for a tensor the source stored as blocks + scales
 # the published ``modules_to_not_convert`` (openai/gpt-oss-20b and -120b config.json)
 PUBLISHED_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head")
 MXFP4_ARCHS = ("gpt_oss",)  # the architectures transformers and vLLM read MXFP4 experts of
