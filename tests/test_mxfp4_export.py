@@ -61,9 +61,11 @@ def test_quantization_config_is_the_published_one_plus_unquantized_experts():
 
 # ---- a tiny gpt-oss, converted once (one spawned rank) and merged back ------------------------------
 # intermediate 64: both expert stacks have whole blocks of 32 along their input dim (H = I = 64)
-CFG = dict(num_hidden_layers=2, intermediate_size=64)
+# the MXFP4 source: layer 0's experts left bf16 (listed in modules_to_not_convert), layer 1's
+# quantized once from fp32 by the exporter's rule, layer 2's twice (the rule's output from values)
+CFG = dict(num_hidden_layers=3, intermediate_size=64)
 NAN_AT = ("model.layers.1.mlp.experts.gate_up_proj", (2, 40, 7))  # [expert, col (hidden), row (2I)]
-CANONICAL = "model.layers.1."  # layer 1's experts: quantized twice by the rule; layer 0's: once
+PLAIN, CANONICAL = "model.layers.0.", "model.layers.2."
 PUBLISHED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
@@ -136,7 +138,7 @@ def oss(tmp_path_factory):
         config = {**json.load(f), "dtype": "bfloat16", "torch_dtype": "bfloat16"}
     mx = {}
     for name, t in orig.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and not name.startswith(PLAIN):
             b, s = quantize_mxfp4(t, name)
             if name.startswith(CANONICAL):  # the exporter's output from any values (a fixed point)
                 b, s = quantize_mxfp4(dequantize_mxfp4(b, s), name)
@@ -148,7 +150,7 @@ def oss(tmp_path_factory):
     nan[NAN_AT[0]] = bf16[NAN_AT[0]].clone()
     nan[NAN_AT[0]][NAN_AT[1]] = float("nan")
     dirs = {n: os.path.join(base, n) for n in ("mx", "bf16", "nan")}
-    _write(dirs["mx"], mx, {**config, "quantization_config": {"modules_to_not_convert": PUBLISHED,
+    _write(dirs["mx"], mx, {**config, "quantization_config": {"modules_to_not_convert": PUBLISHED + [PLAIN + "mlp.experts"],
                                                                "quant_method": "mxfp4"}})
     _write(dirs["bf16"], bf16, config)
     _write(dirs["nan"], nan, config)
@@ -178,10 +180,11 @@ def _canonical(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def test_round_trip_gives_the_same_bytes(oss, tmp_path):
-    """MXFP4 -> converter (bf16) -> merge --dtype mxfp4: every block the exporter's rule wrote
-    from values (layer 1) and every canonical block comes back byte for byte; a block quantized
-    once from fp32 whose max rounded down to 3 * 2^k (layer 0) comes back with the same values
-    as 6 * 2^(k-1) (measured share below); the rest bf16 as stored, the published config."""
+    """MXFP4 -> converter (bf16) -> merge --dtype mxfp4: exactly the source's MXFP4 tensors are
+    MXFP4 (layer 0's experts stay bf16 and listed, as the source had them); every block the
+    exporter's rule wrote from values (layer 2) and every canonical block comes back byte for
+    byte; a block quantized once from fp32 whose max rounded down to 3 * 2^k (layer 1) comes back
+    with the same values as 6 * 2^(k-1) (measured share below); the rest bf16 as stored."""
     from mcore_rl.conversion.merge import merge
     from mcore_rl.mapping.mxfp4 import dequantize_mxfp4
 
@@ -206,7 +209,9 @@ def test_round_trip_gives_the_same_bytes(oss, tmp_path):
     print(f"blocks quantized once from fp32 by the rule, re-encoded on the way back: {moved}/{total}")
     assert moved > 0
     assert sum(n.endswith("_blocks") for n in out) == 4 and "mxfp4 (4 tensors) + bfloat16" in summary.line()
-    assert config["quantization_config"] == {"modules_to_not_convert": PUBLISHED, "quant_method": "mxfp4"}
+    assert out[PLAIN + "mlp.experts.down_proj"].dtype == torch.bfloat16
+    assert config["quantization_config"] == {"modules_to_not_convert": PUBLISHED + [PLAIN + "mlp.experts"],
+                                             "quant_method": "mxfp4"}
     assert config["dtype"] == "bfloat16"
 
 
@@ -296,12 +301,17 @@ def test_nan_is_refused_naming_tensor_and_block_and_nothing_is_written(oss, tmp_
 
 def test_weight_sync_sends_what_the_merge_writes(oss, tmp_path):
     """export_hf_buckets(mxfp4=True) of the fp32 engine on the MXFP4 source: the merge's names
-    and bytes (blocks, scales; the rest bf16 values held in fp32), each stack's blocks and
-    scales side by side in one bucket, within the bound (40 kB) unless alone."""
+    and bytes (blocks, scales; the rest bf16 values held in fp32), except that without the
+    converter's record the sync quantizes every experts stack (the published rule: layer 0's
+    too); each stack's blocks and scales side by side in one bucket, within the bound (40 kB)
+    unless alone."""
     from mcore_rl.conversion.merge import merge
+    from mcore_rl.mapping.mxfp4_quant import as_mxfp4
 
     merge(oss["conv_mx"], str(tmp_path / "out"), dtype="mxfp4")
     merged, _ = _read(tmp_path / "out")
+    for stack in (PLAIN + "mlp.experts.gate_up_proj", PLAIN + "mlp.experts.down_proj"):
+        merged.update(as_mxfp4(stack, merged.pop(stack)))
     buckets = oss["ran"][oss["src"]["mx"]]["buckets"]
     names = [n for b in buckets for n, _ in b]
     assert sorted(names) == sorted(merged) and len(names) == len(set(names))
@@ -314,7 +324,7 @@ def test_weight_sync_sends_what_the_merge_writes(oss, tmp_path):
                 assert bucket[i - 1][0] == name.removesuffix("_scales") + "_blocks", name
         nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
         assert nbytes <= 40_000 or len({n.removesuffix("_blocks").removesuffix("_scales") for n, _ in bucket}) == 1
-    assert sum(n.endswith("_blocks") for n in names) == 4
+    assert sum(n.endswith("_blocks") for n in names) == 6  # no record here: every experts stack
 
 
 def test_check_arch_refuses_other_models():
