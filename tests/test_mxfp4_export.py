@@ -1,8 +1,14 @@
 """MXFP4 export (issue #39, export side): ``merge --dtype mxfp4`` and the weight sync's option.
 
 Unit level: which tensors are written as MXFP4 (the converter's record, else the published
-rule), the ``quantization_config`` (the published ``modules_to_not_convert``), NaN/inf refused
-naming the tensor and the block, a stack quantized in chunks equal to one call.
+rule) and the ``quantization_config`` (the published ``modules_to_not_convert``). On a tiny
+gpt-oss (3 layers, H = I = 64, 4 experts) converted once in one spawned rank: MXFP4 -> mcore ->
+MXFP4 gives the same bytes for every block the exporter's rule writes from values (a block
+quantized once from fp32 whose max rounded down to 3 * 2^k comes back re-encoded, same values:
+measured), the tensors the source left bf16 stay bf16; from bf16 the error is measured;
+transformers loads the export on CPU (it dequantizes itself, no flag needed) to the engine's
+log-probs on the same checkpoint; NaN is refused naming tensor and block, nothing written; the
+weight sync's MXFP4 buckets are the merge's bytes.
 """
 from __future__ import annotations
 
