@@ -290,8 +290,10 @@ def test_nan_is_refused_naming_tensor_and_block_and_nothing_is_written(oss, tmp_
     from mcore_rl.mapping.mxfp4 import MXFP4Error
 
     target = tmp_path / "out"
-    with pytest.raises(MXFP4Error, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj: 1 NaN/inf value\(s\), the "
-                                         r"first nan in block \[2, 7, 1\]"):
+    with pytest.raises(MXFP4Error, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj: 1 NaN/inf value\(s\) in "
+                                         r"expert 2's up_proj\.weight, the first nan in block \[2, 7, 1\] of "
+                                         r"model\.layers\.1\.mlp\.experts\.gate_up_proj_scales \(the weight's "
+                                         r"\[2, 40, 7\]\)"):
         merge(oss["conv_nan"], str(target), dtype="mxfp4")
     assert not target.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
     assert main(["merge", "--local_dir", oss["conv_nan"], "--target_dir", str(target), "--dtype", "mxfp4"]) == 2

@@ -40,7 +40,7 @@ from mcore_rl.mapping.casts import NonFiniteWarning, cast_checked, describe_nonf
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, quantize_block_fp8
 from mcore_rl.mapping.mxfp4_quant import as_mxfp4
 from mcore_rl.mapping.transforms import Dims
-from mcore_rl.models.hf_layout import CARRIED_FILE
+from mcore_rl.models.hf_layout import CARRIED_FILE, expert_layout
 
 
 def iter_hf_tensors(model: ModelDir, units: list[Unit], dims: Dims,
@@ -120,8 +120,10 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
     formats, written = _formats(model, layout, hf_specs, dtype, fp8, mxfp4)
     writer = ShardedSafetensorsWriter(directory, written, max_shard_size)
     quantized = fp8 is not None or mxfp4
-    tensors = layout.tensors(iter_hf_tensors(model, units, dims, None if quantized else dtype),
-                             None if quantized else dtype)
+    tensors = iter_hf_tensors(model, units, dims, None if quantized else dtype)
+    if mxfp4 and layout.fused:  # each expert quantized as it comes: a layer's stack is held packed
+        tensors = merge_mxfp4.pack_experts(tensors, expert_layout(model.args), formats)
+    tensors = layout.tensors(tensors, None if quantized else dtype)
     if progress:
         from tqdm import tqdm
 
@@ -129,9 +131,10 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
     nonfinite: dict[str, tuple[int, tuple[int, ...], float]] = {}
     for name, tensor in tensors:
         fmt = formats[name]
-        if fmt is None and mxfp4:
-            for part, packed in as_mxfp4(name, tensor):  # refuses NaN/inf naming the block
-                writer.write(part, packed)
+        if fmt is None and mxfp4:  # refuses NaN/inf naming the block
+            packed = merge_mxfp4.unpack(name, tensor) if tensor.dtype == torch.uint8 else as_mxfp4(name, tensor)
+            for part, data in packed:
+                writer.write(part, data)
             continue
         if fmt is None:
             q, scale = quantize_block_fp8(tensor, fp8, name)  # refuses NaN/inf itself

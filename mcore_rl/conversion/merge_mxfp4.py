@@ -17,14 +17,16 @@ block, and nothing is written: the merge stages its output). No megatron import.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from mcore_rl.conversion.merge_fp8 import STORED_KEY
 from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.safetensors_write import TensorSpec, dtype_of_name
-from mcore_rl.mapping.mxfp4_format import BLOCK
+from mcore_rl.mapping.mxfp4 import MXFP4Error, quantize_mxfp4
+from mcore_rl.mapping.mxfp4_format import BLOCK, BLOCKS_SUFFIX, BYTES_PER_BLOCK, SCALES_SUFFIX
 from mcore_rl.mapping.mxfp4_import import STORED_MXFP4 as MXFP4_STORED  # the record's word for blocks + scales
 from mcore_rl.mapping.mxfp4_quant import QUANTIZED, is_mxfp4, mxfp4_specs
 
@@ -98,3 +100,54 @@ def quantization_config(formats: Mapping[str, torch.dtype | None]) -> dict:
 
 def _layer_order(module: str) -> int:
     return int(module.split(".")[2])
+
+
+# A merge reads a layer's routed experts one at a time; gpt-oss stores them stacked ([E, cols,
+# rows]), so the fused view holds every expert's parts until the last arrives. Quantized, each
+# part takes 4.25 of its 16 bits: ``pack_experts`` quantizes every per-expert part of an MXFP4
+# stack as it arrives and ``unpack`` splits the fused result. A part P [r, c] holds the slice's
+# rows r (gpt-oss: gate/up [I, H] are the rows 2j / 2j + 1 of ``gate_up_proj``'s [H, 2I] slice,
+# down [H, I] the rows of ``down_proj``'s [I, H]), each row quantized along its c values, so the
+# packed rows [r, c/32 * 16 + c/32] (blocks, then scales) fuse by the layout's own join, rows as
+# the slice's columns, and give the stack's blocks and scales byte for byte.
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(.+)$")
+
+
+def pack_experts(tensors: Iterator[tuple[str, torch.Tensor]], layout,
+                 formats: Mapping[str, torch.dtype | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` with each per-expert part of a stack written as MXFP4 (``formats``: the fused
+    name -> None) replaced by its packed rows, uint8 [r, c/32 * 17]."""
+    for name, tensor in tensors:
+        m = _PER_EXPERT.match(name)
+        kind = layout.kind_of_part(m[3]) if m is not None else None
+        if kind is None or formats.get(f"{m[1]}.{kind}", torch.bfloat16) is not None or tensor.dim() != 2:
+            yield name, tensor
+            continue
+        _check_part(tensor, f"{m[1]}.{kind}", int(m[2]), m[3], layout.kinds[kind])
+        blocks, scales = quantize_mxfp4(tensor.t(), f"{m[1]}.{kind} (expert {m[2]}, {m[3]})")
+        yield name, torch.cat([blocks.flatten(-2), scales], dim=-1)
+
+
+def _check_part(part: torch.Tensor, fused: str, expert: int, which: str, kind) -> None:
+    """NaN/inf in the part [r, c]: an MXFP4Error naming the stack and the block [expert, row,
+    group] of its ``_scales`` (the row found by joining row indices as the layout joins parts)."""
+    bad = ~torch.isfinite(part)
+    if not bool(bad.any()):
+        return
+    j, c = (int(v) for v in bad.nonzero()[0])
+    rows = part.shape[0]
+    probes = [torch.arange(rows).unsqueeze(-1) + k * rows for k in range(len(kind.parts))]  # host: indices
+    row = int((kind.join(probes).reshape(-1) == kind.parts.index(which) * rows + j).nonzero()[0])
+    raise MXFP4Error(f"{fused}: {int(bad.sum())} NaN/inf value(s) in expert {expert}'s {which}, the first "
+                     f"{part[j, c].item()} in block [{expert}, {row}, {c // BLOCK}] of {fused}{SCALES_SUFFIX} "
+                     f"(the weight's [{expert}, {c}, {row}]); MXFP4 cannot hold them: fix the checkpoint (a diverged "
+                     "run?) or merge without --dtype mxfp4.")
+
+
+def unpack(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A fused stack of packed rows uint8 [E, c/32 * 17, rows] (``pack_experts`` fused by the
+    layout) -> [(``name_blocks``, [E, rows, c/32, 16]), (``name_scales``, [E, rows, c/32])]."""
+    rows = tensor.transpose(-1, -2)
+    groups = rows.shape[-1] // (BYTES_PER_BLOCK + 1)
+    blocks = rows[..., :groups * BYTES_PER_BLOCK].unflatten(-1, (groups, BYTES_PER_BLOCK)).contiguous()
+    return [(name + BLOCKS_SUFFIX, blocks), (name + SCALES_SUFFIX, rows[..., groups * BYTES_PER_BLOCK:].contiguous())]
