@@ -18,6 +18,9 @@ peak above the baseline <= 0.3x the size; throughput >= 0.5x the copy at 1 GiB, 
 The mbridge figures printed last are quoted from an earlier measurement, not measured by this run.
 ``--fp8`` (``fp8_main``): the same model as block FP8 (linear weights e4m3 with 128 x 128 F32
 scales, --size_gb its bf16 size), converted to bf16 only; peak relative to output and input.
+``--mxfp4`` (``convert_mxfp4.py``): a gpt-oss-shaped model with MXFP4 experts (--size_gb its MXFP4
+size) converted to bf16, against a copy of the output bytes and extrapolated to gpt-oss-20b;
+``--mxfp4_export`` also merges it back with ``--dtype mxfp4`` and checks the bytes.
 """
 from __future__ import annotations
 
@@ -281,9 +284,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="alternating runs of each contender; medians (default 1)")
     ap.add_argument("--fp8", action="store_true", help="convert a block-FP8 model instead (fp8_main); "
                     "--size_gb is its bf16 size")
+    ap.add_argument("--mxfp4", action="store_true", help="convert an MXFP4 gpt-oss-shaped model instead "
+                    "(convert_mxfp4.py); --size_gb is its MXFP4 size")
+    ap.add_argument("--mxfp4_export", action="store_true", help="with --mxfp4: also merge it back as MXFP4")
     a = ap.parse_args()
     if a.fp8:
         return fp8_main(a)
+    if a.mxfp4:
+        from benchmarks.convert_mxfp4 import mxfp4_main
+
+        return mxfp4_main(a, sys.modules[__name__])
     work = a.workdir or tempfile.mkdtemp(prefix="convert_merge_")
     syn, out, merged, copy = (os.path.join(work, n) for n in ("hf", "mcore", "merged", "copy"))
     try:

@@ -2,7 +2,7 @@
 
   python converters/mcore_to_hf.py merge --local_dir CKPT --target_dir OUT [--max_shard_size 5GB]
       [--model_class auto|causal_lm|token_classification|sequence_classification] [--dtype fp32|bf16|fp16]
-      [--overwrite] [--dtype fp8 [--fp8_block_size 128x128] [--scale_fmt float|ue8m0]]
+      [--overwrite] [--dtype fp8 [--fp8_block_size 128x128] [--scale_fmt float|ue8m0]] [--dtype mxfp4]
   python converters/mcore_to_hf.py test --local_dir CKPT --test_hf_dir HF [--atol 0]
 
 CKPT: ``global_step_<N>/actor`` or ``.../critic`` written by CheckpointManager, or a converter
@@ -10,7 +10,10 @@ output (``dist_ckpt/`` + ``huggingface/`` + ``mcore_rl.json``). The merged model
 the checkpoint's model parameters unless --dtype says otherwise; config.json states it. --dtype
 fp8 writes the linear weights of the decoder layers as block FP8 (DeepSeek-V3 style: float8_e4m3fn +
 float32 ``*_scale_inv`` per block, ``quantization_config`` in config.json), the rest in the
-checkpoint's dtype (mcore_rl/mapping/fp8_quant.py says which tensors and how). ``test``
+checkpoint's dtype (mcore_rl/mapping/fp8_quant.py says which tensors and how). --dtype mxfp4
+(gpt-oss) writes the tensors the source checkpoint stored as MXFP4 (converted from bf16: the
+experts' gate_up_proj and down_proj) as ``*_blocks`` + ``*_scales``, the rest as the source stored
+it (bf16), with the published ``quantization_config`` (mcore_rl/conversion/merge_mxfp4.py). ``test``
 compares every merged tensor with HF's and exits 1 on any mismatch (a NaN or inf always is one).
 Both first check every file of CKPT against its record (the step's COMPLETE marker, a role part's
 PART, a converter output's RECORD: size and CRC-32); --skip_verify reads it unchecked and says so.
@@ -44,9 +47,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto (default): the class huggingface/config.json records when it fits the role in "
                    "mcore_rl.json (a reward model stays *ForSequenceClassification), else actor: causal LM, "
                    "critic: token classification with one label; causal_lm on a critic is an error")
-    m.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8"], default=None,
+    m.add_argument("--dtype", choices=["fp32", "bf16", "fp16", "fp8", "mxfp4"], default=None,
                    help="dtype of the merged weights (default: the checkpoint's model parameters'); fp8: the "
-                   "decoder layers' linear weights as block FP8 (e4m3 + float32 scales), the rest as the checkpoint's")
+                   "decoder layers' linear weights as block FP8 (e4m3 + float32 scales), the rest as the checkpoint's; "
+                   "mxfp4 (gpt-oss): the tensors the source stored as MXFP4 (from bf16: the experts) as blocks + "
+                   "scales, the rest as the source stored it (bf16)")
     m.add_argument("--fp8_block_size", nargs="+", default=None, metavar="ROWSxCOLS",
                    help="with --dtype fp8: the block one scale covers, ROWSxCOLS or ROWS COLS (default 128x128)")
     m.add_argument("--scale_fmt", choices=["float", "ue8m0"], default=None,

@@ -24,6 +24,7 @@ import torch
 
 from mcore_rl.conversion.convert_input import HF_DTYPE_NAMES
 from mcore_rl.conversion.merge_fp8 import STORED_KEY, out_specs, tensor_formats
+from mcore_rl.conversion import merge_mxfp4
 from mcore_rl.conversion.merge_io import (  # noqa: F401 - re-exported: callers import them from here
     _WEIGHT_FILE, MergeError, MergeSummary, ModelClass, ModelDir, Unit, _adapter_only, _hf_config,
     check_target, hf_class, open_model_dir, plan_units, read_unit, same_dir,
@@ -37,8 +38,9 @@ from mcore_rl.fileio.safetensors_write import ShardedSafetensorsWriter
 from mcore_rl.fileio.staging import Staging
 from mcore_rl.mapping.casts import NonFiniteWarning, cast_checked, describe_nonfinite, first_nonfinite, wider_dtypes
 from mcore_rl.mapping.fp8_quant import SCALE_SUFFIX, BlockFp8, quantize_block_fp8
+from mcore_rl.mapping.mxfp4_quant import as_mxfp4
 from mcore_rl.mapping.transforms import Dims
-from mcore_rl.models.hf_layout import CARRIED_FILE
+from mcore_rl.models.hf_layout import CARRIED_FILE, expert_layout
 
 
 def iter_hf_tensors(model: ModelDir, units: list[Unit], dims: Dims,
@@ -89,23 +91,39 @@ def head_units(model: ModelDir, units: list[Unit], cls: str) -> list[Unit]:
     return kept
 
 
+def _formats(model: ModelDir, layout: SourceLayout, hf_specs: list, dtype: torch.dtype, fp8: BlockFp8 | None,
+             mxfp4: bool) -> tuple[dict[str, torch.dtype | None], list]:
+    """HF name -> the dtype written (None: quantized) and the specs of every tensor written."""
+    stored = model.meta.get(STORED_KEY) if fp8 is not None or mxfp4 else None
+    if mxfp4:
+        formats = merge_mxfp4.mxfp4_formats(hf_specs, stored)
+    else:
+        formats = tensor_formats(hf_specs, dtype, fp8, stored)
+    if fp8 is not None or mxfp4:  # the vision tower is not quantized: as the converter stored it
+        formats.update({s.name: s.dtype for s in layout.carried})
+    return formats, merge_mxfp4.out_specs(hf_specs, formats) if mxfp4 else out_specs(hf_specs, formats, fp8)
+
+
 def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dtype, directory: str,
-                 max_shard_size: int | str, progress: bool, fp8: BlockFp8 | None = None) -> ShardedSafetensorsWriter:
+                 max_shard_size: int | str, progress: bool, fp8: BlockFp8 | None = None,
+                 mxfp4: bool = False) -> tuple[ShardedSafetensorsWriter, dict]:
     """Streams the HF tensors into ``directory`` (``fp8``: the quantized ones as block FP8 +
-    scales, see ``out_specs``) and copies the non-weight HF files (tokenizer, generation config)
-    of the model directory (no file that leaves it: symlinks are checked). A wrapper's carried
-    tensors come last, fused experts as the source stored them (``merge_layout``)."""
+    scales, see ``out_specs``; ``mxfp4``: as MXFP4 blocks + scales, see ``merge_mxfp4``) and
+    copies the non-weight HF files (tokenizer, generation config) of the model directory (no
+    file that leaves it: symlinks are checked). A wrapper's carried tensors come last, fused
+    experts as the source stored them (``merge_layout``). Returns the writer and the formats."""
     layout = SourceLayout(model)
     if layout.fused and fp8 is not None:
         raise MergeError(f"{model.path}: the source stored its experts fused (gate_up_proj [E, 2I, H]); merge "
                          "--dtype fp8 writes per-matrix block scales: merge without --dtype fp8.")
     hf_specs = layout.specs([s for u in units for s in u.specs])
-    formats = tensor_formats(hf_specs, dtype, fp8, model.meta.get(STORED_KEY) if fp8 is not None else None)
-    if fp8 is not None:  # the vision tower is not quantized: as the converter stored it
-        formats.update({s.name: s.dtype for s in layout.carried})
-    writer = ShardedSafetensorsWriter(directory, out_specs(hf_specs, formats, fp8), max_shard_size)
-    tensors = layout.tensors(iter_hf_tensors(model, units, dims, None if fp8 is not None else dtype),
-                             None if fp8 is not None else dtype)
+    formats, written = _formats(model, layout, hf_specs, dtype, fp8, mxfp4)
+    writer = ShardedSafetensorsWriter(directory, written, max_shard_size)
+    quantized = fp8 is not None or mxfp4
+    tensors = iter_hf_tensors(model, units, dims, None if quantized else dtype)
+    if mxfp4 and layout.fused:  # each expert quantized as it comes: a layer's stack is held packed
+        tensors = merge_mxfp4.pack_experts(tensors, expert_layout(model.args), formats)
+    tensors = layout.tensors(tensors, None if quantized else dtype)
     if progress:
         from tqdm import tqdm
 
@@ -113,12 +131,18 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
     nonfinite: dict[str, tuple[int, tuple[int, ...], float]] = {}
     for name, tensor in tensors:
         fmt = formats[name]
+        if fmt is None and mxfp4:  # refuses NaN/inf naming the block
+            packed = merge_mxfp4.unpack(name, tensor) if tensor.dtype == torch.uint8 else as_mxfp4(name, tensor)
+            for part, data in packed:
+                writer.write(part, data)
+            continue
         if fmt is None:
             q, scale = quantize_block_fp8(tensor, fp8, name)  # refuses NaN/inf itself
             writer.write(name, q)
             writer.write(name + SCALE_SUFFIX, scale)
             continue
-        tensor = cast_checked(tensor, fmt, name, "merge without --dtype fp8 (the checkpoint's dtype)")
+        tensor = cast_checked(tensor, fmt, name, f"merge without --dtype {'mxfp4' if mxfp4 else 'fp8'} "
+                              "(the checkpoint's dtype)")
         found = first_nonfinite(tensor)
         if found is not None:
             nonfinite[name] = found
@@ -130,7 +154,7 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
         src = contained(model.hf_dir, name, f"the listing of {model.hf_dir}")
         if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name not in ("config.json", CARRIED_FILE):
             shutil.copyfile(src, os.path.join(directory, name))
-    return writer
+    return writer, formats
 
 
 def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
@@ -145,11 +169,14 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
     old ``target_dir`` (``overwrite``) as it was. ``verify``: see ``open_model_dir``; a directory
     replaced while it is merged is an error (nothing is written). ``dtype="fp8"``: the linear
     weights as block FP8 in format ``fp8`` (default ``BlockFp8()``: 128x128, float32 scales),
-    every other tensor in the checkpoint's dtype, config.json with ``quantization_config``; any
-    other dtype drops a ``quantization_config`` the source config.json carries."""
+    every other tensor in the checkpoint's dtype, config.json with ``quantization_config``;
+    ``dtype="mxfp4"`` (gpt-oss): the tensors the source stored as MXFP4 (or, converted from bf16,
+    the experts' weights) as MXFP4 blocks + scales, the rest as the source stored it (bf16), see
+    ``merge_mxfp4``; any other dtype drops a ``quantization_config`` the source config.json carries."""
     start = time.monotonic()
     if fp8 is not None and dtype != "fp8":
         raise MergeError(f"an fp8 format ({fp8}) was given with dtype={dtype!r}; pass dtype='fp8' (--dtype fp8).")
+    mxfp4 = dtype == "mxfp4"
     if dtype == "fp8":
         fp8, dtype = fp8 or BlockFp8(), None
     model = open_model_dir(local_dir, verify)
@@ -158,14 +185,18 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
             if fp8 is not None or dtype is not None:
                 raise MergeError(f"{local_dir} holds LoRA adapters: its merge writes the base's dtype; drop --dtype.")
             return merge_adapter_step(model, target_dir, overwrite, verify)
-        return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype, fp8)
+        if mxfp4:
+            merge_mxfp4.check_arch(model.args.arch.model_type, local_dir)
+            dtype = "bf16"  # config.json's dtype: that of the published checkpoints' other tensors
+        return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype, fp8,
+                           mxfp4)
     finally:
         model.reader.close()
 
 
 def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: int | str,
                 model_class: ModelClass | None, overwrite: bool, progress: bool, dtype: str | None,
-                fp8: BlockFp8 | None = None) -> MergeSummary:
+                fp8: BlockFp8 | None = None, mxfp4: bool = False) -> MergeSummary:
     check_target(target_dir, model.path, overwrite)
     cls = hf_class(model, model_class or "auto")
     config = _hf_config(model, cls)
@@ -173,12 +204,15 @@ def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: 
     units = head_units(model, units, cls)
     out_dtype = written_dtype(model, units, dtype)
     config["dtype"] = config["torch_dtype"] = str(out_dtype).removeprefix("torch.")  # as transformers names it
-    config.pop("quantization_config", None)  # an FP8 source's: the weights written are not quantized
+    config.pop("quantization_config", None)  # a quantized source's: the weights written are not quantized
     if fp8 is not None:
         config["quantization_config"] = fp8.quantization_config()
     stage = Staging.create(target_dir)
     try:
-        writer = _write_model(model, units, dims, out_dtype, stage.path, max_shard_size, progress, fp8)
+        writer, formats = _write_model(model, units, dims, out_dtype, stage.path, max_shard_size, progress, fp8,
+                                       mxfp4)
+        if mxfp4:
+            config["quantization_config"] = merge_mxfp4.quantization_config(formats)
         with open(os.path.join(stage.path, "config.json"), "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
         write_export_record(stage.path, "mcore_to_hf merge")
@@ -188,6 +222,8 @@ def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: 
         stage.discard()
         raise
     written = config["dtype"] if fp8 is None else f"float8_e4m3fn {fp8.block[0]}x{fp8.block[1]} + {config['dtype']}"
+    if mxfp4:
+        written = f"mxfp4 ({sum(f is None for f in formats.values())} tensors) + {config['dtype']}"
     return MergeSummary(sum(map(len, writer.shards)), writer.bytes_written, len(writer.files), time.monotonic() - start,
                         peak_rss_mb(), written)
 

@@ -9,6 +9,7 @@ import torch
 from mcore_rl.mapping.fp8_quant import BlockFp8
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.mtp import with_copies
+from mcore_rl.mapping.mxfp4_quant import mxfp4_buckets
 from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
 from mcore_rl.models.hf_layout import always_fused, carried_names, expert_layout, fused_buckets, hf_view, log_ignored
@@ -126,21 +127,27 @@ def export_hf_buckets(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     tensor_of: Callable[[torch.nn.Parameter], torch.Tensor] = lambda p: p.data,
     fp8: BlockFp8 | None = None,
+    mxfp4: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full HF tensors of a live sharded model in buckets of at most ``bucket_bytes`` (a larger
     tensor alone), the same on every rank, e.g. to feed co-located rollout engines; ``fp8``:
-    the linear weights as block FP8 + ``_scale_inv`` (as ``merge --dtype fp8``).
+    the linear weights as block FP8 + ``_scale_inv`` (as ``merge --dtype fp8``); ``mxfp4`` (off
+    by default; gpt-oss, for engines that serve MXFP4 natively): the experts' stacks that
+    ``mxfp4_quant.is_mxfp4`` names as ``_blocks`` + ``_scales`` in their bucket, the bytes a
+    ``merge --dtype mxfp4`` of a bf16-sourced checkpoint writes.
     Collective: every rank iterates to the end. See ``mapping.weights.iter_hf_buckets``."""
     from megatron.core import parallel_state
 
+    if fp8 is not None and mxfp4:
+        raise ConfigError("fp8 and mxfp4 were both asked for; the weight sync sends one quantized format.")
     if fp8 is not None and always_fused(args):
         raise ConfigError(f"FP8 export of {args.arch.model_type}: its experts are exported fused, which block "
                           "FP8 does not cover; export without fp8.")
     tp = parallel_state.get_tensor_model_parallel_world_size()
     buckets = iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8)
     if always_fused(args):  # gpt-oss: HF (and the rollout engines) know its experts only fused
-        return fused_buckets(buckets, args.moe.num_experts, expert_layout(args), bucket_bytes)
-    return buckets
+        buckets = fused_buckets(buckets, args.moe.num_experts, expert_layout(args), bucket_bytes)
+    return mxfp4_buckets(buckets) if mxfp4 else buckets  # after fusing: MXFP4 quantizes the stacks
 
 
 def export_hf(

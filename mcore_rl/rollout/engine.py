@@ -71,17 +71,20 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
-def sync_weights(engine: RolloutEngine | None, chunks: list, args, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES) -> int:
+def sync_weights(engine: RolloutEngine | None, chunks: list, args, bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES,
+                 mxfp4: bool = False) -> int:
     """Collective: the actor's weights into ``engine`` (None on ranks without one), bucket by
     bucket from ``export_hf_buckets``; returns the tensors the engine took (0 without one).
     A LoRA actor sends merged weights, W + alpha/rank * B A, each computed on its own shard as
-    it is exported (one extra weight shard in transit, no merged copy of the model)."""
+    it is exported (one extra weight shard in transit, no merged copy of the model).
+    ``mxfp4`` (every rank alike; for an engine that serves gpt-oss's MXFP4 experts natively):
+    the experts go as ``<name>_blocks`` + ``<name>_scales``, as ``merge --dtype mxfp4`` writes."""
     from mcore_rl.models.hf_weights import export_hf_buckets
     from mcore_rl.lora.layers import merged_tensor_of
 
     taken = 0
     merged = merged_tensor_of(chunks)  # every parameter as it is without adapters
-    for bucket in export_hf_buckets(chunks, args, "actor", bucket_bytes, tensor_of=merged):
+    for bucket in export_hf_buckets(chunks, args, "actor", bucket_bytes, tensor_of=merged, mxfp4=mxfp4):
         if engine is not None:
             taken += engine.update_weights(bucket)
         del bucket  # freed before the next bucket fills: one bucket alive, not two

@@ -47,11 +47,15 @@ def _left_pad_to(rollout: Rollout, prompt_width: int, pad_id: int) -> Rollout:
 class RolloutGroup:
     """``engine``: this rank's engine (None on ranks without one; a collective engine on every
     rank). ``pad_id`` fills the prompt side when replicas' prompts differ in length.
-    ``replica``: ``replica_group()`` when the caller already made it (collective otherwise)."""
+    ``replica``: ``replica_group()`` when the caller already made it (collective otherwise).
+    ``mxfp4``: the weight sync sends gpt-oss's experts as MXFP4 blocks + scales (for engines that
+    serve MXFP4 natively; off by default, see ``sync_weights``)."""
 
     def __init__(self, engine: RolloutEngine | None, pad_id: int, device: torch.device,
-                 bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES, replica: tuple | None = None) -> None:
+                 bucket_bytes: int = DEFAULT_SYNC_BUCKET_BYTES, replica: tuple | None = None,
+                 mxfp4: bool = False) -> None:
         self.engine, self.pad_id, self.device, self.bucket_bytes = engine, pad_id, device, bucket_bytes
+        self.mxfp4 = mxfp4
         self.collective = bool(getattr(engine, "collective", False))
         if not self.collective and replica is None:
             replica = replica_group()
@@ -84,7 +88,7 @@ class RolloutGroup:
         collective engine, which reads them); returns the tensors this rank's engine took."""
         if self.collective:
             return 0
-        return sync_weights(self.engine, chunks, args, self.bucket_bytes)
+        return sync_weights(self.engine, chunks, args, self.bucket_bytes, self.mxfp4)
 
 
 def _gather_rows(part: Rollout) -> Rollout:
