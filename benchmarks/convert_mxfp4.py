@@ -136,7 +136,7 @@ def same_as_source(src: str, merged: str) -> tuple[int, int, int]:
     """(tensors, MXFP4 blocks, blocks re-encoded); raises unless ``merged`` holds ``src``'s names
     and dtypes, every plain tensor's bytes, every MXFP4 stack's values, and the bytes of every
     block a value-reading exporter can reproduce (scale 0 or a code of magnitude 4 or 6:
-    ``mapping/mxfp4.py``; the codec's rule writes a block whose max rounds to 3 * 2^k otherwise)."""
+    ``mapping/mxfp4.py``; the codec's own rule writes only such blocks)."""
     from safetensors import safe_open
 
     from mcore_rl.mapping.hf_io import read_header
@@ -220,8 +220,8 @@ def mxfp4_main(a: argparse.Namespace, tools) -> None:
                   f"baseline {(m_peak - mbase[0]) / 2**20:.0f} MiB = {(m_peak - mbase[0]) / written:.3f} x the bf16 input")
             n, blocks, moved = same_as_source(syn, merged)
             print(f"merged == source: {n} tensors, the plain ones byte-identical, the MXFP4 stacks value-identical; "
-                  f"{moved} of {blocks} blocks re-encoded ({moved / blocks:.1%}: written once from bf16 by the codec's "
-                  "rule, their max rounded down to 3 * 2^k; 6 * 2^(k-1) on the way back), every other block byte-identical")
+                  f"{moved} of {blocks} blocks re-encoded ({moved / blocks:.1%}; the source was written by the codec's "
+                  "rule, which is idempotent), every other block byte-identical")
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -45,10 +45,10 @@ def slow_quantize_block(values: list[float]) -> tuple[list[int], int]:
     amax = max(abs(v) for v in values)
     k = -127
     if amax > 0:
-        k = math.ceil(math.log2(amax / 6.0))
-        while amax > 6.0 * 2.0**k:  # log2 rounding: settle the smallest k with amax <= 6 * 2^k
+        k = math.floor(math.log2(amax / 7.0))
+        while amax >= 7.0 * 2.0**k:  # log2 rounding: settle the smallest k with amax < 7 * 2^k
             k += 1
-        while k > -127 and amax <= 6.0 * 2.0 ** (k - 1):
+        while k > -127 and amax < 7.0 * 2.0 ** (k - 1):
             k -= 1
         k = max(k, -127)
     codes = []
@@ -93,18 +93,19 @@ def test_dequantize_equals_the_slow_reading_of_the_layout():
 
 
 def test_quantize_follows_the_stated_rule():
-    """Random normals at several magnitudes (block maxima land anywhere in (3, 6] * 2^k), exact
-    ties, 6 * 2^k exactly and just above it, -0.0, an all-zero block and tiny blocks: the bytes of
+    """Random normals at several magnitudes (block maxima land anywhere in [3.5, 7) * 2^k), exact
+    ties, 7 * 2^k exactly and just below it, -0.0, an all-zero block and tiny blocks: the bytes of
     the slow scalar quantizer, value by value."""
     g = torch.Generator().manual_seed(3)
     w = torch.randn(2, 128, 6, generator=g) * torch.tensor([1e-3, 1.0, 300.0, 7.0, 1e-38, 2.0]).view(1, 1, 6)
     w[0, 0:8, 1] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])  # ties; amax 6: scale 2^0
     w[0, 8:32, 1] = 0.0
     w[0, 8, 1] = -0.0
-    w[1, 0:32, 1] = torch.tensor([6.0 * (1 + 2**-20)] + [0.75] * 31)  # just above 6: 2^1, 0.75/2 -> 0.375 -> 0.5
+    w[1, 0:32, 1] = torch.tensor([7.0] + [0.75] * 31)  # 7 exactly: 2^1, 3.5 -> 4 (ties even), 0.375 -> 0.5
+    w[1, 32:64, 1] = torch.tensor([7.0 * (1 - 2**-20)] + [5.0] * 31)  # just below 7: 2^0, the max -> 6
     w[0, 32:64, 2] = 0.0  # all zero: scale byte 0
     w[0, 64:96, 2] = -0.0
-    w[1, 96:128, 0] = torch.tensor(2.0**-130)  # below 6 * 2^-127: scale byte 0, the values round to 2^-128 = 0.5 * 2^-127
+    w[1, 96:128, 0] = torch.tensor(2.0**-130)  # below 7 * 2^-127: scale byte 0, the values round to 2^-128 = 0.5 * 2^-127
     blocks, scales = quantize_mxfp4(w)
     assert blocks.shape == (2, 6, 4, 16) and scales.shape == (2, 6, 4)
     for e in range(2):
@@ -114,6 +115,7 @@ def test_quantize_follows_the_stated_rule():
                 packed = [codes[2 * j] | (codes[2 * j + 1] << 4) for j in range(16)]
                 assert (blocks[e, r, grp].tolist(), int(scales[e, r, grp])) == (packed, scale), (e, r, grp)
     assert int(scales[0, 1, 0]) == 127 and int(scales[1, 1, 0]) == 128 and int(scales[0, 2, 1]) == 0
+    assert int(scales[1, 1, 1]) == 127 and int(blocks[1, 1, 1, 0]) == 0x67  # 6.0 (code 7), 5.0 -> 4.0 (code 6)
     assert blocks[0, 1, 0, :4].tolist() == [0x20, 0x42, 0x64, 0x76]  # 0.25->0, 0.75->1, 1.25->1, 1.75->2, ...
     assert int(blocks[0, 1, 0, 4]) == 0x08 and set(blocks[0, 2, 2].tolist()) == {0x88}  # -0.0 keeps its sign
 

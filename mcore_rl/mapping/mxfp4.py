@@ -10,22 +10,24 @@ the last two dimensions transposed as transformers' ``convert_moe_packed_tensors
 
 Quantization (``quantize_mxfp4``), the exporter's rule, for each block of 32 values with
 largest magnitude ``amax``:
-- the exponent is the smallest ``k`` with ``amax <= 6 * 2 ** k`` (``ceil(log2(amax / 6))``, no
-  value saturates), clamped to [-127, 127]; the scale byte is ``k + 127``. An all-zero block
-  gets scale byte 0 (``2 ** -127``), so does a block whose ``k`` is below -127;
+- the exponent is the smallest ``k`` with ``amax < 7 * 2 ** k``, clamped to [-127, 127]; the
+  scale byte is ``k + 127``. So ``amax / 2 ** k`` lies in [3.5, 7): the largest value takes code
+  magnitude 4 or 6, the grid is as fine as it can be without an error above the nearest-value
+  one (values in (6, 7) become 6, 7 is rounded up by the next exponent). An all-zero block gets
+  scale byte 0 (``2 ** -127``), so does a block whose ``k`` is below -127;
 - each value is divided by ``2 ** k`` (exact in float32 wherever the rounding below can tell)
   and rounded to the nearest E2M1 magnitude, ties to the even code (0.25 -> 0, 0.75 -> 1,
-  1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); the sign bit is the value's own, so -0.0
-  and negative values that round to zero are code 8 (``-0.0``);
+  1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4), above 6 to 6; the sign bit is the value's
+  own, so -0.0 and negative values that round to zero are code 8 (``-0.0``);
 - NaN or inf anywhere is an MXFP4Error naming the tensor and the block.
-Canonical blocks, which ``quantize_mxfp4(dequantize_mxfp4(b, s)) == (b, s)`` reproduces byte
-for byte: a scale byte of 0 (any codes), or a scale byte in 1..252 whose largest code magnitude
-is 4 or 6 (codes 6, 7, 14, 15). Every other block that dequantizes to finite values comes back
-with the same values (``dequantize(quantize(dequantize(b, s))) == dequantize(b, s)``) in its
-canonical form: a smaller exponent with codes doubled, or scale 0 for an all-zero block. The
-OCP MX rule (``floor(log2(amax)) - 2``, saturating at 6) gives the same bytes for every block
-that is exactly MXFP4-representable; it differs only for blocks whose ``amax / 2 ** k`` lies
-in (6, 8), which it clamps to 6 and this rule rounds with the next exponent.
+The rule is idempotent: its output is canonical, and canonical blocks come back byte for byte
+(``quantize_mxfp4(dequantize_mxfp4(b, s)) == (b, s)``): a scale byte of 0 (any codes), or a
+scale byte in 1..252 whose largest code magnitude is 4 or 6 (codes 6, 7, 14, 15). Every other
+block that dequantizes to finite values comes back with the same values in canonical form (a
+smaller exponent with codes doubled, or scale 0 for an all-zero block). The OCP MX rule
+(``floor(log2(amax)) - 2``, saturating at 6) writes only canonical blocks, and gives the same
+bytes as this rule except where ``amax / 2 ** k`` lies in [7, 8): it clamps those to 6, this
+rule rounds them to 4 with the next exponent.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch
 
 from mcore_rl.mapping.casts import CastOverflowError
 from mcore_rl.mapping.fp8_dequant import QuantizationError
-from mcore_rl.mapping.mxfp4_format import BLOCK, BYTES_PER_BLOCK, E2M1_MAX, E2M1_VALUES, SCALE_BIAS, SCALE_NAN
+from mcore_rl.mapping.mxfp4_format import BLOCK, BYTES_PER_BLOCK, E2M1_VALUES, SCALE_BIAS, SCALE_NAN
 
 CHUNK = 1 << 20  # values per step: temporaries stay a few MiB whatever the tensor's size
 _MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between E2M1 magnitudes j and j + 1
@@ -144,11 +146,11 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def _exponents(amax: torch.Tensor) -> torch.Tensor:
-    """int32 ``k`` per block (float32 ``amax`` >= 0, finite): the smallest with amax <= 6 * 2^k,
+    """int32 ``k`` per block (float32 ``amax`` >= 0, finite): the smallest with amax < 7 * 2^k,
     clamped to [-127, 127]; -127 for amax == 0. Exact: amax = m * 2^e, m in [0.5, 1), and
-    6 * 2^k = 0.75 * 2^(k + 3), so k = e - 3, or e - 2 when m > 0.75."""
+    7 * 2^k = 0.875 * 2^(k + 3), so k = e - 3, or e - 2 when m >= 0.875."""
     mant, exp = torch.frexp(amax)
-    k = exp.to(torch.int32) - 3 + (mant > E2M1_MAX / 8).to(torch.int32)
+    k = exp.to(torch.int32) - 3 + (mant >= 7 / 8).to(torch.int32)
     k = torch.where(amax == 0, -SCALE_BIAS, k)
     return k.clamp(-SCALE_BIAS, SCALE_BIAS)
 
