@@ -114,7 +114,7 @@ def _write_dequantized(hf_dir: str, config: dict, out: str, shard_bytes: int = 1
             weight_map.update({k: file for k in shard})
             shard, size = {}, 0
         if name is not None:
-            shard[name] = reader[name].float()
+            shard[name] = reader[name].float().contiguous()  # MXFP4 parameters come as transposed views
             size += shard[name].numel() * 4
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)

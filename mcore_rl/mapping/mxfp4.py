@@ -61,9 +61,9 @@ def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, .
     return (*lead, rows, cols // BLOCK, BYTES_PER_BLOCK), (*lead, rows, cols // BLOCK)
 
 
-def _pair_table(device: torch.device) -> torch.Tensor:
-    """[256, 2] float32: the two values of each byte, low nibble first."""
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+def _pair_table(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[256, 2] ``dtype``: the two values of each byte, low nibble first."""
+    values = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
     codes = torch.arange(256, device=device)
     return torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=1)
 
@@ -97,6 +97,15 @@ def _check_pair(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
                          "damaged: copy it again.")
 
 
+def _largest_safe_scale(dtype: torch.dtype) -> int:
+    """The largest scale byte whose products (at most 6 * 2^(scale - 127)) all fit ``dtype``."""
+    limit = torch.finfo(dtype).max if dtype.is_floating_point else math.inf
+    safe = 0
+    while safe < SCALE_NAN - 1 and 6.0 * 2.0 ** (safe + 1 - SCALE_BIAS) <= limit:
+        safe += 1
+    return safe
+
+
 def _check_range(values: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, lead: tuple[int, ...], i: int,
                  r0: int, name: str, at: tuple[int, ...]) -> None:
     """``values`` [r, G, 32] (float32 products of the scales ``s`` [r, G], rows ``r0``.. of lead
@@ -126,23 +135,29 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     _check_pair(blocks, scales, name)
     *lead, rows, groups, _ = blocks.shape
     cols, n = groups * BLOCK, math.prod(lead)
-    out = torch.empty((n, cols, rows), dtype=dtype, device=blocks.device)
-    table = _pair_table(blocks.device)
+    out = torch.empty((n, rows, cols), dtype=dtype, device=blocks.device)  # the blocks' order: no strided writes
+    # bf16 and fp32 hold every product exactly (two significant bits times a power of two down
+    # to 2^-128): computed in the output dtype; others (fp16) in fp32, then rounded once
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    table = _pair_table(blocks.device, work)
+    safe_scale = _largest_safe_scale(dtype)
     b3, s3 = blocks.reshape(n, rows, groups, BYTES_PER_BLOCK), scales.reshape(n, rows, groups)
     step = max(1, chunk // max(1, cols))
     for i in range(n):
         for r0 in range(0, rows, step):
             s = s3[i, r0:r0 + step]
-            if bool((s == SCALE_NAN).any()):
+            top = int(s.max())
+            if top == SCALE_NAN:
                 r, g = (int(v) for v in torch.nonzero(s == SCALE_NAN)[0])
                 where = _block_at(tuple(lead), i, r0 + r, g, at)
                 raise MXFP4Error(f"{name}: scale byte 0xFF (NaN in E8M0) of {where}; the checkpoint is damaged: copy "
                                  "it again.")
             values = table[b3[i, r0:r0 + step].long()].reshape(s.shape[0], groups, BLOCK)
-            values = values * _powers_of_two(s).unsqueeze(-1)
-            _check_range(values, s, dtype, tuple(lead), i, r0, name, at)
-            out[i, :, r0:r0 + step] = values.reshape(s.shape[0], cols).T  # one rounding to dtype
-    return out.reshape(*lead, cols, rows)
+            values = values * _powers_of_two(s).to(work).unsqueeze(-1)
+            if top > safe_scale:  # only then can a value pass the dtype's range
+                _check_range(values.float(), s, dtype, tuple(lead), i, r0, name, at)
+            out[i, r0:r0 + step] = values.reshape(s.shape[0], cols)  # one rounding to dtype
+    return out.reshape(*lead, rows, cols).transpose(-1, -2)  # a view: a consumer that transposes back copies nothing
 
 
 def _exponents(amax: torch.Tensor) -> torch.Tensor:
