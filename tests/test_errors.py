@@ -71,11 +71,17 @@ def test_llama3_rope_missing_parameter():
         model_args_from_hf(cfg)
 
 
-def test_short_sliding_window_is_rejected():
-    cfg = tiny_config("mistral", sliding_window=64)
-    with pytest.raises(ConfigError, match=r"sliding_window=64 is shorter than the max sequence length 128"):
+def test_short_window_of_an_arch_without_a_window_rule_is_refused():
+    cfg = tiny_config("qwen2_moe", sliding_window=64, use_sliding_window=True)
+    with pytest.raises(ConfigError, match=r"sliding_window=64 is shorter than the max sequence length 128, "
+                                          r"and model_type 'qwen2_moe' has no sliding-window rule"):
         model_args_from_hf(cfg)
-    assert model_args_from_hf(cfg, max_seq_len=64).max_position_embeddings == 128
+    assert model_args_from_hf(cfg, max_seq_len=64).window is None
+
+
+def test_mistral_window_is_applied_not_refused():
+    args = model_args_from_hf(tiny_config("mistral", sliding_window=64))
+    assert (args.window, args.window_layers) == (64, (True,) * 4)
 
 
 def test_qwen_window_ignored_unless_enabled():

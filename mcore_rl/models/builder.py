@@ -157,6 +157,7 @@ def transformer_config(
         mla = mla_config_kwargs(args.mla, args.rope, args.max_position_embeddings)
     hybrid = hybrid_config_kwargs(args.hybrid) if args.hybrid else {}
     return config_class(
+        **window_config_kwargs(args),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -210,16 +211,28 @@ def transformer_config(
     )
 
 
+def window_config_kwargs(args: ModelArgs) -> dict:
+    """megatron's window (``window_size=(W - 1, 0)``, megatron's per-layer list form of
+    ``window_attn_skip_freq``: 1 = windowed) and sink switches for ``args``."""
+    kwargs = {"softmax_type": "learnable"} if args.attention_sinks else {}
+    if args.window is not None:
+        kwargs.update(window_size=(args.window - 1, 0), window_attn_skip_freq=[int(w) for w in args.window_layers])
+    return kwargs
+
+
 def _build_chunk(
     args: ModelArgs, config: TransformerConfig, role: Role, platform: Platform, vp_stage: int | None,
     device: torch.device, lora: bool = False,
 ) -> GPTModel:
     pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    # windows and sinks: the CPU core attention on GPU too (TE's windows with a padding mask and
+    # its learnable softmax are not verified here)
+    local_attention = args.window is not None or args.attention_sinks
     spec = block_spec(
         config,
         args.qk_norm,
-        platform.transformer_engine,
+        platform.transformer_engine and not local_attention,
         vp_stage,
         args.moe.moe_layers if args.moe else None,
         mla=args.mla is not None,

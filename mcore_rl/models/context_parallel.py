@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from megatron.core import parallel_state
 
+from mcore_rl.models.attention_ops import allowed_pairs
+
 Tensor = torch.Tensor
 
 
@@ -61,15 +63,16 @@ def gather_cp(x: Tensor) -> Tensor:
     return _GatherCP.apply(x, parallel_state.get_context_parallel_group())
 
 
-def cp_attention_mask(s_local: int, padding: Tensor | None, device) -> Tensor:
+def cp_attention_mask(s_local: int, padding: Tensor | None, device, left: int | None = None) -> Tensor:
     """bool [b or 1, 1, s_local, s] of allowed (query, key) pairs for this CP rank, keys in
-    CP-rank gather order: causal by global position, padding keys masked (``padding`` [b,1,1,s]
-    True = padding, in global column order); a query always sees itself (no empty row)."""
+    CP-rank gather order: causal by global position and within a window of ``left`` positions
+    back (W - 1; None: no window), padding keys masked (``padding`` [b,1,1,s] True = padding, in
+    global column order); a query always sees itself (no empty row)."""
     rank, size = cp_rank_size()
     s = s_local * size
     q_pos = cp_columns(s, rank, size, device)
     k_pos = torch.cat([cp_columns(s, r, size, device) for r in range(size)])
-    causal = k_pos[None, :] <= q_pos[:, None]
+    causal = allowed_pairs(q_pos, k_pos, left)
     itself = k_pos[None, :] == q_pos[:, None]
     if padding is None:
         return causal[None, None]

@@ -18,6 +18,7 @@ from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.mtp import check_buildable, resolve_mtp_layers
 from mcore_rl.models.registry import WRAPPERS, ArchSpec, WrapperSpec, lookup_arch
 from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf
+from mcore_rl.models.windows import WindowConfigError, window_from_hf
 from mcore_rl.errors import McoreRLError
 
 
@@ -57,6 +58,11 @@ class ModelArgs:
     # a vision-language wrapper (Qwen3_5ForConditionalGeneration): the text model is under its
     # prefix, its vision tower is carried through (actor only); None: a text checkpoint
     wrapper: WrapperSpec | None = None
+    # sliding-window attention (models/windows.py): W tokens a query sees, itself included, on the
+    # layers marked True; None: no window anywhere
+    window: int | None = None
+    window_layers: tuple[bool, ...] | None = None
+    attention_sinks: bool = False  # gpt-oss: a learnable sink logit per attention head
 
     def hf_rows(self, role: str) -> dict:
         """The mapping rows of this model as ``role``, HF names as its checkpoint spells them
@@ -274,7 +280,7 @@ def check_config_values(cfg: Any, mla: bool = False) -> None:
                           "fix the values in config.json.")
 
 
-def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
+def _check_unsupported(cfg: Any, arch: ArchSpec) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported; {arch.model_type} needs 'silu'.")
@@ -286,18 +292,6 @@ def _check_unsupported(cfg: Any, arch: ArchSpec, max_seq_len: int) -> None:
         )
     if getattr(cfg, "mlp_bias", False):
         raise ConfigError("mlp_bias=True is not supported; set mlp_bias=False.")
-    window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None) or []
-    uses_window = window is not None and (
-        "sliding_attention" in layer_types
-        or getattr(cfg, "use_sliding_window", arch.sliding_window_default)
-    )
-    if uses_window and window < max_seq_len:
-        raise ConfigError(
-            f"sliding_window={window} is shorter than the max sequence length {max_seq_len}; "
-            "sliding-window attention is not supported. Set max_seq_len <= sliding_window or "
-            "sliding_window=null in config.json."
-        )
 
 
 def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs:
@@ -309,7 +303,7 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     heads = _require(cfg, "num_attention_heads")
     max_pos = _require(cfg, "max_position_embeddings")
     max_seq_len = max_seq_len or max_pos
-    _check_unsupported(cfg, arch, max_seq_len)
+    _check_unsupported(cfg, arch)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     num_layers = _require(cfg, "num_hidden_layers")
     mla = mla_args_from_hf(cfg) if arch.attention == "mla" else None
@@ -320,6 +314,10 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
     else:
         rope = rope_spec_from_hf(cfg, head_dim)
     vocab = _require(cfg, "vocab_size")
+    try:
+        window, window_layers = window_from_hf(cfg, arch.window_rule, num_layers, max_seq_len)
+    except WindowConfigError as e:
+        raise ConfigError(str(e)) from None
     moe = moe_args_from_hf(cfg, arch.moe, num_layers) if arch.moe else None
     return ModelArgs(
         arch=arch,
@@ -347,6 +345,9 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
                       if arch.pad_row_field else None),
         wrapper=wrapper,
+        window=window,
+        window_layers=window_layers,
+        attention_sinks=arch.attention_sinks,
     )
 
 

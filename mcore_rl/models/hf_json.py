@@ -48,11 +48,11 @@ CLASS_DEFAULTS: dict[str, ClassDefaults] = {
         "num_attention_heads": 32, "max_position_embeddings": 131072, "num_hidden_layers": 32,
         "vocab_size": 32000, "intermediate_size": 14336, "rms_norm_eps": 1e-06, "rope_theta": 10000.0}),
     "qwen2": ClassDefaults({
-        **_DENSE, "use_sliding_window": False, "num_key_value_heads": 32, "hidden_size": 4096,
+        **_DENSE, "use_sliding_window": False, "max_window_layers": 28, "num_key_value_heads": 32, "hidden_size": 4096,
         "num_attention_heads": 32, "max_position_embeddings": 32768, "num_hidden_layers": 32,
         "vocab_size": 151936, "intermediate_size": 22016, "rms_norm_eps": 1e-06, "rope_theta": 10000.0}),
     "qwen3": ClassDefaults({
-        **_DENSE, "attention_bias": False, "use_sliding_window": False, "head_dim": 128,
+        **_DENSE, "attention_bias": False, "use_sliding_window": False, "max_window_layers": 28, "head_dim": 128,
         "num_key_value_heads": 32, "hidden_size": 4096, "num_attention_heads": 32,
         "max_position_embeddings": 32768, "num_hidden_layers": 32, "vocab_size": 151936,
         "intermediate_size": 22016, "rms_norm_eps": 1e-06, "rope_theta": 10000.0}),

@@ -9,10 +9,12 @@ within each sequence only.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from mcore_rl.models.attention_ops import allowed_pairs, attend, causal_window
 from mcore_rl.models.context_parallel import cp_columns, cp_rank_size
 from mcore_rl.models.micro_batch import PackedStream
 
@@ -73,9 +75,10 @@ def stream_positions(cu_seqlens: Tensor) -> Tensor:
 
 
 def packed_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float,
-                     dropout: float) -> Tensor:
-    """Causal attention inside each packed sequence, never across a boundary.
-    query [t, heads, d], key/value [t, groups, d] -> [t, heads * d]."""
+                     dropout: float, left: Optional[int] = None, sink: Optional[Tensor] = None) -> Tensor:
+    """Causal attention inside each packed sequence, never across a boundary; ``left``: the
+    window's left extent (W - 1; None: none), ``sink`` [heads]: gpt-oss sink logits
+    (``attention_ops.attend``). query [t, heads, d], key/value [t, groups, d] -> [t, heads * d]."""
     t, heads, d = query.shape
     out = query.new_empty(t, heads, d)
     bounds = cu_seqlens.tolist()
@@ -83,17 +86,18 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tens
         if hi == lo:
             continue
         q, k, v = (x[lo:hi].transpose(0, 1)[None] for x in (query, key, value))  # [1, h, n, d]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale,
-                                           enable_gqa=heads != k.shape[1])
-        out[lo:hi] = o[0].transpose(0, 1)
+        allowed = None if left is None else causal_window(hi - lo, hi - lo, left, query.device)
+        out[lo:hi] = attend(q, k, v, allowed, scale, dropout, sink)[0].transpose(0, 1)
     return out.reshape(t, heads * d)
 
 
 def packed_attention_cp(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, scale: float,
-                        dropout: float, gather) -> Tensor:
+                        dropout: float, gather, left: Optional[int] = None,
+                        sink: Optional[Tensor] = None) -> Tensor:
     """``packed_attention`` under context parallelism: this rank holds two chunks of every
     sequence (``cp_stream_columns``); ``gather`` all-gathers K/V over the CP group (rank order,
-    differentiable). query [t/cp, heads, d], key/value [t/cp, groups, d] -> [t/cp, heads * d]."""
+    differentiable); the window by in-sequence position. query [t/cp, heads, d], key/value
+    [t/cp, groups, d] -> [t/cp, heads * d]."""
     rank, size = cp_rank_size()
     t, heads, d = query.shape
     keys, values = (gather(x).reshape(size, t, *x.shape[1:]) for x in (key, value))
@@ -104,10 +108,8 @@ def packed_attention_cp(query: Tensor, key: Tensor, value: Tensor, cu_seqlens: T
             continue
         c, a = (hi - lo) // (2 * size), lo // size  # chunk length; the sequence's local offset
         pos = [cp_columns(2 * size * c, r, size, query.device) for r in range(size)]  # in-sequence positions
-        allowed = torch.cat(pos)[None, :] <= pos[rank][:, None]
+        allowed = allowed_pairs(pos[rank], torch.cat(pos), left)
         q = query[a : a + 2 * c].transpose(0, 1)[None]
         k, v = (x[:, a : a + 2 * c].reshape(size * 2 * c, *x.shape[2:]).transpose(0, 1)[None] for x in (keys, values))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale,
-                                           enable_gqa=heads != k.shape[1])
-        out[a : a + 2 * c] = o[0].transpose(0, 1)
+        out[a : a + 2 * c] = attend(q, k, v, allowed, scale, dropout, sink)[0].transpose(0, 1)
     return out.reshape(t, heads * d)

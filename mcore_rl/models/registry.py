@@ -9,6 +9,7 @@ from mcore_rl.mapping.tables import (
     MappingTable,
 )
 from mcore_rl.models.moe import MoEFields
+from mcore_rl.models.windows import WindowRule
 from mcore_rl.errors import McoreRLError
 
 
@@ -29,8 +30,11 @@ class ArchSpec:
     # where the config switches them per checkpoint (GLM-4.5: attention_bias, use_qk_norm)
     qkv_bias_field: str | None = None
     qk_norm_field: str | None = None
-    # mistral applies `sliding_window` unless it is null; qwen only with use_sliding_window=True
-    sliding_window_default: bool = False
+    # which layers HF applies `sliding_window` to (models/windows.py WINDOW_RULES); None: the
+    # architecture has no window (an active one is refused)
+    window_rule: WindowRule | None = None
+    # gpt-oss: a learnable sink logit per attention head (megatron softmax_type="learnable")
+    attention_sinks: bool = False
     moe: MoEFields | None = None  # None: dense
     attention: Literal["gqa", "mla"] = "gqa"  # mla: DeepSeek's multi-latent attention
     mtp_layers_field: str | None = None  # config field counting multi-token-prediction layers
@@ -70,10 +74,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "MistralForCausalLM",
             "MistralForTokenClassification",
             LLAMA,
-            sliding_window_default=True,
+            window_rule="all",
         ),
-        ArchSpec("qwen2", "Qwen2ForCausalLM", "Qwen2ForTokenClassification", QWEN2, qkv_bias=True),
-        ArchSpec("qwen3", "Qwen3ForCausalLM", "Qwen3ForTokenClassification", QWEN3, qk_norm=True),
+        ArchSpec("qwen2", "Qwen2ForCausalLM", "Qwen2ForTokenClassification", QWEN2, qkv_bias=True,
+                 window_rule="use_sliding_window"),
+        ArchSpec("qwen3", "Qwen3ForCausalLM", "Qwen3ForTokenClassification", QWEN3, qk_norm=True,
+                 window_rule="use_sliding_window"),
         ArchSpec(
             "qwen2_moe",
             "Qwen2MoeForCausalLM",
@@ -88,6 +94,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "Qwen3MoeForTokenClassification",
             QWEN3_MOE,
             qk_norm=True,
+            window_rule="use_sliding_window_all",
             moe=MoEFields(),
         ),
         ArchSpec(
@@ -95,7 +102,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
             "MixtralForCausalLM",
             "MixtralForTokenClassification",
             MIXTRAL,
-            sliding_window_default=True,
+            window_rule="all",
             moe=MoEFields(
                 ffn_hidden_size="intermediate_size",
                 norm_topk_prob=None,
