@@ -115,11 +115,12 @@ def run_all(hf_dirs: dict, layouts: dict, batches: list[dict]) -> dict:
 
 
 def save_models(base) -> dict:
-    """A 2-layer llama, a qwen3_moe, a 4-layer llama and a 2-layer deepseek_v3 (causal LM +
-    token-classification critic each): {"dense" | "moe" | "deep" | "mla": dir}."""
+    """A 2-layer llama, a qwen3_moe, a 4-layer llama, a 2-layer deepseek_v3 and a 2-layer gpt_oss
+    (a windowed and a full layer) (causal LM + token-classification critic each): {"dense" |
+    "moe" | "deep" | "mla" | "oss": dir}."""
     dirs = {}
     for name, model_type, layers in (("dense", "llama", 2), ("moe", "qwen3_moe", 2), ("deep", "llama", 4),
-                                     ("mla", "deepseek_v3", 2)):
+                                     ("mla", "deepseek_v3", 2), ("oss", "gpt_oss", 2)):
         path = base / name
         tiny_hf_model(tiny_config(model_type, num_hidden_layers=layers)).save_pretrained(path)
         tiny_hf_model(tiny_config(model_type, num_hidden_layers=layers), role="critic").save_pretrained(f"{path}_critic")

@@ -28,8 +28,12 @@ VARIANTS = {  # name -> (model_type, overrides, role)
     "deepseek_v3_rope_halves": ("deepseek_v3", dict(rope_interleave=False, q_lora_rank=None), "actor"),
     "llama_critic": ("llama", {}, "critic"),  # role from *ForTokenClassification
     "qwen2_bf16": ("qwen2", {}, "actor"),  # converted with --dtype bf16
+    # fused transposed experts with gate/up interleaved, biases, sinks (tensor-parallel split)
+    "gpt_oss": ("gpt_oss", {}, "actor"),
+    "gpt_oss_critic": ("gpt_oss", {}, "critic"),
 }
-MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3_rope_halves")
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v3_rope_halves", "gpt_oss",
+       "gpt_oss_critic")
 
 
 def _convert_all(jobs: list[tuple[str, str]], split: dict | None = None) -> dict:

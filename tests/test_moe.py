@@ -22,6 +22,8 @@ PARITY = {  # name -> (model_type, overrides)
     "qwen3_moe_no_norm_topk": ("qwen3_moe", dict(norm_topk_prob=False)),
     "mixtral": ("mixtral", {}),
     "mixtral_tied": ("mixtral", dict(tie_word_embeddings=True)),
+    # sinks, windows shorter than the batch, YaRN, clamped SwiGLU, biases everywhere (tests/tiny.py)
+    "gpt_oss": ("gpt_oss", {}),
 }
 LAYOUTS = {  # name -> (world size, layout, MoE options)
     "ep2_allgather": (2, dict(ep=2), dict(dispatcher="allgather")),

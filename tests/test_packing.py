@@ -1,7 +1,9 @@
 """Packed (padding-free) micro-batches equal padded ones: log-probs, entropy, values and one
 actor and critic update (metrics, parameters) within 1e-5, for fixed and dynamic grouping, at
 TP=2 + SP, PP=2 and EP=2 (MoE), on rows with left and right padding; attention never crosses a
-sequence boundary in the stream; the micro-batcher's packed plan."""
+sequence boundary in the stream; the micro-batcher's packed plan. gpt-oss (sinks, a window of 5
+tokens on its first layer, shorter than most sequences) packed at TP=2 + SP, PP=2 and TP=2 x EP=2
+equals padded, and every gpt-oss layout's log-probs and values equal transformers'."""
 from __future__ import annotations
 
 import pytest
@@ -22,20 +24,55 @@ LAYOUTS = {  # name -> (layout, batching); world 4; padded references end with "
     "moe_ref": ({}, None),
     "moe_packed_ep2": (dict(ep=2), PACKED),
     "moe_packed_cp2_ep2": (dict(cp=2, ep=2), PACKED),
+    "oss_ref": ({}, None),
+    "oss_packed_tp2_sp": (dict(tp=2, sequence_parallel=True, etp=1), PACKED),
+    "oss_packed_pp2": (dict(pp=2), dict(PACKED, max_tokens_per_micro_batch=48)),
+    "oss_packed_tp2_ep2": (dict(tp=2, ep=2, sequence_parallel=True, etp=1), PACKED),
 }
+TOL_HF = 1e-4  # against transformers (fp32, eager attention)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     dirs = save_models(tmp_path_factory.mktemp("packing"))
     batches = [make_batch(200, 9, 6), make_batch(200, 2, 1)]
-    return run_ranks(4, run_all, dirs, LAYOUTS, batches), batches
+    return run_ranks(4, run_all, dirs, LAYOUTS, batches), batches, dirs
 
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if not n.endswith("ref")])
 def test_packed_equals_padded(results, name):
-    ranks, batches = results
-    check_equal(ranks[0], name, "moe_ref" if name.startswith("moe") else "ref", batches)
+    ranks, batches, _ = results
+    model = name.split("_")[0]
+    check_equal(ranks[0], name, f"{model}_ref" if f"{model}_ref" in LAYOUTS else "ref", batches)
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n.startswith("oss")])
+def test_gpt_oss_matches_transformers(results, name):
+    """Logits of a padded batch as per-token log-probs, the log-probs of both update batches
+    (prompts and responses longer than the window) and the critic's values against
+    GptOssForCausalLM / GptOssForTokenClassification."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from tests.tiny import hf_log_probs, padded_batch
+
+    ranks, batches, dirs = results
+    got = ranks[0][name]
+    actor = AutoModelForCausalLM.from_pretrained(dirs["oss"], attn_implementation="eager").eval()
+    critic = AutoModelForTokenClassification.from_pretrained(dirs["oss"] + "_critic", attn_implementation="eager").eval()
+    batch = padded_batch(200, batch=4, seq=16)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        want = torch.log_softmax(actor(**batch).logits.double(), -1)
+    diff = (torch.log_softmax(got["logits"].double(), -1) - want)[real].abs().max().item()
+    assert diff <= TOL_HF, f"{name}: per-token log-probs differ from transformers by {diff:.3g}"
+    for b, scores in zip(batches, got["scores"]):
+        r = b["responses"].shape[1]
+        mask = b["attention_mask"][:, -r:].bool()
+        lp, _ = hf_log_probs(actor, b)
+        with torch.no_grad():
+            values = critic(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, -r - 1:-1, 0]
+        assert (scores["log_probs"] - lp)[mask].abs().max() <= TOL_HF and lp[mask].abs().max() > 0.1, name
+        assert (scores["values"] - values)[mask].abs().max() <= TOL_HF and values[mask].abs().max() > 0.1, name
 
 
 def _boundary(hf_dir: str) -> dict:
@@ -57,7 +94,7 @@ def _boundary(hf_dir: str) -> dict:
 
 
 def test_packed_at_cp2_equals_packed_at_cp1(results):
-    ranks, batches = results
+    ranks, batches, _ = results
     check_equal(ranks[0], "packed_cp2", "packed", batches)
 
 

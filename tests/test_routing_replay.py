@@ -137,7 +137,8 @@ def _hf_ppo_kl(weights_dir: str, hf_dir: str, batch: dict, old: torch.Tensor, ro
         k = routes.shape[-1]
         flat = routes.reshape(-1, routes.shape[2], k)
         flat = torch.where(flat < 0, torch.arange(k).expand_as(flat), flat)
-        gates = [layer.mlp.gate for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
+        gates = [getattr(layer.mlp, "gate", None) or layer.mlp.router for layer in hf.model.layers
+                 if hasattr(layer.mlp, "gate") or hasattr(layer.mlp, "router")]
         for ordinal, gate in enumerate(gates):
             gate.forward = _forced(gate, flat[:, ordinal])
     lp, _ = hf_log_probs(hf, batch)
@@ -147,10 +148,15 @@ def _hf_ppo_kl(weights_dir: str, hf_dir: str, batch: dict, old: torch.Tensor, ro
 
 def _forced(gate, indices: torch.Tensor):
     """``gate``'s forward with its top-k forced to ``indices``: DeepSeek's sigmoid router (scores
-    renormalised, scaled), or a softmax router (Qwen3-Next: probabilities over all experts,
-    renormalised over the chosen ones when norm_topk_prob)."""
+    renormalised, scaled), gpt-oss' router (a bias; softmax over the chosen logits), or a softmax
+    router (Qwen3-Next: probabilities over all experts, renormalised over the chosen ones when
+    norm_topk_prob)."""
     def forward(hidden):
-        logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim).float(), gate.weight.float())
+        bias = getattr(gate, "bias", None)
+        logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim).float(), gate.weight.float(),
+                                            None if bias is None else bias.float())
+        if bias is not None:  # gpt-oss: top-k of the logits, then a softmax over those k
+            return logits, logits.gather(1, indices).softmax(-1).to(hidden.dtype), indices
         if hasattr(gate, "routed_scaling_factor"):
             weights = logits.sigmoid().gather(1, indices)
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
@@ -259,6 +265,26 @@ def test_softmax_routers_replay_too(model_type, tmp_path):
         real = _batch()["attention_mask"].bool()
         assert (r["routes"][real] >= 0).all() and (r["routes"][~real] == -1).all()
         assert r["replayed"] > 0 and r["mismatch"] == 0 and r["ref_same"] and r["global_list"] == 0
+
+
+def test_gpt_oss_router_replays_at_ep2(tmp_path):
+    """gpt-oss' router (a bias, a softmax over the top-k logits) at EP=2: valid routes, exactly the
+    recorded experts after the routers moved, and the update's ppo_kl equals transformers' with
+    every router forced to the recorded experts (not what fresh routing would give)."""
+    d = tmp_path / "hf"
+    tiny_hf_model(tiny_config("gpt_oss", num_hidden_layers=2)).save_pretrained(d)
+    weights = str(tmp_path / "w")
+    results = run_ranks(2, _run, str(d), dict(ep=2), {}, "R2", weights)
+    ref, real = results[0], _batch()["attention_mask"].bool()
+    assert ref["routes"].shape == (ROWS, PROMPT + RESPONSE, 2, 2)
+    assert (ref["routes"][real] >= 0).all() and (ref["routes"][~real] == -1).all()
+    forced = _hf_ppo_kl(weights, str(d), _batch(), ref["log_probs"], ref["routes"])
+    fresh = _hf_ppo_kl(weights, str(d), _batch(), ref["log_probs"], None)
+    assert abs(forced - fresh) > 1e-3, (forced, fresh)
+    for rank, r in enumerate(results):
+        assert torch.equal(r["routes"], ref["routes"]) and _replays_recording(r)
+        assert r["replayed"] > 0 and r["mismatch"] == 0 and r["ref_same"] and r["global_list"] == 0, r
+        assert abs(r["metrics"]["actor/ppo_kl"] - forced) <= 1e-5, (rank, r["metrics"]["actor/ppo_kl"], forced)
 
 
 def test_hybrid_moe_replays_at_world_1_and_ep2(tmp_path):

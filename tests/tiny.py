@@ -35,6 +35,13 @@ MOE = {  # 4 experts, top-2; expert ffn != dense ffn so a mix-up shows as a shap
                         routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=32,
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                         num_key_value_heads=4, num_nextn_predict_layers=0),
+    # gpt-oss: 4 experts top-2 (expert ffn is intermediate_size), sliding (even) and full layers
+    # with a window of 5 tokens (shorter than the test sequences), YaRN with truncate=false and an
+    # original context inside the sequences, a low SwiGLU limit so that both clamps fire
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16,
+                    sliding_window=5, swiglu_limit=1.0,
+                    rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=8.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=16, rope_theta=10000.0)),
 }
 # hybrids: Gated DeltaNet sizes (HF's defaults are full-size); MoE hybrids also their experts
 _GDN = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,

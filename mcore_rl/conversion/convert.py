@@ -41,8 +41,8 @@ from mcore_rl.mapping.casts import NonFiniteWarning, cast_checked, describe_nonf
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.weights import MappingError, WeightMap, _tp_rank_size, canonical_params, check_hf_keys
 from mcore_rl.models.builder import BuildOptions, Role, build_model
-from mcore_rl.models.hf_config import model_args_from_hf
-from mcore_rl.models.hf_layout import carried_names, has_fused_experts, hf_view, write_carried
+from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
+from mcore_rl.models.hf_layout import carried_names, expert_layout, has_fused_experts, hf_view, write_carried
 from mcore_rl.models.mtp import record_mtp_count
 from mcore_rl.models.hf_weights import critic_head_source, weight_map
 from mcore_rl.parallel import ParallelLayout, destroy_parallel_state, initialize_parallel_state
@@ -293,12 +293,13 @@ def _state_dtype(config_path: str, dtype: str) -> None:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
-def _hf_side_files(hf_dir: str, out: str, dtype: str, reader: SafetensorsReader, carried: frozenset[str]) -> None:
+def _hf_side_files(hf_dir: str, out: str, dtype: str, reader: SafetensorsReader, carried: frozenset[str],
+                   args: ModelArgs) -> None:
     """``out`` (the output's ``huggingface/``): the input's config (stating ``dtype``), tokenizer and
     generation files, and what merge writes back beside the mapped tensors: a wrapper's carried
     tensors as stored and the experts' layout (``models.hf_layout``)."""
     copy_hf_files(hf_dir, out)
-    fused = has_fused_experts(reader)
+    fused = args.moe is not None and has_fused_experts(reader, expert_layout(args))
     if carried or fused:
         write_carried(out, reader, sorted(carried), fused)
     _state_dtype(os.path.join(out, "config.json"), dtype)
@@ -347,7 +348,7 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
             warnings.warn(describe_nonfinite(resolver.nonfinite, opts.hf_model_path), NonFiniteWarning, stacklevel=2)
         check_coverage(resolver, chunks, source, carried)
         if rank0:
-            _hf_side_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"), dtype, reader, carried)
+            _hf_side_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"), dtype, reader, carried, args)
             if role == "actor":  # the MTP layers written (a critic has none)
                 record_mtp_count(os.path.join(stage.path, "huggingface", "config.json"), args, args.mtp_built)
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)

@@ -14,16 +14,17 @@ from mcore_rl.conversion.merge_io import MergeError, ModelDir
 from mcore_rl.fileio.safetensors_write import TensorSpec, dtype_of_name
 from mcore_rl.mapping.casts import cast_checked, wider_dtypes
 from mcore_rl.mapping.hf_io import read_header
-from mcore_rl.models.hf_layout import CARRIED_FILE, EXPERTS_KEY, carried_tensors, fuse_stream, read_carried, stack_experts
+from mcore_rl.models.hf_layout import (
+    CARRIED_FILE, EXPERTS_KEY, always_fused, carried_tensors, expert_layout, fuse_stream, read_carried,
+)
 
 Tensor = torch.Tensor
 
 
-def _stack_spec(kind: str, parts: list[TensorSpec]) -> TensorSpec:
-    """The spec of ``stack_experts(kind, parts)`` (name set by the caller)."""
-    rows, cols = parts[0].shape
-    shape = (len(parts), rows, cols) if kind == "down_proj" else (len(parts) // 2, 2 * rows, cols)
-    return TensorSpec("", shape, parts[0].dtype)
+def _stack_spec(layout, kind: str, parts: list[TensorSpec]) -> TensorSpec:
+    """The spec of ``layout.stack(kind, parts)`` (name set by the caller): stacked on meta tensors."""
+    fused = layout.stack(kind, [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts])
+    return TensorSpec("", tuple(fused.shape), parts[0].dtype)
 
 
 class SourceLayout:
@@ -32,7 +33,7 @@ class SourceLayout:
     def __init__(self, model: ModelDir) -> None:
         self.model = model
         names, meta = read_carried(model.hf_dir)
-        self.fused = meta.get(EXPERTS_KEY) == "fused"
+        self.fused = meta.get(EXPERTS_KEY) == "fused" or always_fused(model.args)
         wrapper = model.args.wrapper
         if wrapper is not None and not names:
             raise MergeError(
@@ -47,15 +48,17 @@ class SourceLayout:
     def specs(self, specs: list[TensorSpec]) -> list[TensorSpec]:
         """The merged model's tensor specs in write order."""
         if self.fused:
-            specs = [TensorSpec(name, s.shape, s.dtype) for name, s in
-                     fuse_stream(((s.name, s) for s in specs), self._experts(), _stack_spec)]
+            layout = expert_layout(self.model.args)
+            specs = [TensorSpec(name, s.shape, s.dtype) for name, s in fuse_stream(
+                ((s.name, s) for s in specs), self._experts(), lambda k, p: _stack_spec(layout, k, p), layout)]
         return specs + self.carried
 
     def tensors(self, tensors: Iterator[tuple[str, Tensor]], dtype: torch.dtype | None) -> Iterator[tuple[str, Tensor]]:
         """``tensors`` (the units' HF tensors) fused as ``specs`` says, then the carried ones
         (cast to ``dtype`` when given)."""
         if self.fused:
-            tensors = fuse_stream(tensors, self._experts(), stack_experts)
+            layout = expert_layout(self.model.args)
+            tensors = fuse_stream(tensors, self._experts(), layout.stack, layout)
         if not self.carried:
             return tensors
         carried = carried_tensors(self.model.hf_dir)

@@ -17,6 +17,7 @@ from mcore_rl.mapping.mtp_names import DEFAULT_PREFIX
 from mcore_rl.mapping.transforms import (
     COLUMN,
     EXPERT_GATE_UP,
+    EXPERT_REPLICATED,
     EXPERT_ROW,
     GATE_UP,
     GATED_QKV,
@@ -293,3 +294,25 @@ QWEN3_5_MOE = MappingTable(
     **_QWEN_MTP_KW,
     **_HEADS,
 )
+
+# gpt-oss: biases on q/k/v and o_proj, a learnable sink logit per head (megatron's
+# softmax_offset, split over TP with the heads), a router with a bias, experts with biases. Its
+# checkpoints store experts fused (models/expert_layouts.py ``gpt_oss``); these per-expert names
+# are the view hf_layout.FusedExperts gives of them, and exports fuse them back.
+_X = f"{_L}.mlp.experts.{{expert}}"
+_GPT_OSS_ATTENTION: dict[str, Row] = {
+    **_ATTENTION,
+    **_QKV_BIAS,
+    f"{_D}.self_attention.linear_proj.bias": ((f"{_L}.self_attn.o_proj.bias",), REPLICATED),
+    f"{_D}.self_attention.core_attention.softmax_offset": ((f"{_L}.self_attn.sinks",), COLUMN),
+}
+_GPT_OSS_MOE: dict[str, Row] = {
+    f"{_D}.pre_mlp_layernorm.weight": ((f"{_L}.post_attention_layernorm.weight",), REPLICATED),
+    f"{_D}.mlp.router.weight": ((f"{_L}.mlp.router.weight",), REPLICATED),
+    f"{_D}.mlp.router.bias": ((f"{_L}.mlp.router.bias",), REPLICATED),
+    f"{_E}.linear_fc1.weight": ((f"{_X}.gate_proj.weight", f"{_X}.up_proj.weight"), EXPERT_GATE_UP),
+    f"{_E}.linear_fc1.bias": ((f"{_X}.gate_proj.bias", f"{_X}.up_proj.bias"), EXPERT_GATE_UP),
+    f"{_E}.linear_fc2.weight": ((f"{_X}.down_proj.weight",), EXPERT_ROW),
+    f"{_E}.linear_fc2.bias": ((f"{_X}.down_proj.bias",), EXPERT_REPLICATED),
+}
+GPT_OSS = MappingTable(_GLOBALS, _GPT_OSS_ATTENTION, moe_mlp=_GPT_OSS_MOE, **_HEADS)

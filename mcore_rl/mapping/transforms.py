@@ -227,6 +227,7 @@ GATED_QKV = _GatedQkv("gated_qkv", split_dim=0)
 GATE_UP = _GateUp("gate_up", split_dim=0)
 EXPERT_GATE_UP = _GateUp("expert_gate_up", split_dim=0, expert=True)
 EXPERT_ROW = Transform("expert_row", split_dim=1, expert=True)
+EXPERT_REPLICATED = Transform("expert_replicated", expert=True)  # a routed expert's fc2 bias
 MLA_QUERY = _MlaRopeRows("mla_query", split_dim=0, per_head=True)
 MLA_KV_DOWN = _MlaRopeRows("mla_kv_down", split_dim=None, per_head=False)
 

@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_geglu import quick_gelu  # the one megatron's config and MLP compare with
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -23,10 +24,14 @@ from mcore_rl.models.moe import MoEOptions, moe_config_kwargs
 from mcore_rl.models.mtp import finish_mtp_model, mtp_spec_of
 from mcore_rl.models.mtp_model import MtpGPTModel
 from mcore_rl.models.padding_idx import PadEmbeddingGrad, hold_pad_row
-from mcore_rl.models.rope import inv_freq
+from mcore_rl.models.rope import inv_freq, yarn_config_attributes
 from mcore_rl.models.specs import block_spec
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 from mcore_rl.platform import Platform
+
+
+# megatron activation functions by the names GluArgs uses
+ACTIVATIONS = {"silu": F.silu, "quick_gelu": quick_gelu}
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,11 @@ def _check_moe_divisibility(args: ModelArgs, layout: ParallelLayout) -> None:
             f"etp({etp}) does not divide the expert ffn size ({moe.ffn_hidden_size}); choose "
             "another etp."
         )
+    if args.linear_bias and etp > 1:
+        raise LayoutError(
+            f"etp({etp}) > 1 with {args.arch.model_type}'s expert biases: megatron-core's experts with biases "
+            "need expert-tensor-parallel size 1; set etp=1 (each expert whole on its rank; "
+            f"tp({layout.tp}) still splits attention, ep splits the experts).")
     if moe.shared_expert_ffn and moe.shared_expert_ffn % layout.tp != 0:
         raise LayoutError(
             f"tp({layout.tp}) does not divide shared_expert_intermediate_size"
@@ -156,7 +166,7 @@ def transformer_config(
         config_class = MLATransformerConfig
         mla = mla_config_kwargs(args.mla, args.rope, args.max_position_embeddings)
     hybrid = hybrid_config_kwargs(args.hybrid) if args.hybrid else {}
-    return config_class(
+    config = config_class(
         **window_config_kwargs(args),
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -167,8 +177,10 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=args.norm_eps,
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        activation_func=ACTIVATIONS[args.glu.activation],
+        glu_linear_offset=args.glu.linear_offset,
+        activation_func_clamp_value=args.glu.clamp,
+        add_bias_linear=args.linear_bias,
         add_qkv_bias=args.qkv_bias,
         qk_layernorm=args.qk_norm,
         hidden_dropout=options.hidden_dropout,
@@ -197,6 +209,7 @@ def transformer_config(
         # a meta model has no values to set; megatron's init on meta tensors would only import
         # torch's compiler (torch._refs' normal_ goes through dynamo's disable wrapper)
         perform_initialization=not options.meta_device,
+        # also required for correctness: megatron's fused GLU clamps before it adds the fc1 bias
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -209,6 +222,12 @@ def transformer_config(
         **mla,
         **hybrid,
     )
+    if args.mla is None and args.rope.rope_type == "yarn":
+        # megatron's attention scales cos/sin by the factor these attributes give (the
+        # frequencies are ours: _build_chunk sets inv_freq)
+        for name, value in yarn_config_attributes(args.rope).items():
+            setattr(config, name, value)
+    return config
 
 
 def window_config_kwargs(args: ModelArgs) -> dict:

@@ -16,14 +16,24 @@ from mcore_rl.models.hybrid import HybridArgs, hybrid_args_from_hf
 from mcore_rl.models.mla import MLAArgs, mla_args_from_hf, mla_rope_kwargs
 from mcore_rl.models.moe import MoEArgs, moe_args_from_hf
 from mcore_rl.models.mtp import check_buildable, resolve_mtp_layers
-from mcore_rl.models.registry import WRAPPERS, ArchSpec, WrapperSpec, lookup_arch
-from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf
+from mcore_rl.models.registry import WRAPPERS, ArchSpec, GluFields, WrapperSpec, lookup_arch
+from mcore_rl.models.rope import MLA_ROPE_TYPES, RopeSpec, rope_spec_from_hf, yarn_config_attributes
 from mcore_rl.models.windows import WindowConfigError, window_from_hf
 from mcore_rl.errors import McoreRLError
 
 
 class ConfigError(McoreRLError, ValueError):
     """A HF config mcore_rl cannot build a model from; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class GluArgs:
+    """The gated MLP's activation (registry ``GluFields`` read from a config):
+    ``activation(min(gate, clamp)) * (clamp(up, -clamp, clamp) + linear_offset)``."""
+
+    activation: str = "silu"
+    linear_offset: float = 0.0
+    clamp: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,9 @@ class ModelArgs:
     # a vision-language wrapper (Qwen3_5ForConditionalGeneration): the text model is under its
     # prefix, its vision tower is carried through (actor only); None: a text checkpoint
     wrapper: WrapperSpec | None = None
+    # every linear has a bias (megatron's add_bias_linear: q/k/v, o_proj, router, experts)
+    linear_bias: bool = False
+    glu: GluArgs = GluArgs()
     # sliding-window attention (models/windows.py): W tokens a query sees, itself included, on the
     # layers marked True; None: no window anywhere
     window: int | None = None
@@ -284,7 +297,7 @@ def _check_unsupported(cfg: Any, arch: ArchSpec) -> None:
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act={act!r} is not supported; {arch.model_type} needs 'silu'.")
-    bias_read = arch.qkv_bias_field == "attention_bias" or arch.attention == "mla"  # MLA: its own error
+    bias_read = arch.qkv_bias_field == "attention_bias" or arch.attention == "mla" or arch.linear_bias  # MLA: its own error
     if getattr(cfg, "attention_bias", False) and not arch.qkv_bias and not bias_read:
         raise ConfigError(
             f"attention_bias=True ({arch.model_type}) puts a bias on o_proj, which megatron-core's "
@@ -312,7 +325,9 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         mla_rope_kwargs(rope, max_pos)  # refuses YaRN settings megatron cannot express, now
         head_dim = mla.qk_head_dim
     else:
-        rope = rope_spec_from_hf(cfg, head_dim)
+        rope = rope_spec_from_hf(cfg, head_dim, arch.rope_types)
+        if rope.rope_type == "yarn":
+            yarn_config_attributes(rope)  # refuses an attention factor megatron cannot apply, now
     vocab = _require(cfg, "vocab_size")
     try:
         window, window_layers = window_from_hf(cfg, arch.window_rule, num_layers, max_seq_len)
@@ -345,10 +360,47 @@ def model_args_from_hf(source: Any, max_seq_len: int | None = None) -> ModelArgs
         pad_token_id=(_pad_row(getattr(cfg, arch.pad_row_field, None), vocab, arch.pad_row_field)
                       if arch.pad_row_field else None),
         wrapper=wrapper,
+        linear_bias=_linear_bias(cfg, arch),
+        glu=_glu_args(cfg, arch.glu),
         window=window,
         window_layers=window_layers,
         attention_sinks=arch.attention_sinks,
     )
+
+
+def _linear_bias(cfg: Any, arch: ArchSpec) -> bool:
+    """An architecture with a bias on every linear; its config flag must agree (megatron's one
+    ``add_bias_linear`` cannot drop the attention biases and keep the experts' and router's)."""
+    if not arch.linear_bias:
+        return False
+    flag = getattr(cfg, arch.linear_bias_field, True) if arch.linear_bias_field else True
+    if flag is not True:
+        raise ConfigError(
+            f"{arch.model_type}: {arch.linear_bias_field}={flag!r} is not supported: megatron-core has one switch "
+            "(add_bias_linear) for the attention, router and expert biases, and this architecture's experts and "
+            f"router always have biases; use a checkpoint with {arch.linear_bias_field}=true.")
+    return True
+
+
+# megatron's quick_gelu is x * sigmoid(1.702 * x), the constant written into its code
+QUICK_GELU_ALPHA = 1.702
+
+
+def _glu_args(cfg: Any, fields: GluFields) -> GluArgs:
+    """The gated MLP's activation of ``cfg``; a sigmoid gain megatron cannot apply is refused."""
+    if fields.alpha_field is not None:
+        alpha = getattr(cfg, fields.alpha_field, QUICK_GELU_ALPHA)
+        if alpha != QUICK_GELU_ALPHA:
+            raise ConfigError(
+                f"{cfg.model_type}: {fields.alpha_field}={alpha!r} is not supported: megatron-core's quick_gelu "
+                f"hard-codes the sigmoid gain {QUICK_GELU_ALPHA}; use a checkpoint with {fields.alpha_field}="
+                f"{QUICK_GELU_ALPHA}.")
+    clamp = getattr(cfg, fields.clamp_field, None) if fields.clamp_field else None
+    if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float))
+                              or not math.isfinite(clamp) or clamp <= 0):
+        raise ConfigError(f"{cfg.model_type}: {fields.clamp_field}={clamp!r} must be a finite number > 0 (or null); "
+                          "fix the value in config.json.")
+    return GluArgs(fields.activation, fields.linear_offset, None if clamp is None else float(clamp))
 
 
 def _dense_ffn(cfg: Any, moe: MoEArgs | None) -> int:

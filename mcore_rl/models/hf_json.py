@@ -104,6 +104,17 @@ CLASS_DEFAULTS: dict[str, ClassDefaults] = {
         **_HYBRID, "num_key_value_heads": 2, "hidden_size": 2048, "num_attention_heads": 16,
         "num_hidden_layers": 40, "vocab_size": 248320, "num_experts": 256, "moe_intermediate_size": 512,
         "num_experts_per_tok": 8, "shared_expert_intermediate_size": 512}),
+    # gpt-oss: its class's default rope_parameters is YaRN, not derived from rope_theta (a legacy
+    # rope_scaling in the file replaces it: JsonHFConfig); layer_types is derived (alternating)
+    "gpt_oss": ClassDefaults({
+        **_DENSE, "attention_bias": True, "head_dim": 64, "num_key_value_heads": 8, "hidden_size": 2880,
+        "num_attention_heads": 64, "max_position_embeddings": 131072, "num_hidden_layers": 36,
+        "vocab_size": 201088, "intermediate_size": 2880, "rms_norm_eps": 1e-05, "num_local_experts": 128,
+        "num_experts_per_tok": 4, "sliding_window": 128, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        "rope_theta": 150000.0,
+        "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0}},
+        {"num_experts": "num_local_experts"}),
 }
 
 
@@ -113,6 +124,8 @@ class JsonHFConfig:
 
     def __init__(self, raw: Mapping[str, Any], defaults: ClassDefaults) -> None:
         values = dict(defaults.values)
+        if "rope_scaling" in raw and "rope_parameters" not in raw:  # the file's legacy spelling wins
+            values.pop("rope_parameters", None)
         for key, value in raw.items():
             values[defaults.aliases.get(key, key)] = value
         self._values, self._aliases = values, dict(defaults.aliases)

@@ -12,6 +12,8 @@
   per-expert tensors over experts and concatenates gate and up). ``FusedExperts`` shows a source
   with fused experts as per-expert tensors (shapes checked first); the carried file's metadata
   records the layout, and ``fuse_stream`` turns the merge's per-expert output back into it.
+  gpt-oss stores its experts only fused (transposed, gate/up interleaved, with biases:
+  ``models.expert_layouts``): its merges and exports always fuse them.
 
 No megatron import (the merge runs without it).
 """
@@ -25,13 +27,13 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 from mcore_rl.errors import McoreRLError
+from mcore_rl.models.expert_layouts import LAYOUTS, ExpertLayout
 from mcore_rl.models.registry import WrapperSpec
 
 Tensor = torch.Tensor
 CARRIED_FILE = "mcore_rl_carried.safetensors"  # in a model directory's huggingface/ (fileio.files.HF_FILES)
 EXPERTS_KEY = "experts"  # the carried file's metadata: "fused" or "per_expert"
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(.+)$")
 
 
 class HFLayoutError(McoreRLError, ValueError):
@@ -62,30 +64,29 @@ def _shape(source: Mapping[str, Tensor], key: str) -> tuple[int, ...]:
 
 class FusedExperts(Mapping[str, Tensor]):
     """``source`` with each fused expert tensor shown as its per-expert tensors (names as
-    transformers' per-expert checkpoints; each read slices one expert). ``num_experts``,
-    ``ffn`` (the expert's intermediate size I) and ``hidden`` (H) check the fused shapes."""
+    transformers' per-expert checkpoints; each read slices one expert). ``layout``: how the
+    checkpoint fuses them (``models.expert_layouts``); ``num_experts``, ``ffn`` (the expert's
+    intermediate size I) and ``hidden`` (H) check the fused shapes."""
 
-    def __init__(self, source: Mapping[str, Tensor], num_experts: int, ffn: int, hidden: int, where: str) -> None:
-        self.source, self.ffn = source, ffn
-        self.fused: dict[str, tuple[str, int, str]] = {}  # per-expert name -> (fused name, expert, part)
-        hidden_keys = set()
+    def __init__(self, source: Mapping[str, Tensor], num_experts: int, ffn: int, hidden: int, where: str,
+                 layout: ExpertLayout = LAYOUTS["qwen"]) -> None:
+        self.source, self.ffn, self.layout = source, ffn, layout
+        self.fused: dict[str, tuple[str, int, str, int]] = {}  # per-expert name -> (fused name, expert, kind, part)
+        pattern, hidden_keys = layout.fused_pattern, set()
         for key in source:
-            m = _FUSED.match(key)
+            m = pattern.match(key)
             if m is None:
                 continue
-            gate_up = m[2] == "gate_up_proj"
-            want = (num_experts, 2 * ffn, hidden) if gate_up else (num_experts, hidden, ffn)
-            got = _shape(source, key)
+            kind = layout.kinds[m[2]]
+            want, got = kind.shape(num_experts, ffn, hidden), _shape(source, key)
             if got != want:
                 raise HFLayoutError(
                     f"{where}: fused expert tensor {key!r} has shape {list(got)}; the config (num_experts="
-                    f"{num_experts}, moe_intermediate_size={ffn}, hidden_size={hidden}) needs {list(want)} "
-                    f"({'[experts, 2 x intermediate (gate, up), hidden]' if gate_up else '[experts, hidden, intermediate]'}"
-                    "): the checkpoint does not match its config.json.")
-            parts = ("gate_proj", "up_proj") if gate_up else ("down_proj",)
+                    f"{num_experts}, expert intermediate size={ffn}, hidden_size={hidden}) needs {list(want)} "
+                    f"({kind.what}): the checkpoint does not match its config.json.")
             for e in range(num_experts):
-                for part in parts:
-                    self.fused[f"{m[1]}.{e}.{part}.weight"] = (key, e, part)
+                for i, part in enumerate(kind.parts):
+                    self.fused[f"{m[1]}.{e}.{part}"] = (key, e, m[2], i)
             hidden_keys.add(key)
         twice = sorted(set(self.fused) & set(source))
         if twice:
@@ -95,22 +96,21 @@ class FusedExperts(Mapping[str, Tensor]):
 
     def __getitem__(self, key: str) -> Tensor:
         if key not in self.fused:
-            if _FUSED.match(key):
+            if self.layout.fused_pattern.match(key):
                 raise KeyError(key)
             return self.source[key]
-        name, e, part = self.fused[key]
+        name, e, kind, i = self.fused[key]
         read = getattr(self.source, "read_part", None)
         expert = read(name, e) if read is not None else self.source[name][e]
-        if part == "gate_proj":
-            return expert[: self.ffn]
-        return expert[self.ffn:] if part == "up_proj" else expert
+        return self.layout.kinds[kind].split(expert, self.ffn)[i]
 
     def origin(self, key: str) -> str:
         """The stored tensor ``key`` is read from (a fused one with the expert and part)."""
         if key not in self.fused:
             return key
-        name, e, part = self.fused[key]
-        return f"{name}[{e}]" + {"gate_proj": " (gate rows)", "up_proj": " (up rows)", "down_proj": ""}[part]
+        name, e, kind, i = self.fused[key]
+        labels = self.layout.kinds[kind].labels
+        return f"{name}[{e}]" + (f" ({labels[i]})" if labels else "")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._keys)
@@ -119,15 +119,27 @@ class FusedExperts(Mapping[str, Tensor]):
         return len(self._keys)
 
 
-def has_fused_experts(keys: Iterable[str]) -> bool:
-    return any(_FUSED.match(k) for k in keys)
+def expert_layout(args: Any) -> ExpertLayout:
+    """How ``args``' architecture fuses experts: its registry entry's layout, else Qwen's."""
+    return LAYOUTS[args.arch.fused_experts or "qwen"]
+
+
+def always_fused(args: Any) -> bool:
+    """Whether the architecture's HF checkpoints store experts fused only (gpt-oss): exports fuse."""
+    return args.moe is not None and args.arch.fused_experts is not None
+
+
+def has_fused_experts(keys: Iterable[str], layout: ExpertLayout = LAYOUTS["qwen"]) -> bool:
+    pattern = layout.fused_pattern
+    return any(pattern.match(k) for k in keys)
 
 
 def hf_view(source: Mapping[str, Tensor], args: Any, where: str) -> Mapping[str, Tensor]:
     """``source`` as the mapping table reads it: fused experts of an MoE model shown per expert."""
-    if args.moe is None or not has_fused_experts(source):
+    layout = expert_layout(args) if args.moe is not None else None
+    if layout is None or not has_fused_experts(source, layout):
         return source
-    return FusedExperts(source, args.moe.num_experts, args.moe.ffn_hidden_size, args.hidden_size, where)
+    return FusedExperts(source, args.moe.num_experts, args.moe.ffn_hidden_size, args.hidden_size, where, layout)
 
 
 def read_carried(hf_dir: str) -> tuple[list[str], dict[str, str]]:
@@ -198,29 +210,42 @@ def carried_bucket(source: Any) -> list[tuple[str, Tensor]]:
 
 
 def fuse_stream(items: Iterable[tuple[str, Any]], num_experts: int,
-                combine: Callable[[str, list[Any]], Any]) -> Iterator[tuple[str, Any]]:
+                combine: Callable[[str, list[Any]], Any],
+                layout: ExpertLayout = LAYOUTS["qwen"]) -> Iterator[tuple[str, Any]]:
     """Per-expert (name, item) pairs -> fused ones, in the order the last expert's arrive; other
-    pairs pass as they are. ``combine(kind, parts)``: kind ``gate_up_proj`` gets [gate_0, up_0,
-    gate_1, ...], ``down_proj`` [down_0, ...] (tensors: stacked; specs: the stacked spec)."""
+    pairs pass as they are. ``combine(kind, parts)`` gets a fused kind of ``layout`` and its
+    per-expert items, expert by expert, each expert's in ``FusedKind.parts`` order (tensors:
+    ``layout.stack``; specs: the stacked spec)."""
     pending: dict[tuple[str, str], dict[tuple[int, str], Any]] = {}
     for name, item in items:
         m = _PER_EXPERT.match(name)
-        if m is None:
+        kind = layout.kind_of_part(m[3]) if m is not None else None
+        if kind is None:
             yield name, item
             continue
-        kind = "down_proj" if m[3] == "down_proj" else "gate_up_proj"
+        parts = layout.kinds[kind].parts
         group = pending.setdefault((m[1], kind), {})
         group[(int(m[2]), m[3])] = item
-        if len(group) == num_experts * (1 if kind == "down_proj" else 2):
-            parts = ("down_proj",) if kind == "down_proj" else ("gate_proj", "up_proj")
+        if len(group) == num_experts * len(parts):
             yield f"{m[1]}.{kind}", combine(kind, [group[(e, p)] for e in range(num_experts) for p in parts])
             del pending[(m[1], kind)]
     if pending:
         raise HFLayoutError(f"experts missing to fuse {sorted(pending)[:2]} (report this).")
 
 
-def stack_experts(kind: str, parts: list[Tensor]) -> Tensor:
-    """[gate_0, up_0, ...] -> [E, 2I, H]; [down_0, ...] -> [E, H, I]."""
-    if kind == "down_proj":
-        return torch.stack(parts)
-    return torch.stack([torch.cat(parts[i:i + 2]) for i in range(0, len(parts), 2)])
+def fused_buckets(buckets: Iterable[list[tuple[str, Tensor]]], num_experts: int, layout: ExpertLayout,
+                  bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """HF buckets with per-expert tensors fused as ``layout`` stores them (a layer's experts are
+    held until its last arrives), re-cut at ``bucket_bytes`` (a larger tensor alone)."""
+    stream = ((n, t) for bucket in buckets for n, t in bucket)
+    bucket: list[tuple[str, Tensor]] = []
+    filled = 0
+    for name, tensor in fuse_stream(stream, num_experts, layout.stack, layout):
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and filled + nbytes > bucket_bytes:
+            yield bucket
+            bucket, filled = [], 0
+        bucket.append((name, tensor))
+        filled += nbytes
+    if bucket:
+        yield bucket

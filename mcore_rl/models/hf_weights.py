@@ -11,7 +11,7 @@ from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.mtp import with_copies
 from mcore_rl.mapping.weights import WeightMap, iter_hf_buckets, load_hf_weights
 from mcore_rl.models.hf_config import ConfigError, ModelArgs
-from mcore_rl.models.hf_layout import carried_names, hf_view, log_ignored
+from mcore_rl.models.hf_layout import always_fused, carried_names, expert_layout, fused_buckets, hf_view, log_ignored
 from mcore_rl.models.model_types import Role, padded_vocab_size
 
 
@@ -134,7 +134,13 @@ def export_hf_buckets(
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8)
+    if fp8 is not None and always_fused(args):
+        raise ConfigError(f"FP8 export of {args.arch.model_type}: its experts are exported fused, which block "
+                          "FP8 does not cover; export without fp8.")
+    buckets = iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8)
+    if always_fused(args):  # gpt-oss: HF (and the rollout engines) know its experts only fused
+        return fused_buckets(buckets, args.moe.num_experts, expert_layout(args), bucket_bytes)
+    return buckets
 
 
 def export_hf(

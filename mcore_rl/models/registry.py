@@ -5,16 +5,30 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mcore_rl.mapping.tables import (
-    DEEPSEEK_V3, GLM4_MOE, LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT,
+    DEEPSEEK_V3, GLM4_MOE, GPT_OSS, LLAMA, MIXTRAL, QWEN2, QWEN2_MOE, QWEN3, QWEN3_5, QWEN3_5_MOE, QWEN3_MOE, QWEN3_NEXT,
     MappingTable,
 )
 from mcore_rl.models.moe import MoEFields
+from mcore_rl.models.rope import SUPPORTED_ROPE_TYPES, WITH_YARN
 from mcore_rl.models.windows import WindowRule
 from mcore_rl.errors import McoreRLError
 
 
 class UnknownArchitectureError(McoreRLError, ValueError):
     """A HF model_type with no registry entry."""
+
+
+@dataclass(frozen=True)
+class GluFields:
+    """The gated MLP's activation: ``act(clamp(gate)) * (clamp(up) + linear_offset)`` with
+    megatron's ``activation_func`` named by ``activation`` (silu, or quick_gelu = x * sigmoid(1.702 x)),
+    the clamp read from the config field ``clamp_field`` (None: no clamp) and the sigmoid gain
+    from ``alpha_field`` (megatron hard-codes 1.702 for quick_gelu: another value is refused)."""
+
+    activation: Literal["silu", "quick_gelu"] = "silu"
+    linear_offset: float = 0.0
+    clamp_field: str | None = None
+    alpha_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,15 @@ class ArchSpec:
     # through the lookup); None: its embedding has no padding_idx. All nine architectures below
     # read pad_token_id (checked in transformers 5.10 and 5.24).
     pad_row_field: str | None = "pad_token_id"
+    # the rope types the config may name (models/rope.py; YaRN only where checked against HF)
+    rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES
+    # every linear has a bias (q/k/v, o_proj, router, experts: megatron's add_bias_linear); the
+    # config flag ``linear_bias_field`` must then be true (gpt-oss: attention_bias)
+    linear_bias: bool = False
+    linear_bias_field: str | None = None
+    glu: GluFields = GluFields()
+    # HF's fused expert tensors, when the architecture stores experts only that way (models/hf_layout.py)
+    fused_experts: str | None = None
 
 
 # Qwen3-Next / Qwen3.5-MoE: softmax router, a shared expert scaled by sigmoid(gate(x))
@@ -68,6 +91,23 @@ SIGMOID_MOE = MoEFields(
 ARCHITECTURES: dict[str, ArchSpec] = {
     spec.model_type: spec
     for spec in (
+        # gpt-oss: biases on every linear, a top-k-then-softmax router with a bias, the clamped
+        # SwiGLU (quick_gelu with +1 on the linear half), fused transposed interleaved experts
+        ArchSpec(
+            "gpt_oss",
+            "GptOssForCausalLM",
+            "GptOssForTokenClassification",
+            GPT_OSS,
+            moe=MoEFields(num_experts=("num_local_experts",), ffn_hidden_size="intermediate_size",
+                          norm_topk_prob=None, sparse_step=None, mlp_only_layers=None),
+            rope_types=WITH_YARN,
+            linear_bias=True,
+            linear_bias_field="attention_bias",
+            glu=GluFields("quick_gelu", linear_offset=1.0, clamp_field="swiglu_limit", alpha_field="swiglu_alpha"),
+            fused_experts="gpt_oss",
+            window_rule="layer_types",
+            attention_sinks=True,
+        ),
         ArchSpec("llama", "LlamaForCausalLM", "LlamaForTokenClassification", LLAMA),
         ArchSpec(
             "mistral",

@@ -14,6 +14,9 @@ import torch
 from mcore_rl.errors import McoreRLError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# architectures whose registry entry opts in (ArchSpec.rope_types): YaRN through inv_freq and the
+# yarn_* attributes of the config instance (yarn_config_attributes), checked against HF
+WITH_YARN = (*SUPPORTED_ROPE_TYPES, "yarn")
 MLA_ROPE_TYPES = ("default", "yarn")  # multi-latent attention: megatron's own rotary classes
 
 
@@ -77,7 +80,7 @@ def rope_spec_from_hf(cfg: Any, head_dim: int, supported: tuple[str, ...] = SUPP
     if "factor" not in params:
         raise RopeError(f"rope_type={rope_type!r} needs 'factor' in rope parameters {params}.")
     if rope_type == "yarn":
-        return _yarn(spec, params)
+        return _yarn(spec, params, getattr(cfg, "max_position_embeddings", None))
     extra = {"factor": float(params["factor"])}
     if rope_type == "llama3":
         for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
@@ -87,7 +90,7 @@ def rope_spec_from_hf(cfg: Any, head_dim: int, supported: tuple[str, ...] = SUPP
     return RopeSpec(**{**spec.__dict__, **extra})
 
 
-def _yarn(spec: RopeSpec, params: dict) -> RopeSpec:
+def _yarn(spec: RopeSpec, params: dict, max_position_embeddings: int | None) -> RopeSpec:
     if "original_max_position_embeddings" not in params:
         raise RopeError(f"rope_type='yarn' needs 'original_max_position_embeddings' in {params}.")
     yarn = YarnSpec(
@@ -100,7 +103,45 @@ def _yarn(spec: RopeSpec, params: dict) -> RopeSpec:
         truncate=bool(params.get("truncate", True)),
     )
     factor = params["factor"]  # None: max_position_embeddings / original, as HF derives it
-    return RopeSpec(**{**spec.__dict__, "factor": float(factor) if factor else 0.0, "yarn": yarn})
+    if not factor and not max_position_embeddings:
+        raise RopeError(f"rope_type='yarn' with factor={factor!r} needs max_position_embeddings in the config "
+                        "(HF derives the factor from it); set factor in rope_parameters.")
+    factor = factor or max_position_embeddings / yarn.original_max_position_embeddings
+    return RopeSpec(**{**spec.__dict__, "factor": float(factor), "yarn": yarn})
+
+
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(spec: RopeSpec) -> float:
+    """The factor HF multiplies YaRN's cos and sin by (its ``attention_scaling``)."""
+    y, factor = spec.yarn, spec.factor
+    if y.attention_factor is not None:
+        return float(y.attention_factor)
+    if y.mscale and y.mscale_all_dim:
+        return _mscale(factor, y.mscale) / _mscale(factor, y.mscale_all_dim)
+    return _mscale(factor)
+
+
+def yarn_config_attributes(spec: RopeSpec) -> dict:
+    """The ``yarn_*`` attributes to set on a (GQA) TransformerConfig instance so that megatron's
+    attention multiplies cos/sin by HF's YaRN attention factor (``apply_rotary_pos_emb(...,
+    mscale=_yarn_get_concentration_factor_from_config(config))``); the frequencies themselves are
+    ``inv_freq(spec)``. megatron derives the factor from (factor, mscale, mscale_all_dim) only: an
+    explicit ``attention_factor`` other than that value is refused, naming it."""
+    factor, y = spec.factor, spec.yarn
+    both = bool(y.mscale and y.mscale_all_dim)
+    attrs = dict(yarn_rotary_scaling_factor=factor, yarn_mscale=float(y.mscale) if both else None,
+                 yarn_mscale_all_dim=float(y.mscale_all_dim) if both else None)
+    derived = _mscale(factor, y.mscale) / _mscale(factor, y.mscale_all_dim) if both else _mscale(factor)
+    if y.attention_factor is not None and float(y.attention_factor) != derived:
+        raise RopeError(
+            f"YaRN attention_factor={y.attention_factor} differs from the factor derived from factor={factor}"
+            f"{f', mscale={y.mscale}, mscale_all_dim={y.mscale_all_dim}' if both else ''} ({derived}), the only "
+            "one megatron-core's attention can apply; remove attention_factor from rope_parameters (or set it "
+            f"to {derived}).")
+    return attrs
 
 
 def inv_freq(spec: RopeSpec) -> torch.Tensor:
@@ -113,6 +154,8 @@ def inv_freq(spec: RopeSpec) -> torch.Tensor:
         return base
     if spec.rope_type == "linear":
         return base / spec.factor
+    if spec.rope_type == "yarn":
+        return _yarn_inv_freq(spec)
     # llama3: keep high frequencies, divide low ones by factor, interpolate smoothly in between.
     old_ctx = spec.original_max_position_embeddings
     low_wavelen = old_ctx / spec.low_freq_factor
@@ -125,3 +168,24 @@ def inv_freq(spec: RopeSpec) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(spec: RopeSpec) -> torch.Tensor:
+    """HF's YaRN frequencies (``_compute_yarn_parameters``, op for op so the values are the
+    same bits): interpolated (/ factor) below the correction range, extrapolated above it, a
+    linear ramp between; ``truncate=False`` keeps the range's bounds fractional (gpt-oss)."""
+    y, dim, base = spec.yarn, spec.dim, spec.theta
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF: no singular ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (spec.factor * pos_freqs)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep

@@ -20,6 +20,7 @@ from packaging.version import Version
 
 from mcore_rl.errors import McoreRLError
 from mcore_rl.platform.patching import wrap_method as _wrap_method
+from mcore_rl.platform.moe_bias_fixes import expert_bias_grads_once, expert_fc2_output_not_a_view
 from mcore_rl.platform.hybrid_fixes import (
     conv1d_on_host, gate_follows_query_heads, gated_output_eager, install_torch_kernels,
 )
@@ -429,6 +430,25 @@ FIXES: list[Fix] = [
         max_version="0.16.1",
         cpu_only=True,
         apply=gated_output_eager,
+    ),
+    Fix(
+        name="expert_fc2_bias_in_place_on_view",
+        defect="experts with biases at ep=1, etp=1: MLP adds the fc2 bias in place to the output of "
+        "an identity all-reduce, a view (RuntimeError: ... is a view and is being modified inplace)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=expert_fc2_output_not_a_view,
+    ),
+    Fix(
+        name="expert_bias_grads_reduced_once",
+        defect="experts with biases at tp > 1, etp = 1: the fc2 bias is marked sequence_parallel (its grad "
+        "summed over TP after the expert-DP reduction: twice) and not tensor-parallel (the grad norm "
+        "skips its distributed-optimizer shards on TP ranks > 0)",
+        min_version="0.16.0",
+        max_version="0.16.1",
+        cpu_only=False,
+        apply=expert_bias_grads_once,
     ),
     Fix(
         name="jit_fuser_compiles_at_import",
