@@ -11,11 +11,11 @@ same on megatron's embedding).
   (routed + shared experts): Gated DeltaNet and gated attention layers with 1 KV head, FSDP2 at DP=2
   on padded rows (its packed path carries the GDN state from one sequence into the next: measured
   here) against mcore_rl packed at DP=2 and at TP=2 + SP (fewer KV heads than TP), lr 1e-4. A tiny
-  gpt-oss (random sinks, a sliding window of 8 on every other layer, chats of 44 to 74 tokens,
-  experts with biases): FSDP2 at DP=2 on padded rows (transformers' gpt-oss masks ignore the
-  position ids: its packed path attends across sequences, measured here) against mcore_rl at
-  TP=2 + SP (packed rows, expert-TP 1) and EP=2 (padded rows), lr 1e-4; and verl's TrainingWorker on mcore_rl
-  against transformers' eager forward (fsdp_bodies.gpt_oss_engine_body).
+  gpt-oss (random sinks, a sliding window of 6 on every other layer, chats of 18 to 38 tokens,
+  experts with biases, a word-level tokenizer): FSDP2 at DP=2 on padded rows (transformers'
+  gpt-oss masks ignore the position ids: its packed path attends across sequences, measured
+  here) against mcore_rl at TP=2 + SP (packed rows, expert-TP 1) and EP=2 (padded rows), lr 1e-3; and verl's
+  TrainingWorker on mcore_rl against transformers' eager forward (fsdp_bodies.gpt_oss_engine_body).
 - verl's TrainingWorker with ``ppo_loss`` and ``value_loss`` (bodies: fsdp_bodies.py): FSDP2 at
   DP=2 (padded rows) against mcore_rl at TP=2 + SP (packed rows), one update of two optimizer
   steps: log-probs / entropy / values before it, verl's metrics and grad norms (1e-5 relative),
@@ -47,7 +47,7 @@ from tests.hybrid_bodies import EXPERTS, HYBRID  # noqa: E402
 from tests.verl import fsdp_bodies as F  # noqa: E402
 from tests.verl import sft_runner  # noqa: E402
 from tests.verl.ppo_fixtures import TOKENIZER_FILES, save_chat_model  # noqa: E402
-from tests.verl.verl_fixtures import save_sft_parquet  # noqa: E402
+from tests.verl.verl_fixtures import save_sft_parquet, save_tiny_model  # noqa: E402
 
 REL = 1e-5
 FSDP = ("engine.strategy=fsdp2", "+engine.mixed_precision.param_dtype=fp32",
@@ -81,15 +81,18 @@ HYBRID_LAYOUTS = {
     "tp2_sp_packed_recompute": MCORE_LAYOUTS["tp2_sp_packed"] + ("model.enable_gradient_checkpointing=True",),
 }
 # gpt-oss: attention sinks (random, N(0, 1): HF initialises them near 0), 4 layers alternating a
-# sliding window of 8 tokens and full attention (the llama's chats: 44 to 74 tokens), 4 experts
-# top-2 with biases, YaRN (original context 64 of 256, truncate false). swiglu_limit 7.0: verl's
-# transformers (5.10) hard-codes limit 7.0 and alpha 1.702, it reads neither from the config.
-# initializer_range 0.05 and lr 1e-4 (HYBRID_LR), as the hybrids: at 0.1 and 1e-3 the engines'
-# grad norms drift apart by 2.2e-5 by step 3 (EP=2; 3.3e-6 at step 1)
+# sliding window of 6 tokens and full attention, 4 experts top-2 with biases, YaRN (original
+# context 32 of 128, truncate false), with verl_fixtures' word-level tokenizer (vocab 64; chats of
+# 6 to 16 words: 18 to 38 tokens). Not SmolLM2's 49152 tokens: the logged grad norm is itself an
+# fp32 reduction, and over an untied [49152, 64] LM head it moves by 2e-5 with how it is split
+# (measured: torch's fp32 norm of the same gradients 6.1397781, their float64 norm 6.1399049;
+# FSDP at DP=2 and mcore_rl at TP=2 norm halves of it, mcore_rl at DP=2 the whole), while the
+# gradients agree within 7e-7 per tensor. swiglu_limit 7.0: verl's transformers (5.10) hard-codes
+# limit 7.0 and alpha 1.702, it reads neither from the config
 GPT_OSS = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "head_dim": 16,
-           "sliding_window": 8, "swiglu_limit": 7.0, "tie_word_embeddings": False, "initializer_range": 0.05,
+           "sliding_window": 6, "swiglu_limit": 7.0,
            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
-                               "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 10000.0}}
+                               "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 10000.0}}
 # verl's FSDP reference runs padded rows: transformers' GptOssModel builds its masks without the
 # position ids, so its packed path attends across the sequences of a stream (the probe below)
 GPT_OSS_LAYOUTS = {
@@ -117,10 +120,10 @@ def save_chat_critic(directory: str, seed: int = 2) -> str:
 
 
 def save_gpt_oss(directory: str) -> str:
-    """A tiny ``GptOssForCausalLM`` (GPT_OSS) with SmolLM2's tokenizer, random sinks and biases."""
+    """A tiny ``GptOssForCausalLM`` (GPT_OSS) with verl_fixtures' tokenizer, random sinks and biases."""
     from transformers import AutoModelForCausalLM
 
-    save_chat_model(directory, model_type="gpt_oss", **GPT_OSS)
+    save_tiny_model(directory, model_type="gpt_oss", **GPT_OSS)
     model = AutoModelForCausalLM.from_pretrained(directory)
     torch.manual_seed(3)
     with torch.no_grad():
@@ -132,10 +135,12 @@ def save_gpt_oss(directory: str) -> str:
 
 @pytest.fixture(scope="module")
 def sft_inputs(tmp_path_factory):
-    """The llama and the gpt-oss with SmolLM2's tokenizer, chats of 3 to 8 words (44 to 74 tokens)."""
+    """The llama with SmolLM2's tokenizer and its chats of 3 to 8 words (44 to 74 tokens); the
+    gpt-oss (GPT_OSS) and its chats."""
     d = tmp_path_factory.mktemp("fsdp_sft")
-    return {"model": save_chat_model(str(d / "model")), "gpt_oss": save_gpt_oss(str(d / "gpt_oss")),
-            "train": save_sft_parquet(str(d / "train.parquet"))}
+    return {"model": save_chat_model(str(d / "model")), "train": save_sft_parquet(str(d / "train.parquet")),
+            "gpt_oss": save_gpt_oss(str(d / "gpt_oss")),
+            "gpt_oss_train": save_sft_parquet(str(d / "gpt_oss.parquet"), n_words=(6, 16))}
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +167,10 @@ def sft_overrides(model: str, train: str, ckpt: str, engine: tuple[str, ...], lr
 def sft_cases(sft_inputs: dict, hybrid_inputs: dict) -> dict[str, tuple[str, str, tuple[str, ...], float]]:
     """'model/engine' -> (model dir, train parquet, engine overrides, lr): verl's FSDP2 engine (the
     reference: packed rows for the llama, padded rows for the hybrids and gpt-oss) and mcore_rl's layouts."""
-    llama, gpt_oss = (sft_inputs["model"], sft_inputs["train"]), (sft_inputs["gpt_oss"], sft_inputs["train"])
-    cases = {"llama/fsdp": (*llama, FSDP, 1e-3), "gpt_oss/fsdp": (*gpt_oss, FSDP + (PADDED,), HYBRID_LR)}
+    llama, gpt_oss = (sft_inputs["model"], sft_inputs["train"]), (sft_inputs["gpt_oss"], sft_inputs["gpt_oss_train"])
+    cases = {"llama/fsdp": (*llama, FSDP, 1e-3), "gpt_oss/fsdp": (*gpt_oss, FSDP + (PADDED,), 1e-3)}
     cases.update({f"llama/{name}": (*llama, MCORE + layout, 1e-3) for name, layout in MCORE_LAYOUTS.items()})
-    cases.update({f"gpt_oss/{name}": (*gpt_oss, MCORE + layout, HYBRID_LR) for name, layout in GPT_OSS_LAYOUTS.items()})
+    cases.update({f"gpt_oss/{name}": (*gpt_oss, MCORE + layout, 1e-3) for name, layout in GPT_OSS_LAYOUTS.items()})
     for model in HYBRID_SFT:
         hybrid = (hybrid_inputs[model], hybrid_inputs["train"])
         cases[f"{model}/fsdp"] = (*hybrid, FSDP + (PADDED,), HYBRID_LR)
@@ -261,22 +266,23 @@ def test_hybrid_sft_inputs_hold_what_the_comparison_needs(hybrid_inputs):
 
 
 def test_gpt_oss_sft_inputs_hold_what_the_comparison_needs(sft_inputs):
-    """The tiny gpt-oss alternates windowed and full layers, its sinks are far from 0, and its
-    window acts on every chat: transformers' own logits (eager) of the longest chat change when
-    the window or the sinks are taken away."""
+    """The tiny gpt-oss alternates windowed and full layers, its sinks are far from 0, every chat
+    (verl's own SFT dataset on the parquet) is 3 windows long or more, and transformers' own logits
+    (eager) of the longest chat change when the window or the sinks are taken away."""
+    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
 
     model = AutoModelForCausalLM.from_pretrained(sft_inputs["gpt_oss"]).eval()
     c = model.config
     assert c._attn_implementation == "eager" and c.layer_types == ["sliding_attention", "full_attention"] * 2
     assert min(float(layer.self_attn.sinks.abs().max()) for layer in model.model.layers) > 0.5
     tok = AutoTokenizer.from_pretrained(sft_inputs["gpt_oss"])
-    import pandas as pd
-
-    chats = pd.read_parquet(sft_inputs["train"])["messages"]
-    ids = [tok.apply_chat_template(list(chat), tokenize=True) for chat in chats]
-    ids = [x["input_ids"] if isinstance(x, dict) else x for x in ids]
-    assert min(len(x) for x in ids) > 4 * c.sliding_window, min(len(x) for x in ids)
+    data = MultiTurnSFTDataset(sft_inputs["gpt_oss_train"], tok, OmegaConf.create({"pad_mode": "no_padding",
+                                                                                   "max_length": 128}))
+    ids = [data[i]["input_ids"].tolist() for i in range(len(data))]
+    print(f"\ngpt-oss chats: {min(map(len, ids))} to {max(map(len, ids))} tokens, window {c.sliding_window}")
+    assert min(len(x) for x in ids) >= 3 * c.sliding_window, min(len(x) for x in ids)
     longest = torch.tensor([max(ids, key=len)])
     with torch.no_grad():
         reference = model(longest).logits
@@ -301,7 +307,7 @@ def test_sft_trainer_mcore_rl_equals_fsdp(sft_runs, model, layout):
     test_verl_fsdp_packed_path_leaks_gdn_state_between_sequences and
     test_verl_fsdp_packed_path_attends_across_gpt_oss_sequences)."""
     fsdp, ours = _steps(sft_runs, f"{model}/fsdp"), _steps(sft_runs, f"{model}/{layout}")
-    falls = 0.95 if model == "llama" else 0.995  # parameters move: the loss falls (others at lr 1e-4)
+    falls = 0.995 if model in HYBRID_SFT else 0.95  # parameters move: the loss falls (hybrids at lr 1e-4)
     assert ours[-1][0] < falls * ours[0][0] and fsdp[-1][0] < falls * fsdp[0][0], (ours, fsdp)
     diffs = {what: [_rel(o[i], f[i]) for o, f in zip(ours, fsdp)] for i, what in enumerate(("loss", "grad_norm"))}
     print(f"\n{model} {layout}: relative difference to FSDP per step " + "; ".join(
@@ -340,7 +346,7 @@ def test_verl_fsdp_packed_path_attends_across_gpt_oss_sequences(sft_runs):
 
 def test_gpt_oss_engine_scores_as_transformers_and_updates(sft_runs):
     """verl's TrainingWorker on mcore_rl (DP=2, packed rows) with a tiny gpt-oss: response
-    log-probs of rows of 16 tokens (left-padded prompts, past the window of 8) equal transformers'
+    log-probs of rows of 16 tokens (left-padded prompts, past the window of 6) equal transformers'
     eager forward of the same directory; an update of two optimizer steps with verl's ppo_loss
     moves them, and transformers given the exported weights scores the rows as the engine does."""
     r = sft_runs["gpt_oss_engine"]
