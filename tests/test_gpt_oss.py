@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl.models.hf_config import model_args_from_hf
+from mcore_rl.models.hf_config import ConfigError, model_args_from_hf
 from tests.tiny import tiny_config, tiny_hf_model
 
 YARN = dict(rope_type="yarn", factor=4.0, beta_fast=8.0, beta_slow=1.0, truncate=False,
@@ -156,3 +156,12 @@ def test_expert_tensor_parallel_is_refused():
     check_divisibility(args, ParallelLayout(tp=2, sequence_parallel=True, etp=1))
     with pytest.raises(LayoutError, match=r"etp\(2\) > 1 with gpt_oss's expert biases.*set etp=1"):
         check_divisibility(args, ParallelLayout(tp=2, sequence_parallel=True))  # etp defaults to tp
+
+
+def test_fp8_export_of_fused_experts_is_refused():
+    """The bucketed export fuses gpt-oss' experts; block FP8 scales are per matrix: refused."""
+    from mcore_rl.mapping.fp8_quant import BlockFp8
+    from mcore_rl.models.hf_weights import export_hf_buckets
+
+    with pytest.raises(ConfigError, match=r"FP8 export of gpt_oss: its experts are exported fused"):
+        export_hf_buckets([], model_args_from_hf(tiny_config("gpt_oss")), "actor", fp8=BlockFp8())

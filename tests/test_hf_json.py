@@ -87,6 +87,10 @@ def test_each_field_left_out_gives_transformers_args(tmp_path, model_type):
                      "rope_interleave": False, "q_lora_rank": None}),
     ("qwen3_moe", {"num_local_experts": 6, "mlp_only_layers": [1]}),
     ("mixtral", {"num_experts": 6}),
+    # a legacy rope_scaling replaces the class's default YaRN rope_parameters (gpt-oss' published files)
+    ("gpt_oss", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 32}, "rope_theta": 5e5}),
+    ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention"] * 2, "sliding_window": 7}),
 ])
 def test_config_variants_give_transformers_args(tmp_path, model_type, fields):
     raw = json.loads(tiny_config(model_type).to_json_string())  # as save_pretrained writes it

@@ -133,10 +133,10 @@ def export_hf_buckets(
     Collective: every rank iterates to the end. See ``mapping.weights.iter_hf_buckets``."""
     from megatron.core import parallel_state
 
-    tp = parallel_state.get_tensor_model_parallel_world_size()
     if fp8 is not None and always_fused(args):
         raise ConfigError(f"FP8 export of {args.arch.model_type}: its experts are exported fused, which block "
                           "FP8 does not cover; export without fp8.")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     buckets = iter_hf_buckets(chunks, weight_map(args, role, tp), bucket_bytes, tensor_of, fp8)
     if always_fused(args):  # gpt-oss: HF (and the rollout engines) know its experts only fused
         return fused_buckets(buckets, args.moe.num_experts, expert_layout(args), bucket_bytes)

@@ -3,6 +3,12 @@
 megatron-core 0.16.1's RotaryEmbedding hard-codes llama3's low/high frequency factors and original
 context length; instead the builder overwrites the module's ``inv_freq`` with ``inv_freq(spec)``
 (before the first forward, so megatron's per-length cache never holds stale values).
+
+YaRN (for architectures whose registry entry lists it: gpt-oss) works the same way: HF's
+frequencies, ``truncate: false`` included, computed here; megatron's attention multiplies cos and
+sin by HF's attention factor (0.1 ln(factor) + 1, or the mscale ratio) through the ``yarn_*``
+attributes the builder sets on the config instance. An explicit ``attention_factor`` other than
+that derived value cannot be expressed and is refused.
 """
 from __future__ import annotations
 
