@@ -2,7 +2,8 @@
 # GRPO on CPU with torchrun, 2 processes); `make demo-ppo` runs the PPO-with-critic variant,
 # `make demo-moe` a MoE actor with expert parallelism (ep=2), `make demo-deepseek` a DeepSeek-V3 actor
 # (multi-latent attention, ep=2, routing replay), `make demo-hybrid` a Qwen3-Next actor (Gated
-# DeltaNet + gated attention, ep=2, packed), `make demo-smollm2` GRPO on a real model.
+# DeltaNet + gated attention, ep=2, packed), `make demo-gptoss` a gpt-oss actor (sinks, sliding
+# windows, ep=2, packed), `make demo-smollm2` GRPO on a real model.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -11,7 +12,7 @@ VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_STAMP := $(VERL_VENV)/.installed
 
-.PHONY: test docs docs-serve install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-deepseek demo-hybrid demo-smollm2 demo-smollm2-lora demo-verl-smollm2 clean
+.PHONY: test docs docs-serve install install-verl prepare-smollm2 demo demo-ppo demo-moe demo-deepseek demo-hybrid demo-gptoss demo-smollm2 demo-smollm2-lora demo-verl-smollm2 clean
 
 $(STAMP): setup.py constraints-cpu.txt
 	python3 -m venv $(VENV)
@@ -87,6 +88,11 @@ demo-deepseek: $(STAMP)
 # a hybrid Qwen3-Next actor (Gated DeltaNet + gated attention, experts, ep=2, packed sequences)
 demo-hybrid: $(STAMP)
 	launch/run.sh 2 configs/grpo_hybrid_demo.yaml
+
+# a gpt-oss actor (attention sinks, a sliding window of 4 on every other layer, experts with
+# biases, the clamped SwiGLU, YaRN; ep=2, packed sequences)
+demo-gptoss: $(STAMP)
+	launch/run.sh 2 configs/grpo_gptoss_demo.yaml
 
 # GRPO on the real model (SmolLM2-135M-Instruct, arithmetic task, transformers rollout engines):
 # about 25 minutes on 2 cores

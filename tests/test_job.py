@@ -165,7 +165,7 @@ def test_derived_values_follow_unless_set(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.tiny.num_experts=4"], "model.tiny: invalid TinyModelConfig: num_experts=4 is not read by "
-                                   "model_type='llama' (only by qwen2_moe, qwen3_moe, mixtral, glm4_moe, deepseek_v3, qwen3_next, qwen3_5_moe_text); remove it"),
+                                   "model_type='llama' (only by qwen2_moe, qwen3_moe, mixtral, gpt_oss, glm4_moe, deepseek_v3, qwen3_next, qwen3_5_moe_text); remove it"),
     (["model.tiny.model_type=qwen3_moe"], "model.tiny: invalid TinyModelConfig: model_type='qwen3_moe' needs "
                                           "num_experts, num_experts_per_tok, moe_intermediate_size"),
     (["model.tiny.model_type=mixtral", "model.tiny.num_experts=4", "model.tiny.num_experts_per_tok=2",
@@ -202,6 +202,11 @@ def test_derived_values_follow_unless_set(tmp_path):
      "linear_num_key_heads=2 is not read by model_type='llama' (only by qwen3_5_text, qwen3_next, qwen3_5_moe_text)"),
     (["model.tiny.model_type=qwen3_5_text"], "model_type='qwen3_5_text' needs linear_num_key_heads, "
      "linear_num_value_heads, linear_key_head_dim, linear_value_head_dim"),
+    (["model.tiny.sliding_window=4"], "sliding_window=4 is not read by model_type='llama' (only by mistral, mixtral, "
+                                      "gpt_oss); remove it"),
+    (["model.tiny.model_type=gpt_oss"], "model_type='gpt_oss' needs num_experts, num_experts_per_tok"),
+    (["model.tiny.model_type=gpt_oss", "model.tiny.num_experts=4", "model.tiny.num_experts_per_tok=2",
+      "model.tiny.moe_intermediate_size=8"], "moe_intermediate_size=8 is not read by model_type='gpt_oss'"),
 ])
 def test_schema_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

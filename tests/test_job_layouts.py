@@ -118,3 +118,37 @@ def test_ppo_job_with_virtual_pipeline_stages(tmp_path):
         assert r["moved"][0] and r["moved"][1], r["moved"]  # actor and critic chunks on every stage learn
     assert [m["reward"] for m in ranks[0]["history"]] == [m["reward"] for m in ranks[1]["history"]]
     assert ranks[0]["history"][-1]["critic/vf_loss"] == ranks[1]["history"][-1]["critic/vf_loss"]
+
+
+def _job(cfg: JobConfig) -> list[dict]:
+    from mcore_rl.job.loop import run
+
+    return run(cfg)
+
+
+def test_gpt_oss_job_samples_and_trains_past_its_window_and_resumes(tmp_path):
+    """The tiny gpt-oss demo (configs/grpo_gptoss_demo.yaml: sinks, a sliding window of 4 on every
+    other layer, rows of 8 + 1 tokens, 4 experts top-2, EP=2, packed) for 4 steps, saved at steps
+    2 and 4: the builtin sampler's log-probs (padded rows) are the actor's (packed rows), the
+    policy moves, and a job resumed from step 2 repeats steps 3 and 4 exactly."""
+    from mcore_rl.job.loop import tiny_hf_config
+    from mcore_rl.models.hf_config import model_args_from_hf
+    from tests.job_runs import metric_lines
+
+    keys = ("steps=4", "checkpoint.save_freq=2", "rollout.prompts_per_step=4",
+            "actor.micro_batch_size=32", "actor.ppo_mini_batch_size=32")
+    cfg = load_job_config(os.path.join(ROOT, "configs", "grpo_gptoss_demo.yaml"),
+                          [f"output_dir={tmp_path / 'a'}", "progress_bar=false", *keys])
+    args = model_args_from_hf(tiny_hf_config(cfg.model.tiny))
+    assert (args.window, args.window_layers, args.attention_sinks) == (4, (True, False), True)
+    assert cfg.task.prompt_length + cfg.task.response_length > args.window  # the window acts
+    straight = run_ranks(2, _job, cfg)[0]
+    for m in straight:
+        assert m["rollout_corr/max_abs_log_prob_diff"] <= 1e-5, m  # the sampler's forward == the actor's
+        assert math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0, m
+    assert straight[-1]["entropy"] != straight[0]["entropy"], straight  # the policy moved
+    resumed = run_ranks(2, _job, load_job_config(tmp_path / "a" / "config.yaml", [
+        f"output_dir={tmp_path / 'b'}", "checkpoint.resume_mode=path",
+        f"checkpoint.resume_path={tmp_path / 'a' / 'checkpoints' / 'global_step_2'}"]))[0]
+    assert [m["step"] for m in resumed] == [0, 1, 2, 3]
+    assert metric_lines(str(tmp_path / "b"))[2:] == metric_lines(str(tmp_path / "a"))[2:]

@@ -199,3 +199,53 @@ def test_sync_refuses_a_value_the_rollout_dtype_cannot_hold():
                                                     r"engine in a wider dtype"):
             engine.update_weights([(name, weight)])
         assert torch.equal(param, before)
+
+
+def test_transformers_engine_samples_gpt_oss_with_eager_attention():
+    """transformers' gpt-oss has no SDPA path (its attention sinks live in the eager kernel): the
+    engine picks eager for it (sdpa for the others); its rollout log-probs, sampled with the KV
+    cache from left-padded prompts past an active sliding window of 3 tokens, equal a full eager
+    forward of the sampled rows, which a run without the window or the sinks does not match."""
+    from mcore_rl.rollout.hf_generate import TransformersRollout
+
+    config = tiny_config("gpt_oss", vocab_size=16, num_hidden_layers=2, head_dim=16, num_local_experts=4,
+                         num_experts_per_tok=2, intermediate_size=48, sliding_window=3)
+    assert TransformersRollout(tiny_config("llama", vocab_size=16, num_hidden_layers=1)).model.config._attn_implementation == "sdpa"
+    torch.manual_seed(0)
+    engine = TransformersRollout(config, eos_id=EOS, pad_id=0)
+    model = engine.model
+    assert model.config._attn_implementation == "eager" and model.config.layer_types == ["sliding_attention", "full_attention"]
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # random sinks and biases: both matter
+            if name.endswith(("sinks", "bias")):
+                p.copy_(torch.randn_like(p))
+    out = engine.generate(PROMPTS, 6, 0.8, seed=4)
+    mask = out.attention_mask[:, -6:].bool()
+    assert int(out.attention_mask.sum(1).max()) > 3 + 6  # rows far longer than the window
+
+    def full_forward(**change) -> torch.Tensor:
+        saved = {k: getattr(model.config, k) for k in change}
+        for k, v in change.items():
+            setattr(model.config, k, v)
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=out.input_ids, attention_mask=out.attention_mask).logits[:, -7:-1]
+        finally:
+            for k, v in saved.items():
+                setattr(model.config, k, v)
+        return torch.log_softmax(logits.float() / 0.8, -1).gather(-1, out.responses.unsqueeze(-1)).squeeze(-1) * mask
+
+    reference = full_forward()
+    assert float((out.rollout_log_probs - reference).abs().max()) <= 1e-5
+    assert float((full_forward(sliding_window=64) - reference).abs().max()) > 1e-2  # the window acts
+    sinks = [m.self_attn.sinks for m in model.model.layers]
+    saved = [s.detach().clone() for s in sinks]
+    with torch.no_grad():
+        for s in sinks:
+            s.fill_(-1e4)  # no sink: HF's attention without the extra logit
+    try:
+        assert float((full_forward() - reference).abs().max()) > 1e-2  # the sinks act
+    finally:
+        with torch.no_grad():
+            for s, v in zip(sinks, saved):
+                s.copy_(v)

@@ -29,21 +29,25 @@ from mcore_rl.rollout.engine import DEFAULT_SYNC_BUCKET_BYTES
 SIGMOID_MOE_TYPES = ("glm4_moe", "deepseek_v3")  # num_experts is written as n_routed_experts
 HYBRID_MOE_TYPES = ("qwen3_next", "qwen3_5_moe_text")
 HYBRID_TYPES = ("qwen3_5_text", *HYBRID_MOE_TYPES)  # Gated DeltaNet + gated attention
-MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral", *SIGMOID_MOE_TYPES, *HYBRID_MOE_TYPES)
+LOCAL_EXPERTS_TYPES = ("mixtral", "gpt_oss")  # num_experts is written as num_local_experts; experts: intermediate_size
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", *LOCAL_EXPERTS_TYPES, *SIGMOID_MOE_TYPES, *HYBRID_MOE_TYPES)
+WINDOW_TYPES = ("mistral", "mixtral", "gpt_oss")  # read sliding_window (gpt-oss: on its sliding_attention layers)
 _GDN_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
 _MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # MoE and MLA keys of TinyModelConfig -> the model types that read them
 _MOE_KEYS = {
     "num_experts": MOE_MODEL_TYPES,
     "num_experts_per_tok": MOE_MODEL_TYPES,
-    # mixtral's experts use intermediate_size
+    # mixtral's and gpt_oss's experts use intermediate_size
     "moe_intermediate_size": ("qwen2_moe", "qwen3_moe", *SIGMOID_MOE_TYPES, *HYBRID_MOE_TYPES),
     "shared_expert_intermediate_size": ("qwen2_moe", *HYBRID_MOE_TYPES),
     # mixtral and qwen3_5_moe_text always renormalise
     "norm_topk_prob": ("qwen2_moe", "qwen3_moe", "qwen3_next", *SIGMOID_MOE_TYPES),
     "decoder_sparse_step": ("qwen2_moe", "qwen3_moe", "qwen3_next"),
     "mlp_only_layers": ("qwen2_moe", "qwen3_moe", "qwen3_next"),
-    **{k: HYBRID_TYPES for k in ("layer_types", "linear_conv_kernel_dim", *_GDN_KEYS)},
+    "layer_types": (*HYBRID_TYPES, "gpt_oss"),
+    "sliding_window": WINDOW_TYPES,
+    **{k: HYBRID_TYPES for k in ("linear_conv_kernel_dim", *_GDN_KEYS)},
     **{k: SIGMOID_MOE_TYPES for k in ("n_shared_experts", "first_k_dense_replace", "n_group",
                                        "topk_group", "routed_scaling_factor")},
     **{k: ("deepseek_v3",) for k in _MLA_KEYS},
@@ -51,7 +55,7 @@ _MOE_KEYS = {
 _MOE_REQUIRED = {  # HF's defaults are full-size models (60 experts, ...): tiny runs set them
     "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"),
     "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
-    "mixtral": ("num_experts", "num_experts_per_tok"),
+    **{t: ("num_experts", "num_experts_per_tok") for t in LOCAL_EXPERTS_TYPES},
     "glm4_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
     "deepseek_v3": ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "first_k_dense_replace",
                     "n_group", "topk_group", *_MLA_KEYS),
@@ -65,10 +69,12 @@ _MOE_REQUIRED = {  # HF's defaults are full-size models (60 experts, ...): tiny 
 class TinyModelConfig:
     """A HF config built in memory (nothing downloaded) and randomly initialised with ``seed``.
 
-    MoE model types (qwen2_moe, qwen3_moe, mixtral, glm4_moe, deepseek_v3, qwen3_next,
+    MoE model types (qwen2_moe, qwen3_moe, mixtral, gpt_oss, glm4_moe, deepseek_v3, qwen3_next,
     qwen3_5_moe_text) need the MoE sizes (deepseek_v3 also its multi-latent attention sizes,
     hybrids their Gated DeltaNet sizes); a key on a model type that does not read
-    it is an error (it would be ignored).
+    it is an error (it would be ignored). gpt_oss: attention sinks, ``layer_types`` of
+    'sliding_attention' (window ``sliding_window``: tokens a query sees, itself included) and
+    'full_attention' (HF's default alternates them), experts of ``intermediate_size``.
     """
 
     model_type: str = "llama"
@@ -81,7 +87,7 @@ class TinyModelConfig:
     max_position_embeddings: int = 64
     head_dim: int | None = None
     attention_dropout: float = 0.0
-    num_experts: int | None = None  # mixtral: written as num_local_experts
+    num_experts: int | None = None  # mixtral, gpt_oss: written as num_local_experts
     num_experts_per_tok: int | None = None
     moe_intermediate_size: int | None = None
     shared_expert_intermediate_size: int | None = None
@@ -102,8 +108,9 @@ class TinyModelConfig:
     v_head_dim: int | None = None
     # hybrid models (qwen3_next, qwen3_5_text, qwen3_5_moe_text): which layer is which
     # ('linear_attention' = Gated DeltaNet, 'full_attention'; default: every 4th is full) and the
-    # Gated DeltaNet sizes
+    # Gated DeltaNet sizes; gpt_oss: 'sliding_attention' or 'full_attention' per layer
     layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # mistral, mixtral, gpt_oss (mistral, mixtral: None = no window)
     linear_conv_kernel_dim: int | None = None
     linear_num_key_heads: int | None = None
     linear_num_value_heads: int | None = None
@@ -126,13 +133,14 @@ class TinyModelConfig:
                              "(HF's defaults are full-size); set them, e.g. num_experts=4")
 
     def hf_kwargs(self) -> dict:
-        """The transformers config kwargs (None fields left to HF; mixtral's expert count renamed)."""
+        """The transformers config kwargs (None fields left to HF; mixtral's and gpt_oss's expert
+        count renamed)."""
         skip = ("model_type", "seed")
         kwargs = {k: v for k, v in vars(self).items() if k not in skip and v is not None}
         for key in ("mlp_only_layers", "layer_types"):
             if key in kwargs:
                 kwargs[key] = list(kwargs[key])
-        if self.model_type == "mixtral":
+        if self.model_type in LOCAL_EXPERTS_TYPES:
             kwargs["num_local_experts"] = kwargs.pop("num_experts")
         if self.model_type in SIGMOID_MOE_TYPES:
             kwargs["n_routed_experts"] = kwargs.pop("num_experts")

@@ -22,11 +22,26 @@ def _wrapper_type(source) -> str | None:
     return getattr(source, "model_type", None)
 
 
+def attention_for(config) -> str:
+    """The attention kernel for a transformers ``config``'s causal LM: ``sdpa`` where transformers
+    has it for the architecture, else ``eager`` (gpt-oss: its attention sinks exist only in the
+    eager path, ``_supports_sdpa=False``); an architecture outside ``AutoModelForCausalLM``'s
+    table gets ``sdpa`` (transformers names the problem if it has none)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        return "sdpa"
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
 class TransformersRollout:
     """``AutoModelForCausalLM`` from ``source`` (a HF directory, or a transformers config: random
     weights until the first ``update_weights``) in ``dtype`` on ``device``; ``eos_id``/``pad_id``
     override the generation config's (e.g. the tokenizer's end-of-turn token); the attention kernel is
-``attn_implementation`` whatever the source's config names (e.g. verl's flash-attention default). Sampling is plain
+    ``attn_implementation`` whatever the source's config names (e.g. verl's flash-attention
+    default), by default ``attention_for(config)`` (sdpa, or eager for gpt-oss). Sampling is plain
     softmax(logits / T): top-k, top-p, min-p and repetition penalties are switched off, and
     the rollout log-probs are computed from the raw logits at T (not the processed scores).
     A LoRA trainer's sync hands it merged weights (``engine.sync_weights``): plain HF tensors."""
@@ -34,9 +49,12 @@ class TransformersRollout:
     collective = False  # one engine per model replica, on the replica's first rank
 
     def __init__(self, source, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 eos_id: int | None = None, pad_id: int | None = None, attn_implementation: str = "sdpa") -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+                 eos_id: int | None = None, pad_id: int | None = None, attn_implementation: str | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+        if attn_implementation is None:
+            attn_implementation = attention_for(AutoConfig.from_pretrained(source) if isinstance(source, str)
+                                                else source)
         if isinstance(source, str):
             self.model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
         else:

@@ -244,3 +244,34 @@ def fsdp_packing_probe(model_dir: str, seed: int, pack: int = 4) -> dict:
     diff = ((out["packed"] - out["padded"]).abs() * b["response_mask"]).amax(-1)  # [rows]
     return {"by_place": [float(diff[place::pack].max()) for place in range(pack)],
             "lengths": b["attention_mask"].sum(-1).tolist(), "engines": _engines(padded, packed)}
+
+
+def gpt_oss_engine_body(model_dir: str, seed: int) -> dict:
+    """verl's TrainingWorker on mcore_rl (DP=2, packed rows) with a gpt-oss directory: this rank's
+    response log-probs of rl_bodies' rows (prompts of 10, responses of 6 tokens) before an update,
+    transformers' eager forward of the directory on them (also with the window taken away), verl's
+    metrics of one update of two optimizer steps (ppo_loss) and rl_bodies' export check after it."""
+    R._env()
+    from transformers import AutoModelForCausalLM
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    from tests.tiny import hf_log_probs
+
+    worker = R._verl_worker("language_model", model_dir, {}, True, 10)
+    dp_rank, dp = R._ranks()
+    rows = R.rows_of(R.global_batch(worker.engine.engine.args.vocab_size, seed), dp_rank, dp)
+    meta = dict(temperature=R.TEMPERATURE, calculate_entropy=True)
+    before = _infer(worker, rows, "log_probs", **meta)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32).eval()
+    reference = hf_log_probs(hf, rows, R.TEMPERATURE)[0]
+    hf.config.sliding_window = 10 ** 4
+    no_window = hf_log_probs(hf, rows, R.TEMPERATURE)[0]
+    rows.update(R.update_inputs(before, torch.zeros_like(before), rows["response_mask"], seed + 1))
+    loss = partial(ppo_loss, config=ActorConfig(
+        strategy="mcore_rl", rollout_n=1, ppo_mini_batch_size=MINI, ppo_micro_batch_size_per_gpu=MICRO,
+        clip_ratio_low=R.CLIP_LOW, clip_ratio_high=R.CLIP_HIGH, clip_ratio_c=R.CLIP_C, use_kl_loss=True,
+        kl_loss_coef=R.KL_COEFF, kl_loss_type="low_var_kl", calculate_entropy=True))
+    metrics = _update(worker, rows, ("old_log_probs", "advantages", "ref_log_prob"), loss, compute_loss=True, **meta)
+    return {"before": before, "hf": reference, "hf_no_window": no_window, "mask": rows["response_mask"],
+            "metrics": metrics, "export": R._exported(worker, rows)}

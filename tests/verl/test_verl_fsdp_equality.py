@@ -10,7 +10,12 @@ same on megatron's embedding).
   (padded rows) and at TP=2 + SP (packed rows), lr 1e-3. A tiny Qwen3.5 (dense) and Qwen3-Next
   (routed + shared experts): Gated DeltaNet and gated attention layers with 1 KV head, FSDP2 at DP=2
   on padded rows (its packed path carries the GDN state from one sequence into the next: measured
-  here) against mcore_rl packed at DP=2 and at TP=2 + SP (fewer KV heads than TP), lr 1e-4.
+  here) against mcore_rl packed at DP=2 and at TP=2 + SP (fewer KV heads than TP), lr 1e-4. A tiny
+  gpt-oss (random sinks, a sliding window of 6 on every other layer, chats of 18 to 38 tokens,
+  experts with biases, a word-level tokenizer): FSDP2 at DP=2 on padded rows (transformers'
+  gpt-oss masks ignore the position ids: its packed path attends across sequences, measured
+  here) against mcore_rl at TP=2 + SP (packed rows, expert-TP 1) and EP=2 (padded rows), lr 1e-3; and verl's
+  TrainingWorker on mcore_rl against transformers' eager forward (fsdp_bodies.gpt_oss_engine_body).
 - verl's TrainingWorker with ``ppo_loss`` and ``value_loss`` (bodies: fsdp_bodies.py): FSDP2 at
   DP=2 (padded rows) against mcore_rl at TP=2 + SP (packed rows), one update of two optimizer
   steps: log-probs / entropy / values before it, verl's metrics and grad norms (1e-5 relative),
@@ -42,7 +47,7 @@ from tests.hybrid_bodies import EXPERTS, HYBRID  # noqa: E402
 from tests.verl import fsdp_bodies as F  # noqa: E402
 from tests.verl import sft_runner  # noqa: E402
 from tests.verl.ppo_fixtures import TOKENIZER_FILES, save_chat_model  # noqa: E402
-from tests.verl.verl_fixtures import save_sft_parquet  # noqa: E402
+from tests.verl.verl_fixtures import save_sft_parquet, save_tiny_model  # noqa: E402
 
 REL = 1e-5
 FSDP = ("engine.strategy=fsdp2", "+engine.mixed_precision.param_dtype=fp32",
@@ -50,8 +55,9 @@ FSDP = ("engine.strategy=fsdp2", "+engine.mixed_precision.param_dtype=fp32",
         "engine.use_torch_compile=False", "+model.override_config.attn_implementation=eager")
 MCORE = ("hydra.searchpath=[pkg://mcore_rl.integrations.verl.hydra]", "engine=mcore_rl", "optim=megatron",
          "engine.dtype=float32")
+PADDED = "model.use_remove_padding=False"
 MCORE_LAYOUTS = {
-    "dp2_padded": ("model.use_remove_padding=False",),
+    "dp2_padded": (PADDED,),
     "tp2_sp_packed": ("engine.tensor_model_parallel_size=2", "engine.sequence_parallel=True",
                       "model.use_remove_padding=True"),
 }
@@ -74,6 +80,27 @@ HYBRID_LAYOUTS = {
     "dp2_packed": ("model.use_remove_padding=True",),
     "tp2_sp_packed_recompute": MCORE_LAYOUTS["tp2_sp_packed"] + ("model.enable_gradient_checkpointing=True",),
 }
+# gpt-oss: attention sinks (random, N(0, 1): HF initialises them near 0), 4 layers alternating a
+# sliding window of 6 tokens and full attention, 4 experts top-2 with biases, YaRN (original
+# context 32 of 128, truncate false), with verl_fixtures' word-level tokenizer (vocab 64; chats of
+# 6 to 16 words: 18 to 38 tokens). Not SmolLM2's 49152 tokens: the logged grad norm is itself an
+# fp32 reduction, and over an untied [49152, 64] LM head it moves by 2e-5 with how it is split
+# (measured: torch's fp32 norm of the same gradients 6.1397781, their float64 norm 6.1399049;
+# FSDP at DP=2 and mcore_rl at TP=2 norm halves of it, mcore_rl at DP=2 the whole), while the
+# gradients agree within 7e-7 per tensor. swiglu_limit 7.0: verl's transformers (5.10) hard-codes
+# limit 7.0 and alpha 1.702, it reads neither from the config
+GPT_OSS = {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "head_dim": 16,
+           "sliding_window": 6, "swiglu_limit": 7.0,
+           "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 10000.0}}
+# verl's FSDP reference runs padded rows: transformers' GptOssModel builds its masks without the
+# position ids, so its packed path attends across the sequences of a stream (the probe below)
+GPT_OSS_LAYOUTS = {
+    # megatron's experts with biases need expert-TP 1 (mcore_rl refuses etp = tp = 2)
+    "tp2_sp_packed": MCORE_LAYOUTS["tp2_sp_packed"] + ("engine.expert_tensor_parallel_size=1",),
+    "ep2_padded": ("engine.expert_model_parallel_size=2", "model.use_remove_padding=False"),
+}
+PROBES = {"qwen3_5": 7, "gpt_oss": 8}  # model -> seed of its FSDP packing probe
 
 
 def save_chat_critic(directory: str, seed: int = 2) -> str:
@@ -92,10 +119,28 @@ def save_chat_critic(directory: str, seed: int = 2) -> str:
     return directory
 
 
+def save_gpt_oss(directory: str) -> str:
+    """A tiny ``GptOssForCausalLM`` (GPT_OSS) with verl_fixtures' tokenizer, random sinks and biases."""
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_model(directory, model_type="gpt_oss", **GPT_OSS)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    model.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def sft_inputs(tmp_path_factory):
+    """The llama with SmolLM2's tokenizer and its chats of 3 to 8 words (44 to 74 tokens); the
+    gpt-oss (GPT_OSS) and its chats."""
     d = tmp_path_factory.mktemp("fsdp_sft")
-    return {"model": save_chat_model(str(d / "model")), "train": save_sft_parquet(str(d / "train.parquet"))}
+    return {"model": save_chat_model(str(d / "model")), "train": save_sft_parquet(str(d / "train.parquet")),
+            "gpt_oss": save_gpt_oss(str(d / "gpt_oss")),
+            "gpt_oss_train": save_sft_parquet(str(d / "gpt_oss.parquet"), n_words=(6, 16))}
 
 
 @pytest.fixture(scope="module")
@@ -121,13 +166,14 @@ def sft_overrides(model: str, train: str, ckpt: str, engine: tuple[str, ...], lr
 
 def sft_cases(sft_inputs: dict, hybrid_inputs: dict) -> dict[str, tuple[str, str, tuple[str, ...], float]]:
     """'model/engine' -> (model dir, train parquet, engine overrides, lr): verl's FSDP2 engine (the
-    reference: packed rows for the llama, padded rows for the hybrids) and mcore_rl's layouts."""
-    llama = (sft_inputs["model"], sft_inputs["train"])
-    cases = {"llama/fsdp": (*llama, FSDP, 1e-3)}
+    reference: packed rows for the llama, padded rows for the hybrids and gpt-oss) and mcore_rl's layouts."""
+    llama, gpt_oss = (sft_inputs["model"], sft_inputs["train"]), (sft_inputs["gpt_oss"], sft_inputs["gpt_oss_train"])
+    cases = {"llama/fsdp": (*llama, FSDP, 1e-3), "gpt_oss/fsdp": (*gpt_oss, FSDP + (PADDED,), 1e-3)}
     cases.update({f"llama/{name}": (*llama, MCORE + layout, 1e-3) for name, layout in MCORE_LAYOUTS.items()})
+    cases.update({f"gpt_oss/{name}": (*gpt_oss, MCORE + layout, 1e-3) for name, layout in GPT_OSS_LAYOUTS.items()})
     for model in HYBRID_SFT:
         hybrid = (hybrid_inputs[model], hybrid_inputs["train"])
-        cases[f"{model}/fsdp"] = (*hybrid, FSDP + ("model.use_remove_padding=False",), HYBRID_LR)
+        cases[f"{model}/fsdp"] = (*hybrid, FSDP + (PADDED,), HYBRID_LR)
         cases.update({f"{model}/{name}": (*hybrid, MCORE + layout, HYBRID_LR)
                       for name, layout in HYBRID_LAYOUTS.items()})
     return cases
@@ -135,21 +181,25 @@ def sft_cases(sft_inputs: dict, hybrid_inputs: dict) -> dict[str, tuple[str, str
 
 @pytest.fixture(scope="module")
 def sft_runs(sft_inputs, hybrid_inputs, tmp_path_factory) -> dict:
-    """Every SFT case, and the FSDP packing probe on the tiny Qwen3.5, in ONE launch of 2
-    processes (tests/verl/sft_runner.py): 'model/engine' -> [(loss, grad norm)] by step, or the
-    error text; 'probe' -> fsdp_bodies.fsdp_packing_probe's result."""
+    """Every SFT case, the FSDP packing probes (PROBES) and the gpt-oss engine body in ONE launch
+    of 2 processes (tests/verl/sft_runner.py): 'model/engine' -> [(loss, grad norm)] by step, or
+    the error text; 'probe/<model>' -> fsdp_bodies.fsdp_packing_probe's result, 'gpt_oss_engine'
+    -> fsdp_bodies.gpt_oss_engine_body's (or the error text)."""
     d = str(tmp_path_factory.mktemp("sft_runs"))
     plan = [{"case": case, "sft": sft_overrides(model, train, f"{d}/ckpt{i}", engine, lr),
              "metrics": f"{d}/metrics{i}.jsonl"}
             for i, (case, (model, train, engine, lr)) in enumerate(sft_cases(sft_inputs, hybrid_inputs).items())]
-    plan.append({"call": "tests.verl.fsdp_bodies:fsdp_packing_probe", "args": [hybrid_inputs["qwen3_5"], 7],
-                 "out": f"{d}/probe.pt"})
+    models = {"qwen3_5": hybrid_inputs["qwen3_5"], "gpt_oss": sft_inputs["gpt_oss"]}
+    plan += [{"case": f"probe/{m}", "call": "tests.verl.fsdp_bodies:fsdp_packing_probe", "args": [models[m], seed],
+              "out": f"{d}/probe_{m}.pt"} for m, seed in PROBES.items()]
+    plan.append({"case": "gpt_oss_engine", "call": "tests.verl.fsdp_bodies:gpt_oss_engine_body",
+                 "args": [sft_inputs["gpt_oss"], 9], "out": f"{d}/gpt_oss_engine.pt"})
     started = time.time()
     proc = sft_runner.launch(plan, d, timeout_s=1500)
     print(f"\n{len(plan)} runs in one launch: {time.time() - started:.0f} s")
     out = {e["case"]: sft_runner.read_sft(e["metrics"]) for e in plan if "sft" in e}
-    probe = plan[-1]["out"]
-    out["probe"] = torch.load(probe) if os.path.isfile(probe) else f"no probe result\n{_tail(probe, proc)}"
+    for e in (e for e in plan if "call" in e):
+        out[e["case"]] = torch.load(e["out"]) if os.path.isfile(e["out"]) else f"no result\n{_tail(e['out'], proc)}"
     out["log"] = proc.stdout[-3000:] + proc.stderr[-6000:]
     return out
 
@@ -215,17 +265,49 @@ def test_hybrid_sft_inputs_hold_what_the_comparison_needs(hybrid_inputs):
     assert sum(n > 64 for n in lengths) >= len(lengths) // 2 and min(lengths) < 64, lengths
 
 
+def test_gpt_oss_sft_inputs_hold_what_the_comparison_needs(sft_inputs):
+    """The tiny gpt-oss alternates windowed and full layers, its sinks are far from 0, every chat
+    (verl's own SFT dataset on the parquet) is 3 windows long or more, and transformers' own logits
+    (eager) of the longest chat change when the window or the sinks are taken away."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from verl.utils.dataset.multiturn_sft_dataset import MultiTurnSFTDataset
+
+    model = AutoModelForCausalLM.from_pretrained(sft_inputs["gpt_oss"]).eval()
+    c = model.config
+    assert c._attn_implementation == "eager" and c.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert min(float(layer.self_attn.sinks.abs().max()) for layer in model.model.layers) > 0.5
+    tok = AutoTokenizer.from_pretrained(sft_inputs["gpt_oss"])
+    data = MultiTurnSFTDataset(sft_inputs["gpt_oss_train"], tok, OmegaConf.create({"pad_mode": "no_padding",
+                                                                                   "max_length": 128}))
+    ids = [data[i]["input_ids"].tolist() for i in range(len(data))]
+    print(f"\ngpt-oss chats: {min(map(len, ids))} to {max(map(len, ids))} tokens, window {c.sliding_window}")
+    assert min(len(x) for x in ids) >= 3 * c.sliding_window, min(len(x) for x in ids)
+    longest = torch.tensor([max(ids, key=len)])
+    with torch.no_grad():
+        reference = model(longest).logits
+        c.sliding_window = 10 ** 4
+        no_window = model(longest).logits
+        c.sliding_window = GPT_OSS["sliding_window"]
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        no_sinks = model(longest).logits
+    assert (no_window - reference).abs().max() > 1e-2 and (no_sinks - reference).abs().max() > 1e-2
+
+
 SFT_COMPARISONS = [("llama", layout) for layout in MCORE_LAYOUTS] + [
-    (model, layout) for model in HYBRID_SFT for layout in HYBRID_LAYOUTS]
+    (model, layout) for model in HYBRID_SFT for layout in HYBRID_LAYOUTS] + [
+    ("gpt_oss", layout) for layout in GPT_OSS_LAYOUTS]
 
 
 @pytest.mark.parametrize("model,layout", SFT_COMPARISONS)
 def test_sft_trainer_mcore_rl_equals_fsdp(sft_runs, model, layout):
     """verl's SFT trainer logs the same loss and grad norm per step with engine=mcore_rl as with
-    verl's FSDP2 engine (packed rows for the llama, padded rows for the hybrids: see
-    test_verl_fsdp_packed_path_leaks_gdn_state_between_sequences)."""
+    verl's FSDP2 engine (packed rows for the llama, padded rows for the hybrids and gpt-oss: see
+    test_verl_fsdp_packed_path_leaks_gdn_state_between_sequences and
+    test_verl_fsdp_packed_path_attends_across_gpt_oss_sequences)."""
     fsdp, ours = _steps(sft_runs, f"{model}/fsdp"), _steps(sft_runs, f"{model}/{layout}")
-    falls = 0.95 if model == "llama" else 0.995  # parameters move: the loss falls (hybrids at lr 1e-4)
+    falls = 0.995 if model in HYBRID_SFT else 0.95  # parameters move: the loss falls (hybrids at lr 1e-4)
     assert ours[-1][0] < falls * ours[0][0] and fsdp[-1][0] < falls * fsdp[0][0], (ours, fsdp)
     diffs = {what: [_rel(o[i], f[i]) for o, f in zip(ours, fsdp)] for i, what in enumerate(("loss", "grad_norm"))}
     print(f"\n{model} {layout}: relative difference to FSDP per step " + "; ".join(
@@ -240,13 +322,42 @@ def test_verl_fsdp_packed_path_leaks_gdn_state_between_sequences(sft_runs):
     qwen3_5_moe, only; for qwen3_5_text and Qwen3-Next not at all), so every sequence after the
     first starts from its predecessor's recurrent state. The tiny Qwen3.5's response log-probs,
     packed vs padded, by the row's place in a pack of 4."""
-    probe = sft_runs["probe"]
+    probe = sft_runs["probe/qwen3_5"]
     assert isinstance(probe, dict), probe
     assert probe["engines"] == ["FSDPEngineWithLMHead"] * 2, probe["engines"]
     first, later = probe["by_place"][0], probe["by_place"][1:]
     print(f"\nverl FSDP packed vs padded, max |log-prob difference| by place in the pack: "
           + " ".join(f"{d:.3g}" for d in probe["by_place"]) + f" (rows of {probe['lengths']} tokens)")
     assert first <= 1e-5 and min(later) > 1e-2, probe["by_place"]
+
+
+def test_verl_fsdp_packed_path_attends_across_gpt_oss_sequences(sft_runs):
+    """Why gpt-oss's reference runs on padded rows: transformers' GptOssModel builds its causal
+    and sliding-window masks without the position ids (transformers 5.10 and 5.24), so on verl's
+    packed path (use_remove_padding=True: one stream per micro-batch, no attention mask) every
+    sequence after the first attends to its predecessors. Response log-probs, packed vs padded,
+    by the row's place in a pack of 4."""
+    probe = sft_runs["probe/gpt_oss"]
+    assert isinstance(probe, dict), probe
+    print("\ngpt-oss, verl FSDP packed vs padded, max |log-prob difference| by place in the pack: "
+          + " ".join(f"{d:.3g}" for d in probe["by_place"]))
+    assert probe["by_place"][0] <= 1e-5 and min(probe["by_place"][1:]) > 1e-2, probe["by_place"]
+
+
+def test_gpt_oss_engine_scores_as_transformers_and_updates(sft_runs):
+    """verl's TrainingWorker on mcore_rl (DP=2, packed rows) with a tiny gpt-oss: response
+    log-probs of rows of 16 tokens (left-padded prompts, past the window of 6) equal transformers'
+    eager forward of the same directory; an update of two optimizer steps with verl's ppo_loss
+    moves them, and transformers given the exported weights scores the rows as the engine does."""
+    r = sft_runs["gpt_oss_engine"]
+    assert isinstance(r, dict), r
+    mask = r["mask"].bool()
+    hf, before, after = r["hf"][mask], r["before"][mask], r["export"]["engine_log_probs"][mask]
+    assert float((before - hf).abs().max()) <= 1e-4 and hf.abs().max() > 1.0
+    assert float((r["hf_no_window"][mask] - hf).abs().max()) > 1e-2  # the window acts on these rows
+    assert len(r["metrics"]["grad_norm"]) == 2 and min(r["metrics"]["grad_norm"]) > 0, r["metrics"]
+    assert float((after - before).abs().max()) > 1e-3  # the update moved the policy
+    assert float((r["export"]["hf_log_probs"][mask] - after).abs().max()) <= 1e-4
 
 
 def test_fsdp_on_cpu_needs_the_registry_switch_and_the_eager_value_head(tmp_path, monkeypatch):

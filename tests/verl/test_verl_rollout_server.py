@@ -388,3 +388,27 @@ def test_an_out_of_vocabulary_token_id_is_refused_alone(model_dir):
     for error, bad in ((too_big, vocab), (negative, -1)):
         assert isinstance(error, RolloutServerError), error
         assert f"prompt token id {bad} " in str(error) and f"vocabulary of {vocab} ids" in str(error), error
+
+
+def test_gpt_oss_samples_with_eager_attention_past_its_window(tmp_path):
+    """A tiny gpt-oss (no SDPA in transformers: sinks exist in its eager kernel only) served from
+    its directory and from verl's config (``load_format=dummy``): the server picks eager both ways; samples from prompts of up to 6 tokens
+    with 8 new ones (past the sliding window of 3) score as transformers' eager forward."""
+    from transformers import AutoModelForCausalLM
+
+    path = save_tiny_model(str(tmp_path / "gpt_oss"), model_type="gpt_oss", num_hidden_layers=2, head_dim=16,
+                           num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=3)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():  # sinks that matter (HF initialises them near 0)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn_like(layer.self_attn.sinks))
+    model.save_pretrained(path)
+    reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    server = make_server(path)
+    dummy = make_server(path, load_format="dummy")
+    assert server.engine.model.config._attn_implementation == dummy.engine.model.config._attn_implementation == "eager"
+    out = generate_all(server, prompts(8), [f"g{i}" for i in range(8)], ignore_eos=True)
+    for p, o in zip(prompts(8), out):
+        assert len(o.token_ids) == 8
+        diff = (hf_log_probs(reference, p, o.token_ids, T) - torch.tensor(o.log_probs)).abs().max()
+        assert diff <= 1e-5, f"rollout log-probs differ from transformers' eager forward by {diff}"
