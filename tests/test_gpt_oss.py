@@ -165,3 +165,32 @@ def test_fp8_export_of_fused_experts_is_refused():
 
     with pytest.raises(ConfigError, match=r"FP8 export of gpt_oss: its experts are exported fused"):
         export_hf_buckets([], model_args_from_hf(tiny_config("gpt_oss")), "actor", fp8=BlockFp8())
+
+
+def _quick_gelu_graphs() -> int:
+    """Graphs torch.compile makes for one call of the activation a gpt-oss config holds."""
+    from torch._dynamo.utils import counters
+
+    from mcore_rl.models.builder import ACTIVATIONS
+
+    before = counters["stats"]["unique_graphs"]
+    x = torch.randn(7, 5)
+    assert torch.equal(ACTIVATIONS["quick_gelu"]()(x), x * torch.sigmoid(1.702 * x))
+    return counters["stats"]["unique_graphs"] - before
+
+
+def _quick_gelu_with_and_without_fix() -> tuple[int, int]:
+    from mcore_rl.platform.fixes import revert_fix
+
+    eager = _quick_gelu_graphs()
+    revert_fix("quick_gelu_eager_on_cpu")
+    return eager, _quick_gelu_graphs()
+
+
+def test_quick_gelu_runs_eagerly_on_cpu():
+    """Fix quick_gelu_eager_on_cpu: the activation the builder gives gpt-oss is not compiled
+    (megatron's jit_fuser would run inductor in every CPU process: 3.8-7 s); reverted, it is."""
+    from tests.dist import run_ranks
+
+    eager, compiled = run_ranks(1, _quick_gelu_with_and_without_fix)[0]
+    assert eager == 0 and compiled >= 1, (eager, compiled)

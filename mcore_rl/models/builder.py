@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.fusions.fused_bias_geglu import quick_gelu  # the one megatron's config and MLP compare with
+from megatron.core.fusions import fused_bias_geglu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -30,8 +30,9 @@ from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 from mcore_rl.platform import Platform
 
 
-# megatron activation functions by the names GluArgs uses
-ACTIVATIONS = {"silu": F.silu, "quick_gelu": quick_gelu}
+# megatron activation functions by the names GluArgs uses, read when a config is built (on the
+# CPU the platform fix quick_gelu_eager_on_cpu puts megatron's function there uncompiled)
+ACTIVATIONS = {"silu": lambda: F.silu, "quick_gelu": lambda: fused_bias_geglu.quick_gelu}
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def transformer_config(
         normalization="RMSNorm",
         layernorm_epsilon=args.norm_eps,
         gated_linear_unit=True,
-        activation_func=ACTIVATIONS[args.glu.activation],
+        activation_func=ACTIVATIONS[args.glu.activation](),
         glu_linear_offset=args.glu.linear_offset,
         activation_func_clamp_value=args.glu.clamp,
         add_bias_linear=args.linear_bias,

@@ -18,6 +18,7 @@ import torch
 
 from mcore_rl.errors import McoreRLError
 from mcore_rl.platform.patching import wrap_method as _wrap_method
+from mcore_rl.platform.activation_fixes import ACTIVATION_FIXES
 from mcore_rl.platform.attention_fixes import ATTENTION_FIXES
 from mcore_rl.platform.fix_spec import Fix
 from mcore_rl.platform.hybrid_fixes import HYBRID_FIXES
@@ -386,6 +387,7 @@ FIXES: list[Fix] = [
     *HYBRID_FIXES,
     *MOE_BIAS_FIXES,
     *ATTENTION_FIXES,
+    *ACTIVATION_FIXES,
 ]
 _undo: dict[str, Callable[[], None]] = {}
 
