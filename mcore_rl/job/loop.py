@@ -23,7 +23,7 @@ from mcore_rl.job.start import Start, actor_start, critic_start
 from mcore_rl.job.task import Task, make_task
 from mcore_rl.models.builder import BuildOptions
 from mcore_rl.models.hf_config import ModelArgs, load_hf_config, model_args_from_hf
-from mcore_rl.parallel import ParallelLayout, initialize_parallel_state
+from mcore_rl.parallel import initialize_parallel_state
 from mcore_rl.platform import Platform, init_distributed, setup_platform
 from mcore_rl.rl import losses
 from mcore_rl.models.routing import ROUTED_EXPERTS

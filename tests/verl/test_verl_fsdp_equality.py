@@ -326,7 +326,7 @@ def test_verl_fsdp_packed_path_leaks_gdn_state_between_sequences(sft_runs):
     assert isinstance(probe, dict), probe
     assert probe["engines"] == ["FSDPEngineWithLMHead"] * 2, probe["engines"]
     first, later = probe["by_place"][0], probe["by_place"][1:]
-    print(f"\nverl FSDP packed vs padded, max |log-prob difference| by place in the pack: "
+    print("\nverl FSDP packed vs padded, max |log-prob difference| by place in the pack: "
           + " ".join(f"{d:.3g}" for d in probe["by_place"]) + f" (rows of {probe['lengths']} tokens)")
     assert first <= 1e-5 and min(later) > 1e-2, probe["by_place"]
 
