@@ -1,5 +1,5 @@
-"""Tiny models with an active sliding window (mistral, qwen2, qwen3, mixtral, qwen3_moe; windows
-of 3, 4, 5, 6 and 8 tokens, each built from another seed), their transformers references, and
+"""Tiny models with an active sliding window (mistral, qwen2, qwen3, mixtral, qwen3_moe, gpt_oss
+with its sinks; windows of 3, 4, 5, 6 and 8 tokens, each built from another seed), their transformers references, and
 the body that tests/test_context_parallel.py runs in its worlds (layouts named ``win_*``).
 
 Windowed layers differ per model and sit unevenly over PP=2's two stages (2 layers each), so a
@@ -21,13 +21,19 @@ WINDOWED = {  # name -> (model_type, config overrides, seed)
     "qwen3_w8": ("qwen3", dict(use_sliding_window=True, sliding_window=8, layer_types=QWEN3_TYPES, head_dim=8), 3),
     "mixtral_w4": ("mixtral", dict(sliding_window=4), 4),
     "qwen3_moe_w6": ("qwen3_moe", dict(use_sliding_window=True, sliding_window=6), 5),  # every layer
+    # sinks in every attention path (padded, packed, CP); layers 0 and 2 windowed
+    "gpt_oss_w5": ("gpt_oss", dict(sliding_window=5), 6),
 }
+NO_SDPA = ("gpt_oss",)  # transformers refuses SDPA for these (sinks live in its eager kernel only)
+# expert biases need expert-TP 1 (mcore_rl refuses etp > 1 for them; etp defaults to tp)
+LAYOUT_EXTRA = {"gpt_oss": dict(etp=1)}
 # the same models without their window (the HF configs' switch off)
 NO_WINDOW = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_window=None),
              "qwen3_moe": dict(use_sliding_window=False),
              "qwen2": dict(use_sliding_window=False),
              # sliding layer types without a window: transformers 5.24's cache raises (TypeError)
-             "qwen3": dict(use_sliding_window=False, layer_types=["full_attention"] * 4)}
+             "qwen3": dict(use_sliding_window=False, layer_types=["full_attention"] * 4),
+             "gpt_oss": dict(layer_types=["full_attention"] * 4)}
 
 
 def windowed_config(name: str, window: bool = True):
@@ -62,7 +68,8 @@ def references(name: str, logits_batch: dict, rl_batch: dict) -> dict:
     out = {"log_probs": hf_log_probs(eager, rl_batch)[0]}
     with torch.no_grad():
         out["eager"] = eager(**logits_batch).logits
-        for key, config in (("sdpa", windowed_config(name)), ("no_window", windowed_config(name, False))):
+        others = (("sdpa", windowed_config(name)), ("no_window", windowed_config(name, False)))
+        for key, config in others[1:] if WINDOWED[name][0] in NO_SDPA else others:
             other = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa" if key == "sdpa" else "eager")
             other.load_state_dict(eager.state_dict())
             out[key] = other.eval()(**logits_batch).logits
@@ -88,13 +95,13 @@ def window_layout(dirs: dict, layout_kwargs: dict, batch: dict) -> dict:
     from mcore_rl.rl.engine import ModelEngine, OptimConfig
     from tests.test_context_parallel import _full_logits
 
-    destroy_parallel_state()
-    layout = ParallelLayout(**layout_kwargs)
-    initialize_parallel_state(layout, seed=1)
     options = BuildOptions(moe=MoEOptions(router_dtype="fp64", load_balancing="none", aux_loss_coeff=0.0))
     optim = OptimConfig(name="sgd", lr=0.0, clip_grad=1e9, use_distributed_optimizer=False)
     out = {}
     for name, d in dirs.items():
+        destroy_parallel_state()
+        layout = ParallelLayout(**{**layout_kwargs, **LAYOUT_EXTRA.get(WINDOWED[name][0], {})})
+        initialize_parallel_state(layout, seed=1)
         args = model_args_from_hf(d)
         engine = ModelEngine(args, layout, "actor", active_platform(), options, optim, d)
         res = {"logits": _full_logits(engine, padded_batch(**LOGITS_BATCH))}
