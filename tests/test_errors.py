@@ -82,6 +82,10 @@ def test_short_window_of_an_arch_without_a_window_rule_is_refused():
 def test_mistral_window_is_applied_not_refused():
     args = model_args_from_hf(tiny_config("mistral", sliding_window=64))
     assert (args.window, args.window_layers) == (64, (True,) * 4)
+    # a window at least as long as any sequence cuts nothing: no window (the TE spec on GPU)
+    assert model_args_from_hf(tiny_config("mistral", sliding_window=128)).window is None
+    assert model_args_from_hf(tiny_config("mistral", sliding_window=64), max_seq_len=64).window is None
+    assert model_args_from_hf(tiny_config("mistral", sliding_window=64), max_seq_len=65).window == 64
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "qwen3_moe"])

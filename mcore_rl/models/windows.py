@@ -43,8 +43,9 @@ WINDOW_RULES: dict[str, _Rule] = {
 def window_from_hf(cfg: Any, rule: str | None, num_layers: int,
                    max_seq_len: int) -> tuple[int | None, tuple[bool, ...] | None]:
     """(window W, windowed layers) of a HF config under the architecture's ``rule``; (None,
-    None) when no layer has a window. An architecture without a rule refuses a window shorter
-    than ``max_seq_len`` (one at least that long never cuts anything)."""
+    None) when no layer has a window or the window is at least ``max_seq_len`` (it never cuts:
+    such a model keeps the Transformer Engine spec on GPU). An architecture without a rule
+    refuses a window shorter than ``max_seq_len``."""
     window = getattr(cfg, "sliding_window", None)
     layer_types = getattr(cfg, "layer_types", None)
     if rule is None:
@@ -75,4 +76,6 @@ def window_from_hf(cfg: Any, rule: str | None, num_layers: int,
         layers = tuple(bool(spec.default_layers(cfg, i)) for i in range(num_layers))
     else:
         layers = (True,) * num_layers
-    return (window, layers) if any(layers) else (None, None)
+    if not any(layers) or window >= max_seq_len:  # a window as long as any sequence cuts nothing
+        return None, None
+    return window, layers
