@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from mcore_rl.platform.fix_spec import Fix
+from mcore_rl.platform.patching import run_uncompiled
 
 
 def quick_gelu_eager() -> Callable[[], None]:
@@ -16,12 +17,7 @@ def quick_gelu_eager() -> Callable[[], None]:
     bias-activation path, which mcore_rl never enables (it clamps before the bias)."""
     from megatron.core.fusions import fused_bias_geglu
 
-    compiled = fused_bias_geglu.quick_gelu
-    eager = getattr(compiled, "_torchdynamo_orig_callable", None) or getattr(compiled, "__wrapped__", None)
-    if eager is None:  # not compiled (jit_fuser is a no-op in this process): nothing to undo
-        return lambda: None
-    fused_bias_geglu.quick_gelu = eager
-    return lambda: setattr(fused_bias_geglu, "quick_gelu", compiled)
+    return run_uncompiled(fused_bias_geglu, "quick_gelu")
 
 
 ACTIVATION_FIXES: tuple[Fix, ...] = (

@@ -10,7 +10,7 @@ import torch
 
 from mcore_rl.platform import gdn_kernels
 from mcore_rl.platform.fix_spec import Fix
-from mcore_rl.platform.patching import wrap_method
+from mcore_rl.platform.patching import run_uncompiled, wrap_method
 from mcore_rl.platform.cpu_shim import NamespaceProxy
 from mcore_rl.platform.cpu_standins import cpu_if_cuda
 
@@ -100,12 +100,7 @@ def gated_output_eager() -> Callable[[], None]:
     computes the same values (inductor fuses it, nothing more)."""
     from megatron.core.transformer.attention import Attention
 
-    compiled = Attention.__dict__["_apply_output_gate"]
-    eager = getattr(compiled, "_torchdynamo_orig_callable", None) or getattr(compiled, "__wrapped__", None)
-    if eager is None:  # not compiled (jit_fuser is a no-op in this process): nothing to undo
-        return lambda: None
-    Attention._apply_output_gate = eager
-    return lambda: setattr(Attention, "_apply_output_gate", compiled)
+    return run_uncompiled(Attention, "_apply_output_gate")
 
 
 HYBRID_FIXES: tuple[Fix, ...] = (

@@ -25,3 +25,16 @@ def wrap_method(cls, name: str, make: Callable[[Callable], Callable]) -> Callabl
         state["on"] = False
 
     return undo
+
+
+def run_uncompiled(owner, name: str) -> Callable[[], None]:
+    """Replaces ``owner.name``, a function megatron's ``jit_fuser`` wrapped in torch.compile, by
+    the same Python function uncompiled (on the CPU its first call would compile it with
+    inductor in every process); the undo puts the compiled one back. A function that is not
+    compiled (``jit_fuser`` a no-op in this process) is left alone."""
+    compiled = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    eager = getattr(compiled, "_torchdynamo_orig_callable", None) or getattr(compiled, "__wrapped__", None)
+    if eager is None:
+        return lambda: None
+    setattr(owner, name, eager)
+    return lambda: setattr(owner, name, compiled)
