@@ -1,8 +1,20 @@
 """Imports megatron-core and transformers once so forked ranks (tests/dist.py) skip that cost."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch.compile (megatron's jit_fuser functions) in forked ranks: compile in the compiling process
+# (no worker pool a fork could inherit half-alive) and in a cache of this test session's own, so
+# concurrent sessions (the main and verl suites of `make test`, a developer's run) never wait on
+# each other's cache locks (inductor waits up to 600 s for one: ranks hung for exactly that long)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor_cache = tempfile.mkdtemp(prefix="mcore_rl_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
 
 import warnings  # noqa: E402
 
