@@ -155,16 +155,21 @@ def baseline(imports: str) -> tuple[float, float]:
     return max(r[0] for r in runs), min(r[1] for r in runs)
 
 
+def copy_file(src: str, dst: str) -> None:
+    """Reads file ``src`` and writes it to ``dst`` in 8 MiB blocks, then fsyncs it."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while block := fin.read(8 << 20):
+            fout.write(block)
+        fout.flush()
+        os.fsync(fout.fileno())
+
+
 def plain_copy(src: str, dst: str) -> float:
     """Seconds to read every file of ``src`` and write it into ``dst`` with fsync (8 MiB blocks)."""
     os.makedirs(dst)
     start = time.perf_counter()
     for name in sorted(os.listdir(src)):
-        with open(os.path.join(src, name), "rb") as fin, open(os.path.join(dst, name), "wb") as fout:
-            while block := fin.read(8 << 20):
-                fout.write(block)
-            fout.flush()
-            os.fsync(fout.fileno())
+        copy_file(os.path.join(src, name), os.path.join(dst, name))
     return time.perf_counter() - start
 
 

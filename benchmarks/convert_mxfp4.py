@@ -72,12 +72,12 @@ def layer_specs(i: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
 
 
 def model_specs(size_bytes: int) -> tuple[list[TensorSpec], int, int]:
-    """The stored tensors of the fewest layers whose MXFP4 files reach ``size_bytes``; the
-    bf16 bytes they convert to; the layer count."""
+    """The stored tensors of the fewest layers (at least one) whose MXFP4 files reach
+    ``size_bytes``; the bf16 bytes they convert to; the layer count."""
     outer = [TensorSpec("model.embed_tokens.weight", (VOCAB, H), torch.bfloat16)]
     tail = [TensorSpec("model.norm.weight", (H,), torch.bfloat16), TensorSpec("lm_head.weight", (VOCAB, H), torch.bfloat16)]
     stored, converted, layers = [], [], 0
-    while sum(s.nbytes for s in outer + stored + tail) < size_bytes:
+    while layers == 0 or sum(s.nbytes for s in outer + stored + tail) < size_bytes:
         more = layer_specs(layers)
         stored += more[0]
         converted += more[1]
@@ -114,9 +114,9 @@ def write_model(path: str, size_bytes: int) -> tuple[int, int, int]:
     return sum(s.nbytes for s in specs), out_bytes, layers
 
 
-def plain_copy_tree(src: str, dst: str) -> float:
-    """Seconds to read every file under ``src`` and write it under ``dst`` with fsync (8 MiB
-    blocks): the converter's output bytes, copied."""
+def plain_copy_tree(src: str, dst: str, copy_file) -> float:
+    """Seconds to read every file under ``src`` and write it under ``dst`` with fsync
+    (``copy_file``: convert_merge's): the converter's output bytes, copied."""
     import time
 
     start = time.perf_counter()
@@ -124,11 +124,7 @@ def plain_copy_tree(src: str, dst: str) -> float:
         into = os.path.join(dst, os.path.relpath(dirpath, src))
         os.makedirs(into, exist_ok=True)
         for name in names:
-            with open(os.path.join(dirpath, name), "rb") as fin, open(os.path.join(into, name), "wb") as fout:
-                while block := fin.read(8 << 20):
-                    fout.write(block)
-                fout.flush()
-                os.fsync(fout.fileno())
+            copy_file(os.path.join(dirpath, name), os.path.join(into, name))
     return time.perf_counter() - start
 
 
@@ -197,7 +193,7 @@ def mxfp4_main(a: argparse.Namespace, tools) -> None:
                                                  "--hf_model_path", syn, "--output_path", out])
         written = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(out) for n in ns)
         tools.warm(out)
-        copy_s = plain_copy_tree(out, copy)  # the output's bytes, read + write + fsync
+        copy_s = plain_copy_tree(out, copy, tools.copy_file)  # the output's bytes, read + write + fsync
         shutil.rmtree(copy)
         above = peak - base[0]
         mem, speed, net = above / written, copy_s / seconds, copy_s / (seconds - base[1])
