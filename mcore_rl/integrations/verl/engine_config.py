@@ -64,9 +64,13 @@ class McoreRLEngineSettings(EngineConfig):
         if self.dtype not in DTYPES:
             raise VerlConfigError(f"engine.dtype={self.dtype!r}; mcore_rl's verl engine runs {list(DTYPES)} "
                                   "(float16 needs loss scaling, not wired yet).")
-        if self.context_parallel_size != 1:
-            raise VerlConfigError(f"engine.context_parallel_size={self.context_parallel_size}: context "
-                                  "parallelism is not wired into the verl engine yet; set it to 1.")
+        if self.context_parallel_size < 1:
+            raise VerlConfigError(f"engine.context_parallel_size={self.context_parallel_size}; use 1 (off) or more.")
+        mode = getattr(self.router_replay, "mode", "disabled")
+        if self.context_parallel_size > 1 and mode != "disabled":
+            raise VerlConfigError(f"engine.router_replay.mode={mode!r} with engine.context_parallel_size="
+                                  f"{self.context_parallel_size}: the verl engine's route table is not split over "
+                                  "context-parallel ranks; set context_parallel_size=1 or router_replay.mode=disabled.")
         if self.tensor_model_parallel_size == 1 and self.sequence_parallel:
             self.sequence_parallel = False  # as verl's McoreEngineConfig: SP needs TP > 1
         if self.use_fused_kernels:
