@@ -39,6 +39,9 @@ class McoreRLEngineSettings(EngineConfig):
     'selective' (core attention); null follows ``model.enable_gradient_checkpointing`` (full).
     recompute_num_layers: layers per recomputed block with 'full' (null: 1).
     router_replay: verl's ``EngineRouterReplayConfig`` (``mode``: disabled, R2, R3).
+    context_parallel_size: every padded row or packed sequence split over that many ranks as
+    mcore_rl's actor splits it (``verl_batches``); not with router replay (refused here), MTP
+    training or Gated DeltaNet layers (refused by the engine: ``engine.check_context_parallel``).
     """
 
     _mutable_fields = EngineConfig._mutable_fields | {"sequence_parallel"}
