@@ -164,13 +164,19 @@ def _steps(dp: int) -> list[slice]:
     return [slice(i * n, (i + 1) * n) for i in range(ROWS // MINI)]
 
 
-def rl_body(actor_dir: str, critic_dir: str, layout: dict, seed: int) -> dict:
-    """One launch per layout: the actor's and the critic's comparisons (below)."""
+def rl_body(actor_dir: str, critic_dir: str, layout: dict, seed: int, then_cp2: bool = False) -> dict:
+    """One launch per layout: the actor's and the critic's comparisons (below); with
+    ``then_cp2`` (a DP=2 layout) the same rows at CP=2 afterwards (cp_bodies)."""
     actor = actor_body(actor_dir, layout, seed)
     critic = critic_body(critic_dir, layout, seed)
     dp_rank, dp = _ranks()
-    return {"dp_rank": dp_rank, "dp": dp, "actor": actor, "critic": critic,
-            "other_layout": _other_layout_refused(actor_dir, layout)}
+    out = {"dp_rank": dp_rank, "dp": dp, "actor": actor, "critic": critic,
+           "other_layout": _other_layout_refused(actor_dir, layout)}
+    if then_cp2:
+        from tests.verl.cp_bodies import cp_after_dp
+
+        out["cp2"] = cp_after_dp(actor, critic, actor_dir, critic_dir)
+    return out
 
 
 def _other_layout_refused(path: str, layout: dict) -> str:

@@ -383,7 +383,9 @@ REFUSED_KEYS = {
     "actor_rollout_ref.actor.megatron.pad_to_length=True": "actor_rollout_ref.actor.megatron.pad_to_length",
     "actor_rollout_ref.actor.megatron.entropy_from_logits_with_chunking=True":
         "actor_rollout_ref.actor.megatron.entropy_from_logits_with_chunking",
-    "actor_rollout_ref.actor.megatron.context_parallel_size=2": "actor_rollout_ref.actor.megatron",
+    # the script replays routes (router_replay.mode=R2): not with CP (both values named)
+    "actor_rollout_ref.actor.megatron.context_parallel_size=2":
+        "engine.router_replay.mode='R2' with engine.context_parallel_size=2",
     "actor_rollout_ref.ref.megatron.use_dist_checkpointing=True":
         "actor_rollout_ref.ref.megatron.use_dist_checkpointing",
     "critic.megatron.use_megatron_fsdp=True": "critic.megatron.use_megatron_fsdp",
@@ -461,3 +463,19 @@ def test_empty_multimodal_entries_of_a_text_batch_pass():
     image = NonTensorStack({}, {"pixel_values": torch.zeros(4, 3)})
     with pytest.raises(BatchError, match=r"multimodal inputs \['multi_modal_inputs'\]"):
         _check_text_only(TensorDict({"input_ids": ids, "multi_modal_inputs": image}, batch_size=[2]))
+
+
+def test_context_parallel_reaches_the_engines(script):
+    """megatron.context_parallel_size of the actor and the critic (router replay off) and the
+    SFT trainer's engine.context_parallel_size reach the mcore_rl engine configs."""
+    from mcore_rl.integrations.verl.config import McoreRLEngineConfig
+
+    cfg = _with(script, "actor_rollout_ref.actor.megatron.router_replay.mode=disabled")
+    for override in ("actor_rollout_ref.actor.megatron.context_parallel_size=2", "critic.megatron.context_parallel_size=2"):
+        cfg = _with(cfg, override)
+    e = _engines(cfg)
+    assert (e["actor"].context_parallel_size, e["critic"].context_parallel_size) == (2, 2)
+    assert McoreRLEngineConfig(context_parallel_size=2).context_parallel_size == 2
+    with config_error("engine.context_parallel_size=0"):
+        McoreRLEngineConfig(context_parallel_size=0)
+

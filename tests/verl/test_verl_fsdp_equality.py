@@ -60,6 +60,9 @@ MCORE_LAYOUTS = {
     "dp2_padded": (PADDED,),
     "tp2_sp_packed": ("engine.tensor_model_parallel_size=2", "engine.sequence_parallel=True",
                       "model.use_remove_padding=True"),
+    # context parallelism: every chat (44 to 74 tokens) split into 2 * 2 chunks, both ranks one DP rank
+    "cp2_packed": ("engine.context_parallel_size=2", "model.use_remove_padding=True"),
+    "cp2_padded": ("engine.context_parallel_size=2", PADDED),
 }
 # Gated DeltaNet + gated attention (tests/hybrid_bodies.py sizes: layer_types [linear, full, linear,
 # linear], 4 GDN key heads: 2 per rank at TP=2), 1 KV head (fewer than TP=2), initializer_range 0.05:

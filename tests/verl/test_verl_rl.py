@@ -40,7 +40,7 @@ def run(request, tmp_path_factory) -> list[dict]:
     d = tmp_path_factory.mktemp(request.param)
     actor = save_tiny_model(str(d / "actor"), model_type, seed=1)
     critic = save_tiny_model(str(d / "critic"), model_type, role="critic", seed=2)
-    return run_ranks(2, B.rl_body, actor, critic, layout, 7)
+    return run_ranks(2, B.rl_body, actor, critic, layout, 7, request.param == "dp2")
 
 
 def _with_outputs(run: list[dict], role: str) -> list[dict]:
@@ -166,3 +166,43 @@ def test_get_per_tensor_param_is_export_hf_and_transformers_reproduces_it(run):
 def test_engines_of_one_process_share_their_layout(run):
     for r in run:
         assert "already runs an mcore_rl engine" in r["other_layout"] and "'tp'" in r["other_layout"], r["other_layout"]
+
+
+def _cp2(run: list[dict]) -> list[dict]:
+    """The CP=2 results of the dp2 launch (cp_bodies), one per rank (= CP rank at DP=1)."""
+    if "cp2" not in run[0]:
+        pytest.skip("CP=2 runs after the dp2 layout's comparisons, in its launch")
+    return [r["cp2"] for r in run]
+
+
+def test_cp2_outputs_are_whole_on_the_output_rank_and_equal_cp1(run):
+    """infer_batch at CP=2 (padded and packed): CP rank 0 gets the whole log-probs, entropy and
+    values of every row, equal to the CP=1 (DP=2) run's; CP rank 1 gets none."""
+    cp = _cp2(run)
+    for role, keys in (("actor", ("log_probs", "entropy")), ("critic", ("values",))):
+        rows = cp[0]["rows"][role]
+        lengths = rows["attention_mask"].sum(-1)
+        assert lengths.max() > 2 * 2 * 2 and len(set(lengths.tolist())) > 3, lengths  # CP splits; rows differ
+        for mode in ("padded", "packed"):
+            assert [c[role][mode]["src"] for c in cp] == [True, False]
+            for key in keys:
+                assert cp[1][role][mode][key] is None
+                got, want = cp[0][role][mode][key], rows[f"cp1_{mode}_{key}"]
+                assert want.abs().max() > 0.1
+                _close(got, want, TOL, f"{role} {mode} {key} at CP=2")
+
+
+def test_cp2_update_metrics_and_grad_norms_equal_cp1(run):
+    """train_mini_batch at CP=2 with verl's ppo_loss / value_loss: every metric (grad norms, losses,
+    clip fractions, ...) of both optimizer steps equals the CP=1 (DP=2) run's on the same rows."""
+    cp = _cp2(run)
+    for role in ("actor", "critic"):
+        for mode in ("padded", "packed"):
+            assert cp[1][role][mode]["metrics"] is None
+            got, want = cp[0][role][mode]["metrics"], run[0][role][mode]["metrics"]
+            assert set(got) == set(want) and len(got["grad_norm"]) == 2, (set(got) ^ set(want), got)
+            keys = sorted(k for k in want if k != "mfu" and not k.startswith(("perf/", "timing")))  # not speed, memory
+            print(role, mode, keys)
+            for key in keys:
+                g, w = (sorted(v) if isinstance(v, list) else [v] for v in (got[key], want[key]))
+                assert g == pytest.approx(w, rel=TOL, abs=TOL), (role, mode, key, got[key], want[key])

@@ -64,6 +64,7 @@ class McoreRLEngine(BaseEngine):
         # model.lora.* (verl's Megatron keys); FSDP-only LoRA keys refused before any process group use
         self.lora = verl_lora.lora_config(model_config, "model", seed=engine_config.seed)
         self.mtp = verl_mtp.mtp_config(model_config, "model")  # model.mtp.*: MTP layers built / trained
+        check_context_parallel(engine_config.context_parallel_size, self.mtp)
         self.model_config, self.engine_config = model_config, engine_config
         verl_checkpoints.check_checkpoint_config(checkpoint_config)  # refused now, not at the first save
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
@@ -106,6 +107,7 @@ class McoreRLEngine(BaseEngine):
             getattr(self.model_config.hf_config, "pad_token_id", None), "verl's model_config.hf_config.pad_token_id"
         )
         args = args.with_mtp(self.mtp.enable)
+        check_context_parallel(c.context_parallel_size, self.mtp, args)
         self.engine = ModelEngine(args, self.layout, self.role, self.platform,
                                   options, optim, hf_weights=start.hf_dir, init_value_head=start.init_value_head)
         self._placement = PartOffloader(self.engine)
@@ -339,6 +341,24 @@ class McoreRLEngine(BaseEngine):
         if self.engine is None:
             raise McoreRLError("initialize() the mcore_rl engine before disabling its adapters.")
         return adapters_disabled(self.engine.model)
+
+
+def check_context_parallel(cp: int, mtp: Any, args: Any = None) -> None:
+    """Refuses what the engine cannot run at ``cp`` > 1 (naming both settings): MTP training
+    (``model.mtp.enable_train``) and models with Gated DeltaNet layers (``args``: the model's
+    ``ModelArgs``, when known); router replay is refused by the engine config itself."""
+    if cp <= 1:
+        return
+    if mtp.enable and mtp.enable_train:
+        raise VerlConfigError(f"model.mtp.enable_train=True with engine.context_parallel_size={cp}: mcore_rl trains "
+                              "MTP layers without context parallelism only; set context_parallel_size=1 or "
+                              "model.mtp.enable_train=False.")
+    hybrid = getattr(args, "hybrid", None)
+    if hybrid is not None and any(hybrid.linear_layers):
+        raise VerlConfigError(f"engine.context_parallel_size={cp} with {args.arch.model_type}'s Gated DeltaNet layers "
+                              "(layer_types 'linear_attention'): their recurrent state would cross context-parallel "
+                              "ranks; set context_parallel_size=1 (packed rows, model.use_remove_padding=True, keep "
+                              "long rows cheap).")
 
 
 def _check_router_replay(engine: ModelEngine, mode: str) -> None:

@@ -39,6 +39,9 @@ class McoreRLEngineSettings(EngineConfig):
     'selective' (core attention); null follows ``model.enable_gradient_checkpointing`` (full).
     recompute_num_layers: layers per recomputed block with 'full' (null: 1).
     router_replay: verl's ``EngineRouterReplayConfig`` (``mode``: disabled, R2, R3).
+    context_parallel_size: every padded row or packed sequence split over that many ranks as
+    mcore_rl's actor splits it (``verl_batches``); not with router replay (refused here), MTP
+    training or Gated DeltaNet layers (refused by the engine: ``engine.check_context_parallel``).
     """
 
     _mutable_fields = EngineConfig._mutable_fields | {"sequence_parallel"}
@@ -64,9 +67,13 @@ class McoreRLEngineSettings(EngineConfig):
         if self.dtype not in DTYPES:
             raise VerlConfigError(f"engine.dtype={self.dtype!r}; mcore_rl's verl engine runs {list(DTYPES)} "
                                   "(float16 needs loss scaling, not wired yet).")
-        if self.context_parallel_size != 1:
-            raise VerlConfigError(f"engine.context_parallel_size={self.context_parallel_size}: context "
-                                  "parallelism is not wired into the verl engine yet; set it to 1.")
+        if self.context_parallel_size < 1:
+            raise VerlConfigError(f"engine.context_parallel_size={self.context_parallel_size}; use 1 (off) or more.")
+        mode = getattr(self.router_replay, "mode", "disabled")
+        if self.context_parallel_size > 1 and mode != "disabled":
+            raise VerlConfigError(f"engine.router_replay.mode={mode!r} with engine.context_parallel_size="
+                                  f"{self.context_parallel_size}: the verl engine's route table is not split over "
+                                  "context-parallel ranks; set context_parallel_size=1 or router_replay.mode=disabled.")
         if self.tensor_model_parallel_size == 1 and self.sequence_parallel:
             self.sequence_parallel = False  # as verl's McoreEngineConfig: SP needs TP > 1
         if self.use_fused_kernels:

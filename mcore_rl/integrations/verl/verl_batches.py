@@ -7,6 +7,13 @@ pipeline schedule needs: padded ([b_max, s_max], rows right-padded, filler rows 
 Outputs: per token of ``input_ids``, as verl's Megatron engine returns them: position t of a
 sequence holds log p(token t + 1) (the label is the next token of the flattened batch, as
 verl's), entropy and values at t; as jagged tensors with ``input_ids``' offsets.
+
+Context parallelism: the model splits every padded row (``models.context_parallel``) or every
+packed sequence (rounded up to 2 * cp tokens, ``models.packing``) over the CP ranks as mcore_rl's
+own actor does; each rank computes log-probs / entropy / values at the real tokens it holds and
+the CP group completes them (``whole``), as verl's Megatron engine does: every CP rank gets the
+whole tensors, gradients flow through the rank's own tokens only (megatron's schedule multiplies
+the loss by cp and DDP averages over DP x CP, so the gradient is the whole batch's).
 """
 from __future__ import annotations
 
@@ -15,8 +22,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from megatron.core import parallel_state
+
+from mcore_rl.models.context_parallel import cp_columns, cp_rank_size
 from mcore_rl.models.micro_batch import MicroBatch
-from mcore_rl.models.packing import pack
+from mcore_rl.models.packing import cp_stream_columns, pack, padded_lengths
 from mcore_rl.rl.batch import BatchError
 from mcore_rl.rl.engine import ModelEngine, all_reduce_dp
 from mcore_rl.rl.logprob import log_probs_and_entropy
@@ -108,9 +118,11 @@ def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> 
         _check_positions(mb, lengths)
         rows.append((*_padded(mb, lengths), lengths))
     multiple = engine.seq_multiple
+    cp = engine.layout.cp
+    per_sequence = 2 * cp if cp > 1 else 1  # packed: every sequence splits into 2 * cp chunks
     device = engine.platform.device()
     if packed:
-        shape = torch.tensor([max(int(n.sum()) for *_, n in rows), 1], device=device)
+        shape = torch.tensor([max(int(padded_lengths(m, per_sequence).sum()) for _, m, _ in rows), 1], device=device)
     else:
         shape = torch.tensor([max(ids.shape[1] for ids, *_ in rows), max(ids.shape[0] for ids, *_ in rows)],
                              device=device)
@@ -120,7 +132,7 @@ def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> 
     out = []
     for ids, mask, _ in rows:
         if packed:
-            out.append(MicroBatch({"input_ids": ids, "attention_mask": mask}, packed=pack(ids, mask, width, 1)))
+            out.append(MicroBatch({"input_ids": ids, "attention_mask": mask}, packed=pack(ids, mask, width, per_sequence)))
             continue
         pad_rows, pad_cols = height - ids.shape[0], width - ids.shape[1]
         ids = torch.nn.functional.pad(ids, (0, pad_cols, 0, pad_rows))
@@ -129,15 +141,42 @@ def model_inputs(micro: list[TensorDict], engine: ModelEngine, packed: bool) -> 
     return out
 
 
-def flat_outputs(output: Tensor, inp: MicroBatch, mb: TensorDict) -> Tensor:
-    """The model's output at each real token of the micro-batch, in ``input_ids.values()``
-    order: [nnz, ...] from [b, s, ...] (padded) or [1, T, ...] (packed: rows first, in order)."""
-    lengths = _lengths(mb)
-    if inp.packed is not None:
-        return output[0, : int(lengths.sum())]
-    s = output.shape[1]
-    mask = torch.arange(s, device=output.device)[None] < lengths[:, None].to(output.device)
-    return output[: lengths.numel()][mask]
+def local_outputs(output: Tensor, inp: MicroBatch) -> tuple[Tensor, Tensor]:
+    """This CP rank's model outputs at real tokens and which tokens they are: ([n, ...],
+    token numbers [n] in ``input_ids.values()`` order), from [b, s/cp, ...] (padded rows) or
+    [1, T/cp, ...] (packed stream); at cp = 1 every real token, in order."""
+    rank, size = cp_rank_size()
+    real = inp["attention_mask"].bool()
+    if inp.packed is not None:  # stream places, rows first (filler: no token)
+        stream = inp.packed.ids.shape[1]
+        place_of = inp.packed.index[real]
+        local = cp_stream_columns(inp.packed.cu_seqlens, rank, size) if size > 1 else \
+            torch.arange(stream, device=output.device)
+    else:  # row * s + column of the padded [b, s] rows
+        b, s = real.shape
+        stream = b * s
+        place_of = real.reshape(-1).nonzero().squeeze(-1)
+        cols = cp_columns(s, rank, size, output.device) if size > 1 else torch.arange(s, device=output.device)
+        local = (torch.arange(b, device=output.device)[:, None] * s + cols[None]).reshape(-1)
+    token_of = torch.full((stream,), -1, dtype=torch.long, device=output.device)
+    token_of[place_of.to(output.device)] = torch.arange(place_of.numel(), device=output.device)
+    tokens = token_of[local]
+    keep = tokens >= 0
+    return output.reshape(-1, *output.shape[2:])[keep], tokens[keep]
+
+
+def whole(values: Tensor, tokens: Tensor, nnz: int) -> Tensor:
+    """[nnz, ...] on every CP rank from each rank's ``values`` [n, ...] at its ``tokens`` [n]
+    (each token held by one CP rank): the other ranks' values arrive detached, as in verl's
+    Megatron engine, so gradients reach this rank's own tokens only."""
+    out = values.new_zeros(nnz, *values.shape[1:]).index_put((tokens,), values)
+    if cp_rank_size()[1] == 1:
+        return out
+    total = out.detach().clone()
+    torch.distributed.all_reduce(total, group=parallel_state.get_context_parallel_group())
+    owned = torch.zeros(nnz, dtype=torch.bool, device=out.device)
+    owned[tokens] = True
+    return torch.where(owned.reshape(nnz, *[1] * (values.dim() - 1)), out, total)
 
 
 def _jagged(values: Tensor, mb: TensorDict) -> Tensor:
@@ -162,18 +201,21 @@ def _temperature(mb: TensorDict, lengths: Tensor) -> float | Tensor:
 def lm_outputs(output: Tensor, inp: MicroBatch, mb: TensorDict, vocab_size: int, entropy: bool,
                forward_only: bool) -> dict[str, Tensor]:
     """{'log_probs' (+ 'entropy')}: jagged [b, j] fp32 from vocab-parallel logits."""
-    logits = flat_outputs(output, inp, mb)
-    labels = torch.roll(mb["input_ids"].values(), -1)
+    logits, tokens = local_outputs(output, inp)
+    ids = mb["input_ids"].values()
+    labels = torch.roll(ids, -1)[tokens.to(ids.device)]
     temperature = _temperature(mb, _lengths(mb))
     if isinstance(temperature, Tensor):
-        logits, temperature = logits.float() / temperature.to(logits.device)[:, None], 1.0
+        t = temperature.to(logits.device)[tokens]
+        logits, temperature = logits.float() / t[:, None], 1.0
     lp, ent = log_probs_and_entropy(logits, labels, vocab_size, temperature, entropy, entropy_grad=not forward_only)
-    out = {"log_probs": _jagged(lp, mb)}
-    if entropy:
-        out["entropy"] = _jagged(ent, mb)
-    return out
+    if not entropy:
+        return {"log_probs": _jagged(whole(lp, tokens, ids.numel()), mb)}
+    both = whole(torch.stack([lp, ent], dim=-1), tokens, ids.numel())
+    return {"log_probs": _jagged(both[:, 0].contiguous(), mb), "entropy": _jagged(both[:, 1].contiguous(), mb)}
 
 
 def value_outputs(output: Tensor, inp: MicroBatch, mb: TensorDict) -> dict[str, Tensor]:
     """{'values'}: jagged [b, j] fp32 from the value head's [.., 1] output."""
-    return {"values": _jagged(flat_outputs(output, inp, mb)[:, 0].float(), mb)}
+    values, tokens = local_outputs(output, inp)
+    return {"values": _jagged(whole(values[:, 0].float(), tokens, mb["input_ids"].values().numel()), mb)}
