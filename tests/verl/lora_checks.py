@@ -71,9 +71,8 @@ def base_mismatches(role_dir: str, base_dir: str) -> tuple[int, list[str]]:
 
 def same_trained_tensors(a_role_dir: str, b_role_dir: str, where: str) -> None:
     """Two steps' trained tensors (adapters, a critic's value head) agree but for Adam's
-    amplified rounding (see ``same_weights`` in test_verl_main_ppo.py): at most 0.1% of the
-    elements differ by more than 1e-6; a step from a wrong optimizer state or LR moves most
-    elements by ~lr."""
+    amplified rounding: at most 0.1% of the elements differ by more than 1e-6 (a step from a
+    wrong optimizer state or LR moves most elements by ~lr)."""
     a, b = saved_model_tensors(a_role_dir), saved_model_tensors(b_role_dir)
     assert a.keys() == b.keys(), where
     diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])

@@ -142,7 +142,7 @@ def test_grpo_with_lora_and_merged_sync_at_tp2_trains_adapters_only(head, inputs
     assert_reference_is_the_base(run)
     actor = tmp_path / "ckpt" / "global_step_2" / "actor"
     with open(actor / "mcore_rl.json") as f:
-        assert (json.load(f)["layout"]["tp"]) == 2
+        assert json.load(f)["layout"]["tp"] == 2  # sharded adapters, merged per shard
     assert_base_untouched(actor, inputs["model"])
 
 
@@ -164,9 +164,9 @@ def test_control_without_weight_sync_exceeds_the_bound(head, inputs, tmp_path):
 def ppo(inputs: dict, root: str) -> list[str]:
     """GAE with a critic; the actor's adapters reach the rollout unmerged (``lora.merge=False``,
     verl's default: the base once per process, then the adapter factors only)."""
-    return [*LORA, *LORA_CRITIC, "model_engine=mcore_rl", "actor_rollout_ref.rollout.name=mcore_rl", "algorithm.adv_estimator=gae",
-            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.mcore_rl.dtype=float32",
-            f"critic.model.path={inputs['model']}", "critic.model.enable_gradient_checkpointing=False",
+    return [*LORA, *LORA_CRITIC, "model_engine=mcore_rl", "actor_rollout_ref.rollout.name=mcore_rl",
+            "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.mcore_rl.dtype=float32", f"critic.model.path={inputs['model']}", "critic.model.enable_gradient_checkpointing=False",
             "critic.ppo_micro_batch_size_per_gpu=8", "critic.mcore_rl.dtype=float32", "critic.optim.lr=1e-3",
             *common(inputs, 3),
             "actor_rollout_ref.rollout.full_determinism=True", "data.seed=7", "trainer.save_freq=1",
