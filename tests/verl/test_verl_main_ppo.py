@@ -166,7 +166,8 @@ def ppo(inputs: dict, root: str) -> list[str]:
     verl's default: the base once per process, then the adapter factors only)."""
     return [*LORA, *LORA_CRITIC, "model_engine=mcore_rl", "actor_rollout_ref.rollout.name=mcore_rl",
             "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.actor.mcore_rl.dtype=float32", f"critic.model.path={inputs['model']}", "critic.model.enable_gradient_checkpointing=False",
+            "actor_rollout_ref.actor.mcore_rl.dtype=float32", f"critic.model.path={inputs['model']}",
+            "critic.model.enable_gradient_checkpointing=False",
             "critic.ppo_micro_batch_size_per_gpu=8", "critic.mcore_rl.dtype=float32", "critic.optim.lr=1e-3",
             *common(inputs, 3),
             "actor_rollout_ref.rollout.full_determinism=True", "data.seed=7", "trainer.save_freq=1",
