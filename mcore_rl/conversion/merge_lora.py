@@ -91,7 +91,9 @@ class _UnitReader(Mapping[str, Tensor]):
         return len(self.of)
 
 
-def _step_tensor(step: ModelDir, canonical: str) -> Tensor | None:
+def step_tensor(step: ModelDir, canonical: str) -> Tensor | None:
+    """The tensor ``canonical`` (megatron name, e.g. ``decoder.layers.0.mlp.linear_fc1.lora.A``)
+    as the step holds it (full, unsharded), or None when the step does not hold it."""
     found = _locate(step.reader, canonical)
     return None if found is None else read_located(step.reader, *found)
 
@@ -100,15 +102,15 @@ def _merged_rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iter
     """(HF name, merged tensor) for every row of the model's table, in file order."""
     for canonical, hf_names, transform in canonical_rules(step.args, step.role):
         transform = transform.bind(dims)
-        own = _step_tensor(step, canonical)  # trained in full (value head) or a moved buffer
+        own = step_tensor(step, canonical)  # trained in full (value head) or a moved buffer
         if own is not None:
             yield from zip(hf_names, transform.to_hf(own, dims))
             continue
         pieces = [base[n] for n in hf_names]
         linear = canonical.removesuffix(".weight")
-        a = _step_tensor(step, linear + ".lora.A") if linear != canonical else None
+        a = step_tensor(step, linear + ".lora.A") if linear != canonical else None
         if a is not None:
-            b, scale = _step_tensor(step, linear + ".lora.B"), _step_tensor(step, linear + ".lora.scale")
+            b, scale = step_tensor(step, linear + ".lora.B"), step_tensor(step, linear + ".lora.scale")
             if b is None or scale is None:
                 raise MergeError(f"{step.path}: {linear} has lora.A but no lora.B or lora.scale; the step is damaged.")
             delta = (b.double() @ a.double()) * float(scale.reshape(-1)[0])

@@ -8,7 +8,8 @@ Launches share one Ray head (tests/verl/main_ppo_runner.py). What each asserts:
   rollout.name and the search path change): non-zero grad norm at every step, and verl's
   rollout-vs-trainer mismatch metrics within 1e-4 at every step; a control launch without weight
   sync exceeds that bound (the policy moves by far more than 1e-4 per step).
-- PPO with a critic (GAE): see test_ppo_* below.
+- GRPO with LoRA (verl's Megatron keys ``model.lora.*`` added to that script, merged weight
+  sync) and PPO with a LoRA actor (adapter-only sync) and a LoRA critic (GAE): see the tests.
 """
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import math
 import os
 
 import pytest
-import torch
 
 pytest.importorskip("verl")
 
+from tests.verl.lora_checks import assert_adapter_only, base_mismatches, same_trained_tensors  # noqa: E402
 from tests.verl.main_ppo_runner import RayHead, launch  # noqa: E402
 from tests.verl.ppo_fixtures import REWARD_FILE, save_arithmetic_parquet, save_chat_model  # noqa: E402
 
@@ -103,6 +104,48 @@ def test_grpo_from_a_verl_megatron_script_at_tp2_stays_on_policy(head, inputs, t
     assert len(set(scores)) == 2 and all(0 < s < 1 for s in scores), scores  # shaped: partial credit varies
 
 
+# LoRA on the policy (verl's Megatron keys; verl then computes the reference in the actor with the
+# adapters disabled, ``ref_in_actor``) with the KL loss that reads that reference, and every save
+# holding the engine's merged HF export (``hf_model``) besides the adapter-only step.
+LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
+LORA_CRITIC = ["critic.model.lora.rank=8", "critic.model.lora.alpha=16",
+               "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
+BASE_TENSORS = 38  # HF tensors of the tiny llama's trunk: embedding, 4 x 9 per layer, final norm
+
+
+def assert_reference_is_the_base(run) -> None:
+    """verl's KL loss compares the policy with the reference. Step 1: the adapters start with
+    B = 0, so the policy is the base and the loss is 0 exactly; later steps: the policy has moved
+    from the base and the loss exceeds the rounding bound (a reference computed with the adapters
+    on is the policy itself: 0 up to rounding; 1.5e-2 to 7.5e-2 here)."""
+    assert run.metrics[1]["actor/kl_loss"] == 0.0, run.metrics[1]["actor/kl_loss"]
+    for step in sorted(run.metrics)[1:]:
+        assert run.metrics[step]["actor/kl_loss"] > BOUND, (step, run.metrics[step]["actor/kl_loss"])
+
+
+def assert_base_untouched(role_dir, base_dir: str) -> None:
+    """An adapter-only step whose engine still held the starting base bit for bit."""
+    assert_adapter_only(str(role_dir))
+    compared, differ = base_mismatches(str(role_dir), base_dir)
+    assert compared == BASE_TENSORS and not differ, f"{role_dir}: base weights changed: {differ}"
+
+
+def test_grpo_with_lora_and_merged_sync_at_tp2_trains_adapters_only(head, inputs, tmp_path):
+    """The Megatron script plus verl's LoRA keys, ``lora.merge=True``: the rollout gets the
+    merged weights ``W + s B A`` at every sync."""
+    run = launch(head, str(tmp_path), [*migrated(MEGATRON_SCRIPT), *LORA, "actor_rollout_ref.model.lora.merge=True",
+                                        *common(inputs, 2), "trainer.save_freq=2",
+                                        f"trainer.default_local_dir={tmp_path / 'ckpt'}"])
+    assert_every_step_trains_on_policy(run, 2)
+    assert_reference_is_the_base(run)
+    actor = tmp_path / "ckpt" / "global_step_2" / "actor"
+    with open(actor / "mcore_rl.json") as f:
+        assert json.load(f)["layout"]["tp"] == 2  # sharded adapters, merged per shard
+    assert_base_untouched(actor, inputs["model"])
+
+
 def test_control_without_weight_sync_exceeds_the_bound(head, inputs, tmp_path):
     """The rollout keeps the starting weights (loaded from the same HF directory): step 1 agrees,
     step 2 measures how far one update moved the policy — far beyond the bound above."""
@@ -117,11 +160,14 @@ def test_control_without_weight_sync_exceeds_the_bound(head, inputs, tmp_path):
     assert second["rollout_corr/log_ppl_diff_max"] > 100 * BOUND and second["rollout_corr/kl"] > 100 * BOUND, second
 
 
-# ---- PPO with a critic: checkpoint every step, a kill during step 3, the resume -------------------
+# ---- PPO with a LoRA actor and a LoRA critic: checkpoint every step, a kill during step 3, the resume ---
 def ppo(inputs: dict, root: str) -> list[str]:
-    return ["model_engine=mcore_rl", "actor_rollout_ref.rollout.name=mcore_rl", "algorithm.adv_estimator=gae",
-            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.mcore_rl.dtype=float32",
-            f"critic.model.path={inputs['model']}", "critic.model.enable_gradient_checkpointing=False",
+    """GAE with a critic; the actor's adapters reach the rollout unmerged (``lora.merge=False``,
+    verl's default: the base once per process, then the adapter factors only)."""
+    return [*LORA, *LORA_CRITIC, "model_engine=mcore_rl", "actor_rollout_ref.rollout.name=mcore_rl",
+            "algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.mcore_rl.dtype=float32", f"critic.model.path={inputs['model']}",
+            "critic.model.enable_gradient_checkpointing=False",
             "critic.ppo_micro_batch_size_per_gpu=8", "critic.mcore_rl.dtype=float32", "critic.optim.lr=1e-3",
             *common(inputs, 3),
             "actor_rollout_ref.rollout.full_determinism=True", "data.seed=7", "trainer.save_freq=1",
@@ -139,11 +185,14 @@ def listing(root) -> dict[str, list[str]]:
             if name.startswith("global_step_")}
 
 
-def test_ppo_with_critic_killed_during_step_3_resumes_both_roles(head, inputs, tmp_path):
+def test_ppo_with_lora_actor_and_critic_killed_during_step_3_resumes_both_roles(head, inputs, tmp_path):
     straight = launch(head, str(tmp_path / "straight"), ppo(inputs, str(tmp_path / "a")))
     assert_every_step_trains_on_policy(straight, 3)
+    assert_reference_is_the_base(straight)
     for step, m in straight.metrics.items():
         assert m["critic/grad_norm"] > 0 and math.isfinite(m["critic/vf_loss"]), (step, m)
+    for role in ("actor", "critic"):
+        assert_base_untouched(tmp_path / "a" / "global_step_3" / role, inputs["model"])
 
     root = tmp_path / "b"
     killed = launch(head, str(tmp_path / "killed"), ppo(inputs, str(root)), job_env=KILL)
@@ -158,6 +207,8 @@ def test_ppo_with_critic_killed_during_step_3_resumes_both_roles(head, inputs, t
     assert resumed.returncode == 0, resumed.tail()
     assert sorted(resumed.metrics) == [3]  # resumed at step 3 from step 2, both roles
     compare_resumed_step(straight, killed, resumed, 3, tmp_path / "a", root)
+    for role in ("actor", "critic"):
+        assert_base_untouched(root / "global_step_3" / role, inputs["model"])
 
 
 # Metrics that do not depend on the order of the batch's rows or on float rounding.
@@ -186,26 +237,13 @@ def samples(run, step: int) -> list[tuple]:
     return sorted((g["input"], g["output"], g["score"]) for g in run.generations[step])
 
 
-def hf_weights(step_dir, role: str) -> dict:
-    """The HF-named tensors of a saved role (the merge path: torch_dist read without megatron)."""
-    from mcore_rl.conversion.merge import iter_hf_tensors, open_model_dir, plan_units
-
-    model = open_model_dir(str(step_dir / role))
-    units, dims = plan_units(model)
-    return dict(iter_hf_tensors(model, units, dims))
-
-
 def same_weights(a_step, b_step, where: str) -> None:
-    """Both roles' saved weights agree but for Adam's amplified rounding: a row order changes a
-    gradient by rounding, and Adam turns rounding in near-zero gradients into visible steps for a
-    few elements (the uninterrupted pair below shows it). A step from a wrong optimizer state or
-    LR moves most elements by ~lr (1e-3 here)."""
+    """Both roles' trained tensors (adapters, the critic's value head) agree but for Adam's
+    amplified rounding: a row order changes a gradient by rounding, and Adam turns rounding in
+    near-zero gradients into visible steps for a few elements (the uninterrupted pair below shows
+    it). A step from a wrong optimizer state or LR moves most elements by ~lr (1e-3 here)."""
     for role in ("actor", "critic"):
-        a, b = hf_weights(a_step, role), hf_weights(b_step, role)
-        assert a.keys() == b.keys()
-        diff = torch.cat([(a[k] - b[k]).abs().flatten() for k in a])
-        off = float((diff > 1e-6).float().mean())
-        assert off <= 1e-3, f"{where}, {role}: {off:.2%} of the weights differ by > 1e-6 (max {float(diff.max()):.2e})"
+        same_trained_tensors(str(a_step / role), str(b_step / role), f"{where}, {role}")
 
 
 def compare_resumed_step(straight, killed, resumed, step: int, a_root, b_root) -> None:
