@@ -100,3 +100,39 @@ def receiver_links(ce_cls, trainer_ranks: int, receivers: int, meta: dict) -> li
         ce.init_process_group(rollout["rank"][i], rollout["world_size"][i], rollout["master"][i])
         links.append(ce.receive_weights().link)
     return links
+
+
+def fake_trainer_class():
+    """A verl worker class standing in for the actor worker group under verl's
+    CheckpointEngineManager: the tensors of a HF model, mcore_rl's checkpoint engine built as
+    verl's ActorRolloutRefWorker builds it (``is_master`` on rank 0), ``update_weights`` sending
+    them, ``step`` moving one tensor. Built lazily (imports verl and Ray)."""
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    from verl.single_controller.base import Worker
+    from verl.single_controller.base.decorator import Dispatch, register
+
+    class FakeTrainer(Worker):
+        def __init__(self, model_dir: str, bucket_bytes: int, engine_kwargs: dict) -> None:
+            super().__init__()
+            from safetensors.torch import load_file
+
+            self.tensors = load_file(os.path.join(model_dir, "model.safetensors"))
+            self.checkpoint_engine = CheckpointEngineRegistry.new(
+                "mcore_rl", is_master=self.rank == 0, bucket_size=bucket_bytes, **engine_kwargs)
+
+        @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
+        def execute_checkpoint_engine(self, method: str, *args, **kwargs):
+            return getattr(self.checkpoint_engine, method)(*args, **kwargs)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict:
+            return await self.checkpoint_engine.send_weights(iter(self.tensors.items()), global_steps=global_steps)
+
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        def step(self, name: str) -> dict[str, str]:
+            from mcore_rl.integrations.verl.weight_wire import tensor_checksum
+
+            self.tensors[name] = self.tensors[name] + 0.5
+            return {n: tensor_checksum(t) for n, t in self.tensors.items()}
+
+    return FakeTrainer

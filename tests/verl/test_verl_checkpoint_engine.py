@@ -208,3 +208,52 @@ def test_topology_and_refused_options():
             CE(1 << 20, **kwargs)
     with pytest.raises(WeightSyncError, match="trainer rank 0 reported no store address"):
         CE.build_topology(1, 1, [{"leader": False}, {"leader": True}])
+
+
+def test_standalone_replicas_take_versions_through_verls_checkpoint_engine_manager(model_dir):
+    """Two standalone replicas (verl's ``init_standalone``: CheckpointEngineWorker actors on
+    Ray's fake GPUs, the servers beside them) and a 2-rank trainer group, synced by verl's own
+    ``CheckpointEngineManager.update_weights`` (abort, release, prepare, topology, send/receive,
+    finalize, resume) with ``delta``: both servers hold the trainer's tensors bit for bit after
+    each version, the second sends one tensor, the manager returns the sender's metrics, and
+    the servers generate with the step they were given."""
+    import ray
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    from mcore_rl.integrations.verl import registry
+    from tests.verl.main_ppo_runner import RayHead
+
+    registry.install()
+    engine = CheckpointEngineConfig(backend="mcore_rl", update_weights_bucket_megabytes=1,
+                                    engine_kwargs={"mcore_rl": {"delta": True, "timeout_s": 120}})
+    config = RolloutConfig(name="mcore_rl", mode="async", dtype="float32", prompt_length=16, response_length=8,
+                           load_format="dummy", tensor_model_parallel_size=1, checkpoint_engine=engine)
+    with RayHead(num_cpus=6, num_gpus=2):
+        replica_cls = get_rollout_replica_class("mcore_rl")
+        replicas = [replica_cls(replica_rank=r, config=config, model_config=HFModelConfig(path=model_dir),
+                                gpus_per_node=1) for r in range(2)]
+
+        async def start():
+            await asyncio.gather(*[r.init_standalone() for r in replicas])
+
+        asyncio.run(start())
+        trainer = RayWorkerGroup(resource_pool=RayResourcePool([2], use_gpu=False, max_colocate_count=1), ray_cls_with_init=RayClassWithInitArgs(
+            cls=ray.remote(B.fake_trainer_class()), model_dir=model_dir, bucket_bytes=40_000,
+            engine_kwargs=dict(engine.engine_kwargs["mcore_rl"])))
+        manager = CheckpointEngineManager(engine, trainer, replicas)
+        metrics, served = [], []
+        for step, moved in ((1, "model.norm.weight"), (2, "model.layers.1.mlp.up_proj.weight")):
+            want = trainer.step(moved)[0]
+            metrics.append(manager.update_weights(global_steps=step))
+            for replica in replicas:
+                have = ray.get(replica.server_handle.parameter_checksums.remote())
+                sample = ray.get(replica.server_handle.generate.remote(
+                    prompt_ids=[5, 6, 7], sampling_params={"temperature": 1.0}, request_id=f"s{step}"))
+                served.append((all(have[n] == c for n, c in want.items()), sample.extra_fields["global_steps"]))
+    assert served == [(True, 1), (True, 1), (True, 2), (True, 2)]
+    assert [m["checkpoint_engine/delta"] for m in metrics] == [0.0, 1.0]
+    assert metrics[0]["checkpoint_engine/tensors_sent"] == metrics[0]["checkpoint_engine/tensors_total"] > 10
+    assert metrics[1]["checkpoint_engine/tensors_sent"] == 1
