@@ -257,3 +257,59 @@ def test_standalone_replicas_take_versions_through_verls_checkpoint_engine_manag
     assert [m["checkpoint_engine/delta"] for m in metrics] == [0.0, 1.0]
     assert metrics[0]["checkpoint_engine/tensors_sent"] == metrics[0]["checkpoint_engine/tensors_total"] > 10
     assert metrics[1]["checkpoint_engine/tensors_sent"] == 1
+
+
+def test_adapter_versions_send_only_the_changed_factors_and_serve_them_unmerged(model_dir):
+    """LoRA served unmerged through the engine (``AdapterWeights``: base weights + PEFT-named
+    factors, with ``delta``): version 1 sends everything and the server computes (W + s B A) x;
+    version 2, after one factor moved, sends that factor alone (bytes counted), keeps the others
+    and the base, and still serves exactly the trainer's adapters."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.integrations.verl.checkpoint_engine import AdapterWeights, McoreRLCheckpointEngine
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    server = make_server(model_dir, load_format="dummy")
+    model = server.engine.model
+    g = torch.Generator().manual_seed(3)
+    factors = {}
+    for layer in range(2):
+        for proj, (out, inp) in (("q_proj", model.model.layers[layer].self_attn.q_proj.weight.shape),
+                                 ("v_proj", model.model.layers[layer].self_attn.v_proj.weight.shape)):
+            stem = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            factors[f"{stem}.lora_A.weight"] = torch.randn(4, inp, generator=g)
+            factors[f"{stem}.lora_B.weight"] = torch.randn(out, 4, generator=g)
+    peft = {"r": 4, "lora_alpha": 8, "target_modules": {"q_proj", "v_proj"}}
+    sender = McoreRLCheckpointEngine(1 << 20, is_master=True, delta=True, timeout_s=60)
+    metrics, replies = [], []
+    for version in (1, 2):
+        if version == 2:
+            factors["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"] *= 2
+        meta = sender.prepare()
+        actor, _ = B._topology(McoreRLCheckpointEngine, 1, 1, meta)
+        sender.init_process_group(actor["rank"][0], actor["world_size"][0], actor["master"][0])
+        (link,) = B.receiver_links(McoreRLCheckpointEngine, 1, 1, meta)
+        weights = AdapterWeights(list(base.items()) + list(factors.items()), peft)
+        thread = threading.Thread(target=lambda: metrics.append(asyncio.run(sender.send_weights(weights, version))))
+        thread.start()
+        replies.append(asyncio.run(server.receive_weights(link, version)))
+        thread.join()
+        sender.finalize()
+        merged = copy.deepcopy(AutoModelForCausalLM.from_pretrained(model_dir))
+        with torch.no_grad():
+            for layer in range(2):
+                for proj in ("q_proj", "v_proj"):
+                    stem = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+                    linear = getattr(merged.model.layers[layer].self_attn, proj)
+                    linear.weight += 2.0 * factors[f"{stem}.lora_B.weight"] @ factors[f"{stem}.lora_A.weight"]
+            ids = torch.tensor([prompts(1)[0]])
+            assert (model(ids).logits - merged(ids).logits).abs().max() <= 1e-5, version
+        assert all(torch.equal(server.engine.params[n], t) for n, t in base.items())
+    assert replies[0]["adapters"] == replies[1]["adapters"] == 4
+    assert metrics[0]["checkpoint_engine/tensors_sent"] == len(base) + len(factors)
+    assert metrics[1]["checkpoint_engine/tensors_sent"] == 1 and metrics[1]["checkpoint_engine/delta"] == 1.0
+    moved = factors["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    assert metrics[1]["checkpoint_engine/tensor_bytes_sent"] == moved.nbytes
+    assert generate_all(server, prompts(1), ["lora"])[0].extra_fields["global_steps"] == 2

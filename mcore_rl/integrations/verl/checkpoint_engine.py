@@ -73,6 +73,18 @@ class VersionStream:
             yield name, tensor
 
 
+class AdapterWeights:
+    """An export stream that carries LoRA adapters unmerged: (name, tensor) pairs of the base
+    weights (HF names) and the adapter factors (PEFT names, ``rollout_lora``), with verl's PEFT
+    config dict. With ``delta`` only the factors (and base tensors) that changed cross the wire."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], peft_config: dict[str, Any]) -> None:
+        self._weights, self.peft_config = weights, dict(peft_config)
+
+    def __iter__(self):
+        return iter(self._weights)
+
+
 class McoreRLCheckpointEngine(CheckpointEngine):
     """verl's CheckpointEngine over ``weight_wire`` (see the module doc). ``bucket_size``: bytes
     per bucket; ``is_master``: trainer rank 0 (the sender)."""
@@ -140,7 +152,8 @@ class McoreRLCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                            global_steps: int | None = None) -> dict[str, float]:
         """Rank 0 streams the version (returns verl's sync metrics); other trainer ranks drain
-        the collective generator and return {}."""
+        the collective generator and return {}. ``weights`` with a ``peft_config`` attribute
+        (``AdapterWeights``): base weights and LoRA factors under PEFT names, served unmerged."""
         if self._link is None or self._link.rank != 0:
             wire.drain(weights)
             return {}
@@ -148,7 +161,7 @@ class McoreRLCheckpointEngine(CheckpointEngine):
             torch.cuda.set_device(torch.cuda.current_device())
         group = wire.open_group(self._link, self._store)
         try:
-            metrics = self.sender.send(group, self._link, weights)
+            metrics = self.sender.send(group, self._link, weights, getattr(weights, "peft_config", None))
         finally:
             del group
         return {**metrics, "checkpoint_engine/global_steps": float(global_steps if global_steps is not None else -1)}

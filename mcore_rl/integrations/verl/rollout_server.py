@@ -43,7 +43,7 @@ import torch
 
 from mcore_rl.errors import McoreRLError
 from mcore_rl.integrations.verl import weight_wire as wire
-from mcore_rl.integrations.verl.rollout_lora import ServedAdapters
+from mcore_rl.integrations.verl.rollout_lora import ServedAdapters, is_adapter_name
 from mcore_rl.mapping.casts import cast_checked
 from mcore_rl.rollout.hf_generate import TransformersRollout
 from mcore_rl.rollout.sampling import SampleRequest, SampleResult, sample_requests
@@ -138,6 +138,7 @@ class RolloutServer:
         self._sync_wrote = False  # it copied weights into the model already
         self._watchdog: asyncio.Task | None = None
         self.known: tuple[int, dict[str, str]] | None = None  # (token, checksums) of the version served
+        self._factors: dict[str, torch.Tensor] = {}  # its LoRA factors by PEFT name (a delta keeps them)
         self._receiving = False
 
     # ---- generation ---------------------------------------------------------------------------
@@ -250,8 +251,7 @@ class RolloutServer:
         self._sync, self._sync_seen, self._sync_wrote = self._syncs, time.monotonic(), False
         self._updated = set()
         self._adapter_sync = peft_config is not None
-        if not self._adapter_sync:
-            self.known = None  # written in place: no checksums to base a delta on
+        self.known = None  # written in place: no checksums to base a delta on
         try:
             if self._adapter_sync:
                 self.adapters.begin(peft_config)
@@ -365,7 +365,10 @@ class RolloutServer:
             del group
 
     def _staged(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as the parameter ``name`` holds it (its dtype), or an error naming it."""
+        """``tensor`` as the parameter ``name`` holds it (its dtype), or an error naming it (a
+        LoRA factor under its PEFT name as is: ``ServedAdapters`` checks it)."""
+        if is_adapter_name(name):
+            return tensor
         param = self.engine.params.get(name)
         if param is None:
             raise RolloutServerError(f"weight {name!r} is no parameter of the rollout model; the trainer's "
@@ -377,8 +380,9 @@ class RolloutServer:
                             "run the rollout in a wider dtype (rollout.dtype=bfloat16 or float32)")
 
     def _check_names(self, names: list[str]) -> None:
-        """A version must name only rollout parameters and cover every one (tied ones once)."""
-        unknown = [n for n in names if n not in self.engine.params]
+        """A version must name only rollout parameters (and LoRA factors) and cover every
+        parameter (tied ones once)."""
+        unknown = [n for n in names if n not in self.engine.params and not is_adapter_name(n)]
         covered = {id(self.engine.params[n]) for n in names if n in self.engine.params}
         missing = sorted(n for n, p in self.engine.params.items() if id(p) not in covered)
         if unknown or missing:
@@ -389,7 +393,7 @@ class RolloutServer:
     async def install_version(self, version: wire.Version, global_steps: int | None,
                               checked: bool = False) -> dict[str, Any]:
         """Swaps a whole version in under the generation lock (the batch in flight finishes on
-        the old weights); adapters are removed (a version is whole weights). ``checked``: names,
+        the old weights); its LoRA factors replace the served adapters (none: they are removed). ``checked``: names,
         shapes and dtypes were checked while receiving (else here, before anything is written)."""
         self._ensure_loop_state()
         if not checked:
@@ -400,14 +404,38 @@ class RolloutServer:
             self._check_names(version.names)
             version.tensors = {n: self._staged(n, t) for n, t in version.tensors.items()}
         async with self._lock:
+            factors = self._version_adapters(version)  # checked before any weight is written
             with torch.no_grad():
                 for name, tensor in version.tensors.items():
-                    self.engine.params[name].copy_(tensor)
-            self.adapters.clear()
+                    if not is_adapter_name(name):
+                        self.engine.params[name].copy_(tensor)
+            self._factors = factors
             self.global_steps, self._stale = global_steps, False
             self._seen.clear()
             self.known = (version.token, version.checksums)
-        return {"tensors": len(version.tensors), "bytes": version.nbytes}
+        return {"tensors": len(version.tensors), "bytes": version.nbytes, "adapters": len(self.adapters.active)}
+
+    def _version_adapters(self, version: wire.Version) -> dict[str, torch.Tensor]:
+        """Installs the version's LoRA adapters (its factors: the ones it sent, the rest kept
+        from the version it is based on) or removes the served ones (a version without
+        adapters); returns its factors by PEFT name. Raises before changing anything when they
+        do not fit the model."""
+        names = [n for n in version.names if is_adapter_name(n)]
+        if not names:
+            self.adapters.clear()
+            return {}
+        if version.peft is None:
+            raise RolloutServerError(f"weight version {version.token} carries LoRA factors (e.g. {names[0]!r}) without a "
+                                     "PEFT config; send them with AdapterWeights(weights, peft_config).")
+        factors = {n: version.tensors[n] if n in version.tensors else self._factors[n] for n in names}
+        self.adapters.begin(version.peft)
+        try:
+            self.adapters.take(list(factors.items()))
+            self.adapters.install()
+        except BaseException:
+            self.adapters.abandon()
+            raise
+        return factors
 
     async def known_version(self) -> tuple[int, dict[str, str]] | None:
         """(token, checksums) of the version served (None: weights of no checked version)."""

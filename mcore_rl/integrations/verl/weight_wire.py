@@ -9,9 +9,10 @@ A version is, in order (every step a collective over the group):
 2. *buckets*: each a header broadcast (int64 ``[kind, meta_bytes, payload_bytes]``) and a body
    broadcast (uint8: JSON meta ``[[name, dtype, shape, offset, nbytes], ...]`` then the tensors'
    bytes), at most ``bucket_bytes`` of tensors (a larger tensor alone);
-3. *manifest*: one more header + body, the JSON ``{token, base, names, checksums, sent}`` (every
-   tensor name of the version in order, the checksum of each, the names this version sent;
-   ``base``: the token the unsent ones are kept from, 0 for a full version);
+3. *manifest*: one more header + body, the JSON ``{token, base, names, checksums, sent, peft}``
+   (every tensor name of the version in order, the checksum of each, the names this version
+   sent; ``base``: the token the unsent ones are kept from, 0 for a full version; ``peft``: the
+   PEFT config when the version carries LoRA adapter factors under PEFT names, else null);
 4. *ack*: an all-reduce (MIN) of 1 (accepted) or 0 from every receiver; a version counts only
    when every receiver accepted it (each receiver applies it only then).
 
@@ -73,6 +74,7 @@ class Version:
     checksums: dict[str, str]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     nbytes: int = 0
+    peft: dict[str, Any] | None = None
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -116,6 +118,11 @@ def _all_reduce_min(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.Ten
     return tensor
 
 
+def _plain(value: Any) -> Any:
+    """JSON for what a PEFT config holds besides JSON types (sets of module names)."""
+    return sorted(value) if isinstance(value, (set, frozenset)) else str(value)
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -124,7 +131,7 @@ def _send(group: dist.ProcessGroup, device: torch.device, kind: int, meta: Any,
           tensors: list[tuple[int, torch.Tensor]]) -> int:
     """One message: header then body (meta JSON padded to ``ALIGN`` bytes, then each tensor's
     bytes at its offset). Returns the body's size."""
-    meta_bytes = json.dumps(meta).encode()
+    meta_bytes = json.dumps(meta, default=_plain).encode()
     meta_bytes += b" " * (_aligned(len(meta_bytes)) - len(meta_bytes))
     payload = max((offset + t.nbytes for offset, t in tensors), default=0)
     body = torch.zeros(len(meta_bytes) + payload, dtype=torch.uint8, device=device)
@@ -156,9 +163,11 @@ class Sender:
         self.delta = delta
         self.last: tuple[int, dict[str, str]] | None = None  # (token, checksums) of the last accepted version
 
-    def send(self, group: dist.ProcessGroup, link: Link, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Streams one version of ``weights`` ((name, full tensor) pairs); returns verl's sync
-        metrics (bytes and tensors sent, seconds). Raises WeightSyncError when a receiver refused."""
+    def send(self, group: dist.ProcessGroup, link: Link, weights: Iterable[tuple[str, torch.Tensor]],
+             peft_config: dict[str, Any] | None = None) -> dict[str, float]:
+        """Streams one version of ``weights`` ((name, full tensor) pairs; with ``peft_config``
+        LoRA factors under PEFT names may be among them); returns verl's sync metrics (bytes and
+        tensors sent, seconds). Raises WeightSyncError when a receiver refused."""
         start, device = time.perf_counter(), _device(link)
         hello = _all_reduce_min(group, torch.tensor([_BIG, _BIG], dtype=torch.int64, device=device)).cpu()
         low, high = int(hello[0]), -int(hello[1])
@@ -185,7 +194,8 @@ class Sender:
             payload += t.nbytes
         if bucket:
             wire += _send(group, device, BUCKET, meta, bucket)
-        manifest = {"token": token, "base": base[0] if base else 0, "names": names, "checksums": sums, "sent": sent}
+        manifest = {"token": token, "base": base[0] if base else 0, "names": names, "checksums": sums, "sent": sent,
+                    "peft": peft_config}
         wire += _send(group, device, MANIFEST, manifest, [])
         accepted = int(_all_reduce_min(group, torch.ones(1, dtype=torch.int64, device=device)).cpu()[0])
         self.last = (token, sums) if accepted else None
@@ -222,7 +232,8 @@ def receive(group: dist.ProcessGroup, link: Link, known: tuple[int, dict[str, st
                 continue
             t = payload[offset:offset + size].view(DTYPES[dtype]).view(shape)
             tensors[name] = t
-    version = Version(int(meta["token"]), int(meta["base"]), list(meta["names"]), dict(meta["checksums"]), {}, nbytes)
+    version = Version(int(meta["token"]), int(meta["base"]), list(meta["names"]), dict(meta["checksums"]), {}, nbytes,
+                      meta.get("peft"))
     errors += _check_version(version, meta["sent"], tensors, known)
     if not errors:
         try:
