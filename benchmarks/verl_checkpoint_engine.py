@@ -2,7 +2,8 @@
 the rollout server joins a private gloo group and receives the version itself) against verl's
 ``naive`` colocated path (the trainer worker's ``ServerAdapter`` pushes buckets to the server
 through Ray), on SmolLM2-135M (``make prepare-smollm2``), side by side, alternately; then delta
-bytes for a full-model step and for a merged-LoRA step (only the adapted projections change).
+bytes for a full-model step, a merged-LoRA step (only the adapted projections change) and an
+adapter-only step (LoRA served unmerged: base weights + rank-8 factors on q/v, only the factors move).
 
     .venv-verl/bin/python benchmarks/verl_checkpoint_engine.py [--repeat 3] [--bucket-mb 256] [--model DIR]
 
@@ -58,6 +59,7 @@ class Trainer:
         self.adapter = ServerAdapter(_config(dtype, bucket_mb), HFModelConfig(path=model_dir), None)
         self.engines = {delta: McoreRLCheckpointEngine(bucket_mb << 20, is_master=True, delta=delta, timeout_s=300)
                         for delta in (False, True)}
+        self.factors: dict[str, torch.Tensor] = {}  # unmerged LoRA factors (PEFT names), once "adapters" ran
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
@@ -76,22 +78,32 @@ class Trainer:
     async def send(self, delta: bool, rank: int, world_size: int, master: dict, step: int) -> dict:
         engine = self.engines[delta]
         engine.init_process_group(rank, world_size, master)
+        from mcore_rl.integrations.verl.checkpoint_engine import AdapterWeights
+
+        weights = list(self.tensors.items())
+        if self.factors:
+            weights = AdapterWeights(weights + list(self.factors.items()), {"r": LORA_RANK, "lora_alpha": 16})
         try:
-            return await engine.send_weights(iter(self.tensors.items()), global_steps=step)
+            return await engine.send_weights(weights, global_steps=step)
         finally:
             engine.finalize()
 
     def step(self, kind: str) -> int:
-        """A training step's stand-in: every tensor moves ("full"), or only the LoRA-adapted
-        projections (a merged-LoRA step); returns the adapter factors' bytes for "lora"
-        (rank 8: what an adapter-only sync of unmerged adapters would send)."""
-        factors = 0
+        """A training step's stand-in: every tensor moves ("full"), only the LoRA-adapted
+        projections ("lora", a merged-LoRA step), or only unmerged rank-8 adapter factors on
+        them ("adapters"); returns the factors' bytes."""
         with torch.no_grad():
             for name, t in self.tensors.items():
-                if kind == "full" or any(f".{m}." in name for m in LORA_TARGETS):
+                adapted = any(f".{m}." in name for m in LORA_TARGETS) and t.dim() == 2
+                if kind == "full" or (kind == "lora" and adapted):
                     t.add_(1e-3 * torch.sign(t + 0.5))
-                    factors += LORA_RANK * (t.shape[0] + t.shape[1]) * t.element_size() if t.dim() == 2 else 0
-        return factors
+                if kind == "adapters" and adapted:
+                    stem = "base_model.model." + name.removesuffix(".weight")
+                    a = self.factors.setdefault(f"{stem}.lora_A.weight", torch.zeros(LORA_RANK, t.shape[1], dtype=t.dtype))
+                    b = self.factors.setdefault(f"{stem}.lora_B.weight", torch.zeros(t.shape[0], LORA_RANK, dtype=t.dtype))
+                    a.add_(1e-3)
+                    b.add_(1e-3)
+        return sum(t.nbytes for t in self.factors.values())
 
 
 def ce_sync(trainer, server, delta: bool, step: int) -> tuple[float, dict]:
@@ -166,16 +178,20 @@ def run(args) -> None:
           f"{metrics['checkpoint_engine/bytes_sent'] / 2**20:.1f} MiB on the wire")
     print(f"ratio mcore_rl / naive: {o / n:.2f} (goal <= 1.2)")
     ce_sync(trainer, server, True, 100)  # the delta engine's base version
-    for kind in ("full", "lora"):
+    labels = {"full": "a full-model step", "lora": "a merged-LoRA step (q/v projections move)",
+              "adapters": f"an adapter-only step (rank-{LORA_RANK} factors on {'/'.join(LORA_TARGETS)}, unmerged)"}
+    ray.get(trainer.step.remote("adapters"))  # the adapters' first version: the base is kept
+    ce_sync(trainer, server, True, 99)
+    ce_sync(trainer, server, True, 100)  # nothing moved: nothing sent (the delta engine's base)
+    for step, kind in enumerate(labels, start=101):
         factors = ray.get(trainer.step.remote(kind))
-        seconds, metrics = ce_sync(trainer, server, True, 101 if kind == "full" else 102)
-        check_equal(trainer, server, f"a delta sync after a {kind} step")
-        extra = f"; unmerged rank-{LORA_RANK} adapters on {'/'.join(LORA_TARGETS)}: {factors / 2**20:.2f} MiB" \
-            if kind == "lora" else ""
-        print(f"delta after a {'full-model' if kind == 'full' else 'merged-LoRA'} step: "
-              f"{int(metrics['checkpoint_engine/tensors_sent'])}/{int(metrics['checkpoint_engine/tensors_total'])} "
-              f"tensors, {metrics['checkpoint_engine/tensor_bytes_sent'] / 2**20:.2f} MiB of tensors "
-              f"({metrics['checkpoint_engine/bytes_sent'] / 2**20:.2f} MiB on the wire), {seconds:.2f} s{extra}")
+        seconds, metrics = ce_sync(trainer, server, True, step)
+        check_equal(trainer, server, f"a delta sync after {labels[kind]}")
+        print(f"delta after {labels[kind]}: {int(metrics['checkpoint_engine/tensors_sent'])}/"
+              f"{int(metrics['checkpoint_engine/tensors_total'])} tensors, "
+              f"{metrics['checkpoint_engine/tensor_bytes_sent'] / 2**20:.2f} MiB of tensors "
+              f"({metrics['checkpoint_engine/bytes_sent'] / 2**20:.2f} MiB on the wire), {seconds:.2f} s"
+              + (f" (adapter factors: {factors / 2**20:.2f} MiB)" if kind == "adapters" else ""))
 
 
 if __name__ == "__main__":
