@@ -57,6 +57,11 @@ def module_and_factor(name: str) -> tuple[str, str]:
                               f"('{PREFIX}<module>.lora_A.weight' / '.lora_B.weight').")
 
 
+def is_adapter_name(name: str) -> bool:
+    """Whether ``name`` is a PEFT LoRA factor's name ('base_model.model.<module>.lora_A.weight')."""
+    return name.startswith(PREFIX) and any(name.endswith("." + suffix) for suffix in FACTORS)
+
+
 class ServedAdapters:
     """The adapters of one rollout model: ``begin`` a sync, ``take`` its buckets, ``install``
     the complete set (or ``clear`` them)."""
