@@ -91,6 +91,7 @@ def _synced(worker, server, calls: list, rows: dict, step: int) -> dict:
             syncs.append(current)
         elif name == "update_weights_bucket":
             current["names"] += [n for n, _ in arg]
+            current.setdefault("tensors", {}).update({n: t.clone() for n, t in arg})
     server_lp, _ = hf_log_probs(server.engine.model, rows, B.TEMPERATURE)
     return {"syncs": syncs, "server": server_lp, "steps": server.global_steps,
             "adapted": sorted(server.adapters.active), "params": sorted(server.engine.params)}
@@ -107,6 +108,12 @@ def _one_worker(model_dir: str, merge: bool, rows_seed: int, second_sync: bool, 
     out["trained"] = _log_probs(worker, rows)
     out["ref"] = _log_probs(worker, rows, no_lora_adapter=True)  # verl's ref_in_actor
     out["first"] = _synced(worker, server, calls, rows, 1)
+    if not merge:  # verl's checkpoint-engine path asks without arguments (engine_workers.update_weights)
+        stream, peft = worker.actor.engine.get_per_tensor_param()
+        out["ce"] = {"base": [n for n, _ in stream], "peft": peft is not None and stream.peft_config == dict(peft)}
+        stream, _ = worker.actor.engine.get_per_tensor_param()
+        out["ce"]["full"] = {n: t.clone() for n, t in stream.with_adapters()} if server is not None else \
+            [n for n, _ in stream.with_adapters()]
     out["trainable"] = sorted(n for c in engine.model for n, p in c.named_parameters() if p.requires_grad)
     if not second_sync:
         return out

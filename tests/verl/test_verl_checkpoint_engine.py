@@ -268,7 +268,8 @@ def test_adapter_versions_send_only_the_changed_factors_and_serve_them_unmerged(
 
     from transformers import AutoModelForCausalLM
 
-    from mcore_rl.integrations.verl.checkpoint_engine import AdapterWeights, McoreRLCheckpointEngine
+    from mcore_rl.integrations.verl.checkpoint_engine import McoreRLCheckpointEngine
+    from mcore_rl.integrations.verl.verl_lora import AdapterWeights
 
     base = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
     server = make_server(model_dir, load_format="dummy")
@@ -291,7 +292,7 @@ def test_adapter_versions_send_only_the_changed_factors_and_serve_them_unmerged(
         actor, _ = B._topology(McoreRLCheckpointEngine, 1, 1, meta)
         sender.init_process_group(actor["rank"][0], actor["world_size"][0], actor["master"][0])
         (link,) = B.receiver_links(McoreRLCheckpointEngine, 1, 1, meta)
-        weights = AdapterWeights(list(base.items()) + list(factors.items()), peft)
+        weights = AdapterWeights(list(base.items()), peft, lambda: list(factors.items()))
         thread = threading.Thread(target=lambda: metrics.append(asyncio.run(sender.send_weights(weights, version))))
         thread.start()
         replies.append(asyncio.run(server.receive_weights(link, version)))

@@ -88,6 +88,14 @@ def test_unmerged_sync_sends_base_then_adapters_then_adapters_only(ranks):
                 for i in layers for block, names in LINEARS.items() for p in names for f in "AB"}
     assert len(layers) > 1 and set(adapters) == expected and sorted(second[0]["names"]) == sorted(adapters)
     assert len(out["second"]["adapted"]) == len(expected) // 2  # replaced, not added to
+    # verl's checkpoint-engine path (get_per_tensor_param() without arguments): iterated, the base
+    # as the colocated first sync; with_adapters(), what the mcore_rl checkpoint engine sends: the
+    # base, then the adapter factors, equal to what the colocated protocol's two syncs sent
+    ce = out["ce"]
+    assert ce["base"] == base and ce["peft"]
+    sent = {**first[0]["tensors"], **first[1]["tensors"]}
+    assert list(ce["full"]) == base + adapters
+    assert all(torch.equal(ce["full"][n], sent[n]) for n in sent), "the checkpoint-engine stream differs"
 
 
 @pytest.mark.parametrize("protocol", ["unmerged", "merged"])

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from mcore_rl.integrations.verl import weight_wire as wire
+from mcore_rl.integrations.verl.verl_lora import AdapterWeights
 from mcore_rl.integrations.verl.weight_wire import Link, WeightSyncError
 
 NAME = "mcore_rl"
@@ -71,18 +72,6 @@ class VersionStream:
         self._engine.known = (version.token, version.checksums)  # a foreign rollout keeps what it is given
         for name, tensor in wire.iter_version(version):
             yield name, tensor
-
-
-class AdapterWeights:
-    """An export stream that carries LoRA adapters unmerged: (name, tensor) pairs of the base
-    weights (HF names) and the adapter factors (PEFT names, ``rollout_lora``), with verl's PEFT
-    config dict. With ``delta`` only the factors (and base tensors) that changed cross the wire."""
-
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], peft_config: dict[str, Any]) -> None:
-        self._weights, self.peft_config = weights, dict(peft_config)
-
-    def __iter__(self):
-        return iter(self._weights)
 
 
 class McoreRLCheckpointEngine(CheckpointEngine):
@@ -152,8 +141,11 @@ class McoreRLCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                            global_steps: int | None = None) -> dict[str, float]:
         """Rank 0 streams the version (returns verl's sync metrics); other trainer ranks drain
-        the collective generator and return {}. ``weights`` with a ``peft_config`` attribute
-        (``AdapterWeights``): base weights and LoRA factors under PEFT names, served unmerged."""
+        the collective generator and return {}. ``weights`` an ``AdapterWeights`` (a LoRA engine
+        with ``lora.merge=False``): its base weights and LoRA factors (PEFT names), served unmerged."""
+        peft_config = weights.peft_config if isinstance(weights, AdapterWeights) else None
+        if peft_config is not None:  # verl's checkpoint-engine path: the base and the adapters, unmerged
+            weights = weights.with_adapters()
         if self._link is None or self._link.rank != 0:
             wire.drain(weights)
             return {}
@@ -161,7 +153,7 @@ class McoreRLCheckpointEngine(CheckpointEngine):
             torch.cuda.set_device(torch.cuda.current_device())
         group = wire.open_group(self._link, self._store)
         try:
-            metrics = self.sender.send(group, self._link, weights, getattr(weights, "peft_config", None))
+            metrics = self.sender.send(group, self._link, weights, peft_config)
         finally:
             del group
         return {**metrics, "checkpoint_engine/global_steps": float(global_steps if global_steps is not None else -1)}

@@ -301,9 +301,10 @@ class McoreRLEngine(BaseEngine):
         """(generator of (name, full tensor), PEFT config or None), one parameter's tensors at a
         time. Without LoRA: ``export_hf``'s tensors, None. With LoRA (verl's protocol, see
         ``verl_lora``): ``lora.merge=True`` the merged weights ``W + s B A``, None;
-        ``lora.merge=False`` the base weights without adapters (``base_sync_done=False``) or only
-        the adapter factors under PEFT names (``base_sync_done=True``), with verl's PEFT-config
-        dict either way. Collective: every rank must run the generator to its end."""
+        ``lora.merge=False`` the base weights without adapters (``base_sync_done=False``; an
+        ``AdapterWeights`` whose ``with_adapters()`` adds the factors, for checkpoint engines) or
+        only the adapter factors under PEFT names (``base_sync_done=True``), with verl's
+        PEFT-config dict either way. Collective: every rank must run the generator to its end."""
         if self.engine is None:
             raise McoreRLError("initialize() the mcore_rl engine before exporting its weights.")
         self.to(ON_DEVICE, model=True, optimizer=False, grad=False)  # verl offloads them again after the sync
@@ -321,6 +322,9 @@ class McoreRLEngine(BaseEngine):
             for bucket in export_hf_buckets(engine.model, engine.args, self.role, bucket_bytes=1, tensor_of=tensor_of):
                 yield from bucket
 
+        if peft_config is not None:  # verl's checkpoint-engine path asks without arguments: base + adapters
+            return verl_lora.AdapterWeights(tensors(), peft_config,
+                                            lambda: verl_lora.adapter_tensors(engine, plan)), peft_config
         return tensors(), peft_config
 
     def _sync_plan(self) -> verl_lora.SyncPlan:

@@ -19,7 +19,7 @@ unmerged sync is refused (``merge=True`` sends them merged).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -27,6 +27,28 @@ from mcore_rl.integrations.verl.engine_config import VerlConfigError
 from mcore_rl.lora.config import LoraConfig, LoraConfigError, lora_config_from_dict
 
 Tensor = torch.Tensor
+
+
+class AdapterWeights:
+    """The export of a LoRA engine served unmerged (``lora.merge=False``, verl's first sync):
+    iterating it yields the base weights (HF names) only, as verl's colocated protocol wants
+    before its adapter-only syncs; ``with_adapters()`` yields the base weights, then the adapter
+    factors (PEFT names) — what a checkpoint engine that carries adapters (``mcore_rl``'s) sends
+    when verl asks for the weights without arguments. ``peft_config``: verl's PEFT-config dict.
+    Both streams are collective: every rank runs the same one to its end."""
+
+    def __init__(self, base: Iterable[tuple[str, Tensor]], peft_config: Mapping[str, Any],
+                 adapters: Callable[[], Iterable[tuple[str, Tensor]]] | None = None) -> None:
+        self._base, self._adapters, self.peft_config = base, adapters, dict(peft_config)
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        return iter(self._base)
+
+    def with_adapters(self) -> Iterator[tuple[str, Tensor]]:
+        """The base weights, then the adapter factors (none when built without them)."""
+        yield from self._base
+        if self._adapters is not None:
+            yield from self._adapters()
 # verl's FSDP-engine LoRA keys: (default, what to set instead)
 FSDP_KEYS = {
     "lora_rank": (0, "lora.rank"),
