@@ -14,6 +14,8 @@ Registered:
 - engines ``mcore_rl`` for ``language_model`` / ``value_model`` on cpu and cuda (``EngineRegistry``):
   small loader classes whose construction imports ``engine`` and builds the real engine;
 - the rollout replica ``mcore_rl`` (``RolloutReplicaRegistry``, verl's public loader registry);
+- the checkpoint engine ``mcore_rl`` (``CheckpointEngineRegistry``, verl's public registry; the
+  class imports torch.distributed and verl's base, no megatron-core);
 - the rollout adapter ``("mcore_rl", "async")`` in ``verl.workers.rollout.base._ROLLOUT_REGISTRY``,
   a private dict: the named patch ``rollout_adapter_registry``, gated on verl 0.9.1.
 """
@@ -38,6 +40,7 @@ def install() -> None:
     when_imported("verl.workers.engine.base", _register_engines)
     when_imported("verl.workers.rollout.replica", _register_replica)
     when_imported("verl.workers.rollout.base", _register_adapter)
+    when_imported("verl.checkpoint_engine.base", _register_checkpoint_engine)
 
 
 def _engine_loader(base_engine: type, class_name: str) -> type:
@@ -79,3 +82,9 @@ def _register_adapter(base: types.ModuleType) -> None:
                     getattr(verl, "__version__", "?"))
         return
     table.setdefault((BACKEND, "async"), ADAPTER)
+
+
+def _register_checkpoint_engine(_base: types.ModuleType) -> None:
+    # the module registers its class when it has run (it may be the import that brought verl's
+    # base in, half-run now: a plain import of it does not fail then)
+    import mcore_rl.integrations.verl.checkpoint_engine  # noqa: F401

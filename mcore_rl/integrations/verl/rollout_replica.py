@@ -9,11 +9,16 @@
   gathers), and the replica's first rank pushes the tensors to its server in buckets of
   ``checkpoint_engine.update_weights_bucket_megabytes``; ``resume`` / ``release`` reach the server.
 
-Only verl's hybrid (colocated, synchronous) mode is served: the standalone and colocated-process
-modes of verl's separate-async trainers need a checkpoint-engine transport (NCCL, ...).
+Served modes: verl's hybrid mode (colocated, synchronous; the naive sync above) and the standalone
+mode of verl's asynchronous trainers (``init_standalone``: the replica's workers are verl's
+``CheckpointEngineWorker`` actors holding a ``ServerAdapter`` built with ``device_mesh=None``; the
+weights come through a checkpoint engine; with ``checkpoint_engine.backend=mcore_rl`` the server
+joins the sync's group and receives the version itself, see ``checkpoint_engine``). Reward-model
+and teacher servers are refused.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from typing import Any, Generator
@@ -23,6 +28,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
+from mcore_rl.integrations.verl.checkpoint_engine import VersionStream
 from mcore_rl.integrations.verl.rollout_server import RolloutServer, RolloutServerError
 
 log = logging.getLogger("mcore_rl.integrations.verl")
@@ -65,11 +71,12 @@ class McoreRLReplica(RolloutReplica):
 
     async def launch_servers(self) -> None:
         """Starts the replica's server next to its first worker and waits until it is built."""
-        if self.rollout_mode != RolloutMode.HYBRID or self.is_reward_model or self.is_teacher_model:
+        served = (RolloutMode.HYBRID, RolloutMode.STANDALONE)
+        if self.rollout_mode not in served or self.is_reward_model or self.is_teacher_model:
             raise RolloutServerError(
-                f"rollout.name={NAME} serves verl's synchronous colocated trainer (hybrid mode) only; got "
+                f"rollout.name={NAME} serves the policy in verl's hybrid and standalone modes only; got "
                 f"{self.rollout_mode} ({'reward model' if self.is_reward_model else 'teacher' if self.is_teacher_model else 'policy'}"
-                "). Use vllm or sglang for standalone, reward-model and teacher servers.")
+                "). Use vllm or sglang for colocated, reward-model and teacher servers.")
         node_id = await self.workers[0].__ray_call__.remote(lambda _self: ray.get_runtime_context().get_node_id())
         name = server_name(self.replica_rank, self.name_suffix)
         options = engine_options(self.config)
@@ -112,6 +119,22 @@ class ServerAdapter(BaseRollout):
         if self._handle() is not None:
             await self._server.sleep.remote()
 
+    async def _receive_version(self, stream: Any, global_steps: int | None) -> dict[str, Any]:
+        """A checkpoint-engine version (``checkpoint_engine.VersionStream``): the server joins the
+        gloo group and receives it; over NCCL this worker receives it (on its GPU) and hands the
+        checked version to the server. A worker that sits out (``stream.link`` None) does nothing."""
+        if stream.link is None:
+            return {}
+        server = self._handle() or ray.get_actor(server_name(self.replica_rank))
+        if stream.link.transport == "gloo":
+            return await server.receive_weights.remote(stream.link, global_steps, install=self.weight_sync)
+        known = await server.known_version.remote()
+        version = await asyncio.to_thread(stream.receive, known)
+        if not self.weight_sync:
+            await server.set_global_steps.remote(global_steps)
+            return {}
+        return await server.install_version.remote(version, global_steps)
+
     @torch.no_grad()
     async def update_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None], global_steps: int | None = None,
                              wire_format: str = "named_tensors", peft_config: Any = None, base_sync_done: bool = False,
@@ -119,7 +142,10 @@ class ServerAdapter(BaseRollout):
         """Every rank runs ``weights`` to its end (a collective generator); the pushing rank sends
         the full tensors in buckets of at most ``bucket_bytes`` (a larger tensor alone). verl's
         LoRA protocol: ``peft_config`` with ``base_sync_done=True``: the tensors are the adapter
-        factors (PEFT names), served unmerged; without (or ``base_sync_done=False``): weights."""
+        factors (PEFT names), served unmerged; without (or ``base_sync_done=False``): weights.
+        A ``VersionStream`` of mcore_rl's checkpoint engine: ``_receive_version``."""
+        if isinstance(weights, VersionStream):
+            return await self._receive_version(weights, global_steps)
         if wire_format != "named_tensors":
             for _ in weights:  # keep the collective going on every rank before failing
                 pass

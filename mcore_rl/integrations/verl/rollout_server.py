@@ -16,6 +16,13 @@ replaced weights already the server refuses to generate (a clear error) until a 
 succeeds; an abandoned adapter-only sync, or one that wrote nothing, leaves the last complete
 weights served.
 
+A version from mcore_rl's checkpoint engine (``receive_weights``: the server joins the sync's
+process group itself) is staged beside the served weights while generation goes on, checked
+whole (every tensor once, checksums, names and shapes of the rollout model) and swapped in under
+the generation lock only once every receiver accepted it: a sender that dies part-way leaves the
+previous version served, never a mix. A delta version replaces the tensors it sends and keeps the
+rest, which the version it is based on must be (the checksums held say so).
+
 A prompt holding an id outside the model's vocabulary is refused alone, when it arrives (the
 requests batched with it are served).
 
@@ -35,7 +42,9 @@ from typing import Any
 import torch
 
 from mcore_rl.errors import McoreRLError
+from mcore_rl.integrations.verl import weight_wire as wire
 from mcore_rl.integrations.verl.rollout_lora import ServedAdapters
+from mcore_rl.mapping.casts import cast_checked
 from mcore_rl.rollout.hf_generate import TransformersRollout
 from mcore_rl.rollout.sampling import SampleRequest, SampleResult, sample_requests
 
@@ -128,6 +137,8 @@ class RolloutServer:
         self._sync_seen = 0.0  # time.monotonic() of its last call
         self._sync_wrote = False  # it copied weights into the model already
         self._watchdog: asyncio.Task | None = None
+        self.known: tuple[int, dict[str, str]] | None = None  # (token, checksums) of the version served
+        self._receiving = False
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,
@@ -239,6 +250,8 @@ class RolloutServer:
         self._sync, self._sync_seen, self._sync_wrote = self._syncs, time.monotonic(), False
         self._updated = set()
         self._adapter_sync = peft_config is not None
+        if not self._adapter_sync:
+            self.known = None  # written in place: no checksums to base a delta on
         try:
             if self._adapter_sync:
                 self.adapters.begin(peft_config)
@@ -323,6 +336,86 @@ class RolloutServer:
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
+
+    # ---- versions from mcore_rl's checkpoint engine -----------------------------------------------
+    async def receive_weights(self, link: wire.Link, global_steps: int | None, install: bool = True) -> dict[str, Any]:
+        """Joins the sync's group as ``link.rank`` and receives one version (in a thread: requests
+        are served on the current weights meanwhile), then swaps it in (``install_version``).
+        ``install=False`` (``weight_sync=False``, a diagnostic): received and dropped, only the
+        step advances. Returns {"tensors", "bytes"} received."""
+        self._ensure_loop_state()
+        if self._receiving:
+            raise RolloutServerError(f"rollout replica {self.replica_rank} is receiving a weight version already; "
+                                     "one checkpoint-engine sync at a time.")
+        self._receiving = True
+        try:
+            version = await asyncio.to_thread(self._receive_version, link)
+        finally:
+            self._receiving = False
+        if not install:
+            self.global_steps = global_steps
+            return {"tensors": 0, "bytes": version.nbytes}
+        return await self.install_version(version, global_steps, checked=True)
+
+    def _receive_version(self, link: wire.Link) -> wire.Version:
+        group = wire.open_group(link)
+        try:
+            return wire.receive(group, link, self.known, check=self._staged, check_names=self._check_names)
+        finally:
+            del group
+
+    def _staged(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the parameter ``name`` holds it (its dtype), or an error naming it."""
+        param = self.engine.params.get(name)
+        if param is None:
+            raise RolloutServerError(f"weight {name!r} is no parameter of the rollout model; the trainer's "
+                                     "architecture differs from the rollout model's.")
+        if param.shape != tensor.shape:
+            raise RolloutServerError(f"weight {name!r}: trainer sends {tuple(tensor.shape)}, the rollout model has "
+                                     f"{tuple(param.shape)}.")
+        return cast_checked(tensor, param.dtype, f"weight {name!r} of the sync",
+                            "run the rollout in a wider dtype (rollout.dtype=bfloat16 or float32)")
+
+    def _check_names(self, names: list[str]) -> None:
+        """A version must name only rollout parameters and cover every one (tied ones once)."""
+        unknown = [n for n in names if n not in self.engine.params]
+        covered = {id(self.engine.params[n]) for n in names if n in self.engine.params}
+        missing = sorted(n for n, p in self.engine.params.items() if id(p) not in covered)
+        if unknown or missing:
+            raise RolloutServerError(f"the weight version names {len(unknown)} tensors the rollout model lacks (e.g. "
+                                     f"{unknown[:3]}) and leaves {len(missing)} of its parameters out (e.g. "
+                                     f"{missing[:3]}); the trainer's export and the rollout model disagree.")
+
+    async def install_version(self, version: wire.Version, global_steps: int | None,
+                              checked: bool = False) -> dict[str, Any]:
+        """Swaps a whole version in under the generation lock (the batch in flight finishes on
+        the old weights); adapters are removed (a version is whole weights). ``checked``: names,
+        shapes and dtypes were checked while receiving (else here, before anything is written)."""
+        self._ensure_loop_state()
+        if not checked:
+            if version.base and (self.known is None or self.known[0] != version.base):
+                raise RolloutServerError(f"a delta weight version against version {version.base}, but this server "
+                                         f"holds {self.known[0] if self.known else 'none'}; the next sync sends "
+                                         "every tensor.")
+            self._check_names(version.names)
+            version.tensors = {n: self._staged(n, t) for n, t in version.tensors.items()}
+        async with self._lock:
+            with torch.no_grad():
+                for name, tensor in version.tensors.items():
+                    self.engine.params[name].copy_(tensor)
+            self.adapters.clear()
+            self.global_steps, self._stale = global_steps, False
+            self._seen.clear()
+            self.known = (version.token, version.checksums)
+        return {"tensors": len(version.tensors), "bytes": version.nbytes}
+
+    async def known_version(self) -> tuple[int, dict[str, str]] | None:
+        """(token, checksums) of the version served (None: weights of no checked version)."""
+        return self.known
+
+    def parameter_checksums(self) -> dict[str, str]:
+        """Per-parameter checksum of the served weights (``weight_wire.tensor_checksum``)."""
+        return {name: wire.tensor_checksum(p) for name, p in self.engine.params.items()}
 
     # ---- lifecycle verl calls ---------------------------------------------------------------------
     async def abort_all_requests(self, reject_request: bool = False, **_kwargs: Any) -> dict[str, Any]:
