@@ -35,7 +35,7 @@ BOUND = 1e-4
 
 @pytest.fixture(scope="module")
 def head():
-    with RayHead(num_cpus=16, num_gpus=2) as h:  # one-step-off's TaskRunner asks for 10 CPUs
+    with RayHead(num_cpus=32, num_gpus=2) as h:  # logical CPUs: each trainer, rollouter and TaskRunner actor asks for 10
         yield h
 
 
