@@ -51,7 +51,7 @@ def test_gloo_process_group_patch_is_needed_and_works(monkeypatch):
 
 
 def test_rollout_dump_patch_is_needed_and_works(tmp_path):
-    """verl's asynchronous trainers skip ``RayPPOTrainer.__init__`` (its dump thread pool): verl's
+    """verl's one-step-off trainer skips ``RayPPOTrainer.__init__`` (its dump thread pool): verl's
     ``_dump_generations`` fails there; patched, ``trainer.rollout_data_dir``'s file is written at
     once, one JSON line per sample with the reward's extra keys."""
     import json

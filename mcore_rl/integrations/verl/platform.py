@@ -169,9 +169,9 @@ PATCHES = (
               "same backend string (TrainingWorker calls it; a no-op when a group exists)",
               _gloo_process_group_ray),
     VerlPatch("rollout_dump_in_async_trainers", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._dump_generations",
-              "submits trainer.rollout_data_dir's file to a thread pool that only RayPPOTrainer.__init__ creates; "
-              "the one-step-off and fully-async trainers skip that __init__ (AttributeError '_dump_executor' at "
-              "step 1's dump): written at once there", _sync_dump_without_executor),
+              "submits trainer.rollout_data_dir's file to a thread pool that only RayPPOTrainer.__init__ (and "
+              "fully-async's trainer) creates; the one-step-off trainer skips that __init__ (AttributeError "
+              "'_dump_executor' at step 1's dump): written at once there", _sync_dump_without_executor),
 )
 
 
