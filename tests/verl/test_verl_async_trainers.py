@@ -155,3 +155,38 @@ def test_one_step_off_control_without_weight_sync_fails_the_check(head, inputs, 
         job_env={"MCORE_RL_TEST_BATCHES": os.path.join(root, "batches")})
     with pytest.raises(AssertionError, match="step 3: rollout log-probs differ"):
         assert_one_step_off(run, inputs, root, 3)
+
+
+# ---- fully-async ------------------------------------------------------------------------------
+# 4 prompts x 4 samples per trainer step (one mini-batch), a sync after every step, 3 steps: the
+# rollouter feeds 12 prompts. The trainer's workers are built before it knows the step count:
+# the LR schedule's is given.
+def fully_async(inputs: dict, root: str, staleness: int, steps: int = 3) -> list[str]:
+    return [*async_common(inputs), "data.train_batch_size=0", "data.gen_batch_size=1",
+            f"rollout.total_rollout_steps={4 * steps}", f"actor_rollout_ref.actor.optim.total_training_steps={steps}",
+            f"async_training.staleness_threshold={staleness}", "async_training.trigger_parameter_sync_step=1",
+            "async_training.require_batches=1", "async_training.partial_rollout=True", "trainer.save_freq=1",
+            f"trainer.default_local_dir={root}"]
+
+
+def staleness_per_step(run) -> dict[int, list[tuple[int, int]]]:
+    """Trainer step s trains the weights of version s - 1 (a sync after every step): per sample,
+    (that version - the oldest version that generated part of it, the versions it spans - 1)."""
+    out = {}
+    for step, rows in run.generations.items():
+        assert all(r["min_global_steps"] >= 0 and r["max_global_steps"] >= r["min_global_steps"] for r in rows), rows
+        out[step] = [(step - 1 - r["min_global_steps"], r["max_global_steps"] - r["min_global_steps"]) for r in rows]
+    return out
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_fully_async_trains_no_sample_older_than_the_staleness_bound(head, inputs, tmp_path, staleness):
+    run = launch(head, str(tmp_path / "run"), fully_async(inputs, str(tmp_path / "ckpt"), staleness),
+                 module=FULLY_ASYNC)
+    assert run.returncode == 0, run.tail()
+    per_step = staleness_per_step(run)
+    assert sorted(per_step) == [1, 2, 3] and all(len(rows) == 16 for rows in per_step.values()), per_step
+    ages = {step: max(age for age, _ in rows) for step, rows in per_step.items()}
+    assert all(0 <= age <= staleness for age in ages.values()), ages
+    print(f"staleness {staleness}: oldest sample per step {ages}, "
+          f"partial (spanning) samples {sum(span > 0 for rows in per_step.values() for _, span in rows)}")
