@@ -179,14 +179,46 @@ def staleness_per_step(run) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_fully_async_trains_no_sample_older_than_the_staleness_bound(head, inputs, tmp_path, staleness):
-    run = launch(head, str(tmp_path / "run"), fully_async(inputs, str(tmp_path / "ckpt"), staleness),
-                 module=FULLY_ASYNC)
-    assert run.returncode == 0, run.tail()
+def oldest_per_step(run, staleness: int) -> dict[int, int]:
+    """Checks every trained sample's age against ``staleness``; returns the oldest per step."""
     per_step = staleness_per_step(run)
-    assert sorted(per_step) == [1, 2, 3] and all(len(rows) == 16 for rows in per_step.values()), per_step
+    assert all(len(rows) == 16 for rows in per_step.values()), {s: len(r) for s, r in per_step.items()}
     ages = {step: max(age for age, _ in rows) for step, rows in per_step.items()}
-    assert all(0 <= age <= staleness for age in ages.values()), ages
-    print(f"staleness {staleness}: oldest sample per step {ages}, "
-          f"partial (spanning) samples {sum(span > 0 for rows in per_step.values() for _, span in rows)}")
+    assert all(0 <= age <= staleness for age in ages.values()), f"staleness bound {staleness}: {ages}"
+    spans = sum(span > 0 for rows in per_step.values() for _, span in rows)
+    print(f"staleness bound {staleness}: oldest sample per step {ages}, samples spanning a sync {spans}")
+    return ages
+
+
+def test_fully_async_at_staleness_2_trains_no_older_sample(head, inputs, tmp_path):
+    run = launch(head, str(tmp_path / "run"), fully_async(inputs, str(tmp_path / "ckpt"), 2), module=FULLY_ASYNC)
+    assert run.returncode == 0, run.tail()
+    assert sorted(run.generations) == [1, 2, 3], run.tail()
+    oldest_per_step(run, 2)
+
+
+# the trainer's actor dies in the middle of its 2nd save (step 2's weights, before the tracker)
+KILL = {"MCORE_RL_CKPT_FAULT": "shards", "MCORE_RL_CKPT_FAULT_AT": "2"}
+
+
+def test_fully_async_at_staleness_1_killed_in_step_2_resumes(head, inputs, tmp_path):
+    """Staleness bound 1 over a run killed in step 2's checkpoint and its rerun: the tracker
+    names step 1, whose checkpoint holds both parts (the trainer's actor, the rollouter's
+    dataloader); the rerun resumes from it (steps 2 and 3), its rollout on the resumed weights."""
+    root = tmp_path / "ckpt"
+    killed = launch(head, str(tmp_path / "killed"), fully_async(inputs, str(root), 1), module=FULLY_ASYNC,
+                    job_env=KILL)
+    assert killed.returncode != 0, killed.tail()
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1", killed.tail()
+    assert {"actor", "data.pt"} <= set(os.listdir(root / "global_step_1")), os.listdir(root / "global_step_1")
+    assert 1 in killed.generations and 3 not in killed.generations, sorted(killed.generations)
+    oldest_per_step(killed, 1)
+
+    resumed = launch(head, str(tmp_path / "resumed"), fully_async(inputs, str(root), 1), module=FULLY_ASYNC)
+    assert resumed.returncode == 0, resumed.tail()
+    assert sorted(resumed.generations) == [2, 3], resumed.tail()
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert {"actor", "data.pt"} <= set(os.listdir(root / "global_step_3"))
+    oldest_per_step(resumed, 1)
+    # the rerun's rollout starts on the checkpoint's weights (version 1), never the starting ones
+    assert min(r["min_global_steps"] for r in resumed.generations[2]) == 1, resumed.generations[2]
