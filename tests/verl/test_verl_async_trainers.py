@@ -46,7 +46,7 @@ def inputs(tmp_path_factory):
             "val": save_arithmetic_parquet(str(d / "val.parquet"), 8, seed=1), "dir": str(d)}
 
 
-def async_common(inputs: dict) -> list[str]:
+def async_common(inputs: dict, response_length: int = 16) -> list[str]:
     """What both trainers share: mcore_rl everywhere, trainer and rollout on one (fake) GPU each,
     4 prompts x 4 samples, the versioned shaped reward."""
     return [
@@ -54,7 +54,7 @@ def async_common(inputs: dict) -> list[str]:
         "actor_rollout_ref.rollout.checkpoint_engine.backend=mcore_rl", "actor_rollout_ref.hybrid_engine=False",
         "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.mcore_rl.dtype=float32",
         f"data.train_files={inputs['train']}", f"data.val_files={inputs['val']}", "data.train_batch_size=4",
-        "data.max_prompt_length=64", "data.max_response_length=16", "data.dataloader_num_workers=0",
+        "data.max_prompt_length=64", f"data.max_response_length={response_length}", "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={inputs['model']}", "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
@@ -161,27 +161,30 @@ def test_one_step_off_control_without_weight_sync_fails_the_check(head, inputs, 
 # 4 prompts x 4 samples per trainer step (one mini-batch), a sync after every step, 3 steps: the
 # rollouter feeds 12 prompts. The trainer's workers are built before it knows the step count:
 # the LR schedule's is given.
-def fully_async(inputs: dict, root: str, staleness: int, steps: int = 3) -> list[str]:
-    return [*async_common(inputs), "data.train_batch_size=0", "data.gen_batch_size=1",
+def fully_async(inputs: dict, root: str, staleness: int, steps: int = 3, response_length: int = 16) -> list[str]:
+    return [*async_common(inputs, response_length), "data.train_batch_size=0", "data.gen_batch_size=1",
             f"rollout.total_rollout_steps={4 * steps}", f"actor_rollout_ref.actor.optim.total_training_steps={steps}",
             f"async_training.staleness_threshold={staleness}", "async_training.trigger_parameter_sync_step=1",
             "async_training.require_batches=1", "async_training.partial_rollout=True", "trainer.save_freq=1",
             f"trainer.default_local_dir={root}"]
 
 
-def staleness_per_step(run) -> dict[int, list[tuple[int, int]]]:
-    """Trainer step s trains the weights of version s - 1 (a sync after every step): per sample,
-    (that version - the oldest version that generated part of it, the versions it spans - 1)."""
+def staleness_per_step(run, resumed: bool = False) -> dict[int, list[tuple[int, int]]]:
+    """Per dumped step, per sample: (the version the trainer trained it with - the oldest version
+    that generated part of it, the versions it spans - 1). With a sync after every step, step s
+    trains version s - 1; verl 0.9.1 numbers a resumed run's steps one higher (its load_checkpoint
+    sets global_steps to version + 1, then fit() adds 1): there step s trains version s - 2."""
     out = {}
     for step, rows in run.generations.items():
         assert all(r["min_global_steps"] >= 0 and r["max_global_steps"] >= r["min_global_steps"] for r in rows), rows
-        out[step] = [(step - 1 - r["min_global_steps"], r["max_global_steps"] - r["min_global_steps"]) for r in rows]
+        trained = step - 1 - int(resumed)
+        out[step] = [(trained - r["min_global_steps"], r["max_global_steps"] - r["min_global_steps"]) for r in rows]
     return out
 
 
-def oldest_per_step(run, staleness: int) -> dict[int, int]:
+def oldest_per_step(run, staleness: int, resumed: bool = False) -> dict[int, int]:
     """Checks every trained sample's age against ``staleness``; returns the oldest per step."""
-    per_step = staleness_per_step(run)
+    per_step = staleness_per_step(run, resumed)
     assert all(len(rows) == 16 for rows in per_step.values()), {s: len(r) for s, r in per_step.items()}
     ages = {step: max(age for age, _ in rows) for step, rows in per_step.items()}
     assert all(0 <= age <= staleness for age in ages.values()), f"staleness bound {staleness}: {ages}"
@@ -191,10 +194,18 @@ def oldest_per_step(run, staleness: int) -> dict[int, int]:
 
 
 def test_fully_async_at_staleness_2_trains_no_older_sample(head, inputs, tmp_path):
-    run = launch(head, str(tmp_path / "run"), fully_async(inputs, str(tmp_path / "ckpt"), 2), module=FULLY_ASYNC)
+    """4 steps, 16 prompts: the rollouter may run 12 ahead, so the last 4 start after the first
+    sync and, 64 tokens long (the tiny model rarely ends one early), are still being generated at
+    the next: aborted there and resumed on the new weights (partial rollouts: two or more
+    versions per sample), they complete and are trained."""
+    run = launch(head, str(tmp_path / "run"), fully_async(inputs, str(tmp_path / "ckpt"), 2, steps=4,
+                                                         response_length=64), module=FULLY_ASYNC)
     assert run.returncode == 0, run.tail()
-    assert sorted(run.generations) == [1, 2, 3], run.tail()
+    assert sorted(run.generations) == [1, 2, 3, 4], run.tail()
     oldest_per_step(run, 2)
+    partial = [r for rows in run.generations.values() for r in rows if r["max_global_steps"] > r["min_global_steps"]]
+    assert partial, "no sample was generated across a sync"
+    assert all(r["output"] for r in partial), partial
 
 
 # the trainer's actor dies in the middle of its 2nd save (step 2's weights, before the tracker)
@@ -210,15 +221,15 @@ def test_fully_async_at_staleness_1_killed_in_step_2_resumes(head, inputs, tmp_p
                     job_env=KILL)
     assert killed.returncode != 0, killed.tail()
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1", killed.tail()
-    assert {"actor", "data.pt"} <= set(os.listdir(root / "global_step_1")), os.listdir(root / "global_step_1")
+    assert {"actor", "data.pt", "COMPLETE"} <= set(os.listdir(root / "global_step_1")), os.listdir(root / "global_step_1")
     assert 1 in killed.generations and 3 not in killed.generations, sorted(killed.generations)
     oldest_per_step(killed, 1)
 
     resumed = launch(head, str(tmp_path / "resumed"), fully_async(inputs, str(root), 1), module=FULLY_ASYNC)
     assert resumed.returncode == 0, resumed.tail()
-    assert sorted(resumed.generations) == [2, 3], resumed.tail()
+    assert sorted(resumed.generations) == [3, 4], resumed.tail()  # versions 1 and 2 trained (verl's numbering)
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert {"actor", "data.pt"} <= set(os.listdir(root / "global_step_3"))
-    oldest_per_step(resumed, 1)
+    oldest_per_step(resumed, 1, resumed=True)
     # the rerun's rollout starts on the checkpoint's weights (version 1), never the starting ones
-    assert min(r["min_global_steps"] for r in resumed.generations[2]) == 1, resumed.generations[2]
+    assert min(r["min_global_steps"] for r in resumed.generations[3]) == 1, resumed.generations[3]
