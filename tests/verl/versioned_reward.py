@@ -24,4 +24,4 @@ def _version(extra_info, key):
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return {"score": _shaped.compute_score(data_source, solution_str, ground_truth),
             "min_global_steps": _version(extra_info, "min_global_steps"),
-            "max_global_steps": _version(extra_info, "max_global_steps")}
+            "max_global_steps": _version(extra_info, "max_global_steps"), "index": _version(extra_info, "index")}
