@@ -88,7 +88,7 @@ def hf_model_at(model_dir: str, step_dir: str | None):
 
     from tests.verl.test_verl_main_ppo import hf_weights
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
     if step_dir is not None:
         from pathlib import Path
 
@@ -110,7 +110,7 @@ def largest_log_prob_gap(model, samples: list[dict]) -> float:
     return gap
 
 
-def generated_by(model_dir: str, root: str, step: int) -> str | None:
+def generated_by(root: str, step: int) -> str | None:
     """Where the weights one-step-off generates step ``step``'s batch with are saved: the actor's
     weights at the start of step - 1, i.e. after step - 2 (the starting weights for steps 1, 2)."""
     return None if step <= 2 else os.path.join(root, f"global_step_{step - 2}")
@@ -131,7 +131,7 @@ def assert_one_step_off(run, inputs: dict, root: str, steps: int) -> None:
     assert sorted(batches) == list(range(1, steps + 1))
     for step, samples in batches.items():
         assert {(s["min_global_steps"], s["max_global_steps"]) for s in samples} == {(step - 1, step - 1)}
-        gap = largest_log_prob_gap(hf_model_at(inputs["model"], generated_by(inputs["model"], root, step)), samples)
+        gap = largest_log_prob_gap(hf_model_at(inputs["model"], generated_by(root, step)), samples)
         assert gap <= BOUND, f"step {step}: rollout log-probs differ from the previous step's weights by {gap:.2e}"
 
 
