@@ -25,6 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled",
        "RAY_DEDUP_LOGS": "0", "HYDRA_FULL_ERROR": "1"}
 SEARCH_PATH = "hydra.searchpath=[pkg://mcore_rl.integrations.verl.hydra]"
+# verl's asynchronous trainers keep their configs next to their code and find verl's ppo_trainer
+# through a search path of their own, which the command line's replaces: it is named again.
+ASYNC_SEARCH_PATH = "hydra.searchpath=[pkg://verl.trainer.config,pkg://mcore_rl.integrations.verl.hydra]"
 
 
 @dataclass
@@ -76,13 +79,15 @@ class RayHead:
 
 
 def launch(head: RayHead, workdir: str, overrides: list[str], job_env: dict[str, str] | None = None,
-           timeout_s: float = 600) -> Run:
-    """Runs main_ppo with ``overrides`` on ``head``; ``job_env`` reaches every process of the job."""
+           timeout_s: float = 600, module: str = "verl.trainer.main_ppo") -> Run:
+    """Runs ``module`` (verl's main_ppo, or one of its asynchronous trainers' entry points) with
+    ``overrides`` on ``head``; ``job_env`` reaches every process of the job."""
     os.makedirs(workdir, exist_ok=True)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     dumps = os.path.join(workdir, "generations")
     env_vars = {"VERL_FILE_LOGGER_PATH": metrics_path, **(job_env or {})}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", SEARCH_PATH, *overrides,
+    search = SEARCH_PATH if module == "verl.trainer.main_ppo" else ASYNC_SEARCH_PATH
+    cmd = [sys.executable, "-m", module, search, *overrides,
            "trainer.logger=[console,file]", f"trainer.rollout_data_dir={dumps}",
            f"+ray_kwargs.ray_init.address={head.address}", "ray_kwargs.ray_init.num_cpus=null",
            *(f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_vars.items())]  # strings
@@ -94,8 +99,8 @@ def launch(head: RayHead, workdir: str, overrides: list[str], job_env: dict[str,
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        out += f"\n[test] main_ppo killed after {timeout_s} s"
-    out += f"\n[test] main_ppo took {time.time() - started:.0f} s"
+        out += f"\n[test] {module} killed after {timeout_s} s"
+    out += f"\n[test] {module} took {time.time() - started:.0f} s"
     return Run(proc.returncode, read_metrics(metrics_path), read_generations(dumps), out)
 
 

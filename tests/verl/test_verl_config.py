@@ -103,6 +103,8 @@ REFUSED = {  # optim key=value -> the key the error must name
     "wsd_style": ({"lr_wsd_decay_style": "step"}, "optim.lr_wsd_decay_style"),
     "wd_incr_style": ({"weight_decay_incr_style": "step"}, "optim.weight_decay_incr_style"),
     "warmup_too_long": ({"lr_warmup_steps": 12}, "lr_warmup_steps=12"),
+    # fully-async builds its workers before it knows the step count: the fix is named
+    "no_step_count": ({"total_training_steps": -1}, "set actor_rollout_ref.actor.optim.total_training_steps"),
 }
 
 
@@ -115,7 +117,7 @@ def test_optimizer_keys_without_meaning_here_are_refused(name):
 
     changes, key = REFUSED[name]
     with pytest.raises(VerlConfigError, match=key.replace(".", r"\.")):
-        optim_config(McoreOptimizerConfig(lr=1e-3, total_training_steps=12, **changes), True)
+        optim_config(McoreOptimizerConfig(**{"lr": 1e-3, "total_training_steps": 12, **changes}), True)
 
 
 def test_adam_overrides_and_betas_reach_the_optimizer():
@@ -478,4 +480,3 @@ def test_context_parallel_reaches_the_engines(script):
     assert McoreRLEngineConfig(context_parallel_size=2).context_parallel_size == 2
     with config_error("engine.context_parallel_size=0"):
         McoreRLEngineConfig(context_parallel_size=0)
-

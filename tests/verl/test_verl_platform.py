@@ -50,6 +50,27 @@ def test_gloo_process_group_patch_is_needed_and_works(monkeypatch):
     assert platform.apply_patches("0.0.0") == []  # another verl: nothing patched
 
 
+def test_rollout_dump_patch_is_needed_and_works(tmp_path):
+    """verl's one-step-off trainer skips ``RayPPOTrainer.__init__`` (its dump thread pool): verl's
+    ``_dump_generations`` fails there; patched, ``trainer.rollout_data_dir``'s file is written at
+    once, one JSON line per sample with the reward's extra keys."""
+    import json
+
+    from verl.experimental.one_step_off_policy.ray_trainer import OneStepOffRayTrainer
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = object.__new__(OneStepOffRayTrainer)  # the attributes its own __init__ sets
+    trainer.global_steps = 3
+    args = (["q1", "q2"], ["a1", "a2"], ["1", "2"], [0.5, 1.0], {"min_global_steps": [2, 2]}, str(tmp_path))
+    with pytest.raises(AttributeError, match="_dump_executor"):
+        RayPPOTrainer._dump_generations.__wrapped__(trainer, *args)  # verl's own
+    trainer._dump_generations(*args)
+    rows = [json.loads(line) for line in (tmp_path / "3.jsonl").read_text().splitlines()]
+    assert rows == [{"input": "q1", "output": "a1", "gts": "1", "score": 0.5, "step": 3, "min_global_steps": 2},
+                    {"input": "q2", "output": "a2", "gts": "2", "score": 1.0, "step": 3, "min_global_steps": 2}]
+    assert "rollout_dump_in_async_trainers" in platform.apply_patches(verl.__version__)
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     ({"context_parallel_size": 2}, "context_parallel_size"),
     ({"dtype": "float16"}, "dtype"),

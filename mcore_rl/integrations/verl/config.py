@@ -57,13 +57,16 @@ def _merge_megatron(engine: McoreRLEngineConfig, megatron: Any, where: str) -> M
 class McoreRLActorConfig(ActorConfig):
     """verl's actor (and reference) config for ``model_engine=mcore_rl`` in verl's PPO trainer:
     the engine settings live under ``mcore_rl``; a verl Megatron script's ``megatron`` keys are
-    read into them (``megatron_keys``)."""
+    read into them (``megatron_keys``). ``use_rollout_log_probs`` is the field every engine's
+    actor config of verl 0.9.1 declares (fully-async's config sets it True); verl 0.9.1 reads it
+    nowhere (``algorithm.rollout_correction.bypass_mode`` decides whose log-probs train)."""
 
     _mutable_fields = ActorConfig._mutable_fields | {"mcore_rl"}
 
     strategy: str = "mcore_rl"
     mcore_rl: McoreRLEngineConfig = field(default_factory=McoreRLEngineConfig)
     megatron: Optional[MegatronEngineKeys] = None
+    use_rollout_log_probs: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -121,7 +121,8 @@ def make_platform_class() -> type:
 @dataclass(frozen=True)
 class VerlPatch:
     """One verl function replaced while verl's platform is 'cpu'. ``why`` says what verl does
-    there; ``make(original)`` builds the replacement."""
+    there; ``make(original)`` builds the replacement. ``attribute`` is a name in ``module``, or
+    ``Class.method`` for a method of one of its classes."""
 
     name: str
     module: str
@@ -149,6 +150,17 @@ def _gloo_process_group_ray(original: Callable) -> Callable:
     return initialize_global_process_group_ray
 
 
+def _sync_dump_without_executor(original: Callable) -> Callable:
+    def _dump_generations(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path):
+        if hasattr(self, "_dump_executor"):
+            return original(self, inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path)
+        return self._write_generations(inputs, outputs, gts, scores, reward_extra_infos_dict, dump_path,
+                                       self.global_steps)
+
+    _dump_generations.__wrapped__ = original
+    return _dump_generations
+
+
 PATCHES = (
     VerlPatch("gloo_process_group", "verl.utils.distributed", "initialize_global_process_group",
               "asks torch for 'cpu:gloo,<device>:<backend>' = 'cpu:gloo,cpu:gloo' on CPU, which torch "
@@ -156,26 +168,44 @@ PATCHES = (
     VerlPatch("gloo_process_group_ray", "verl.utils.distributed", "initialize_global_process_group_ray",
               "same backend string (TrainingWorker calls it; a no-op when a group exists)",
               _gloo_process_group_ray),
+    VerlPatch("rollout_dump_in_async_trainers", "verl.trainer.ppo.ray_trainer", "RayPPOTrainer._dump_generations",
+              "submits trainer.rollout_data_dir's file to a thread pool that only RayPPOTrainer.__init__ (and "
+              "fully-async's trainer) creates; the one-step-off trainer skips that __init__ (AttributeError "
+              "'_dump_executor' at step 1's dump): written at once there", _sync_dump_without_executor),
 )
 
 
+def _owner(module: Any, attribute: str) -> tuple[Any, str]:
+    """The object holding ``attribute`` (``name`` or ``Class.name``) and the last name."""
+    *path, name = attribute.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return module, name
+
+
 def apply_patches(verl_version: str) -> list[str]:
-    """Applies every patch when verl is the version they were read from; returns their names.
-    Another version: none is applied and a warning says so (verl's own code then runs)."""
+    """Applies every patch when verl is the version they were read from (a patch of a module verl
+    has not imported yet: right after it is, so ``import verl`` imports nothing more); returns
+    their names. Another version: none is applied and a warning says so (verl's own code runs)."""
     if verl_version != VERL_VERSION:
         log.warning("mcore_rl's verl CPU patches were written for verl %s, found %s: not applied",
                     VERL_VERSION, verl_version)
         return []
-    import importlib
+    from mcore_rl.platform.import_hook import when_imported
 
-    applied = []
     for p in PATCHES:
-        module = importlib.import_module(p.module)
-        current = getattr(module, p.attribute)
+        when_imported(p.module, _patcher(p))
+    return [p.name for p in PATCHES]
+
+
+def _patcher(p: VerlPatch) -> Callable[[Any], None]:
+    def apply(module: Any) -> None:
+        owner, name = _owner(module, p.attribute)
+        current = getattr(owner, name)
         if getattr(current, "__wrapped__", None) is None:  # not applied yet
-            setattr(module, p.attribute, p.make(current))
-        applied.append(p.name)
-    return applied
+            setattr(owner, name, p.make(current))
+
+    return apply
 
 
 def revert_patches() -> None:
@@ -183,7 +213,7 @@ def revert_patches() -> None:
     import importlib
 
     for p in PATCHES:
-        module = importlib.import_module(p.module)
-        original = getattr(getattr(module, p.attribute), "__wrapped__", None)
+        owner, name = _owner(importlib.import_module(p.module), p.attribute)
+        original = getattr(getattr(owner, name), "__wrapped__", None)
         if original is not None:
-            setattr(module, p.attribute, original)
+            setattr(owner, name, original)

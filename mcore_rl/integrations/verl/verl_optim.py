@@ -115,7 +115,10 @@ def optim_config(optimizer_config, use_distributed_optimizer: bool) -> OptimConf
                               f"{type(o).__name__}; select optim=megatron.")
     total = int(o.total_training_steps)
     if total < 1:
-        raise VerlConfigError(f"optim.total_training_steps={total}; verl's trainer sets it before initialize().")
+        raise VerlConfigError(f"optim.total_training_steps={total}: the LR schedule needs the step count before "
+                              "initialize(). verl's main_ppo and one-step-off trainers set it; fully-async builds its "
+                              "workers before it knows it: set actor_rollout_ref.actor.optim.total_training_steps "
+                              "(and critic.optim.total_training_steps) to the run's trainer steps.")
     name = str(o.optimizer).lower()
     if name not in ("adam", "adamw", "sgd"):
         raise VerlConfigError(f"optim.optimizer={o.optimizer!r}; the mcore_rl engine runs adam (AdamW) and sgd.")
