@@ -81,23 +81,29 @@ class TransformersRollout:
                                 if k.startswith("model.")})
         self.device = torch.device(device)
 
+    def checked_weight(self, name: str, tensor: Tensor, dtype_fix: str | None = None) -> Tensor:
+        """``tensor`` in the dtype of the model's parameter ``name``; an unknown name, another
+        shape, or a value that dtype cannot hold (fp32 -> fp16 beyond +-65504:
+        ``casts.cast_checked``; ``dtype_fix`` names the setting to change) is an error naming it."""
+        param = self.params.get(name)
+        if param is None:
+            raise RolloutError(f"weight {name!r} is no parameter of the rollout model; the trainer's "
+                               "architecture differs from the rollout model's.")
+        if param.shape != tensor.shape:
+            raise RolloutError(f"weight {name!r}: trainer sends {tuple(tensor.shape)}, the rollout model "
+                               f"has {tuple(param.shape)}.")
+        fix = f"the rollout model's {str(param.dtype).removeprefix('torch.')} cannot hold it: " + \
+            (dtype_fix or "run the rollout engine in a wider dtype (bf16 or fp32)")
+        return cast_checked(tensor, param.dtype, f"weight {name!r} of the sync", fix)
+
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
-        """Copies each (HF name, full tensor) into the model; an unknown name, another shape, or
-        a value the model's dtype cannot hold (fp32 -> fp16 beyond +-65504: ``casts.cast_checked``)
-        is an error naming it. Returns the number of tensors copied."""
+        """Copies each (HF name, full tensor) into the model, checked by ``checked_weight``.
+        Returns the number of tensors copied."""
         taken = 0
         for name, tensor in named_tensors:
-            param = self.params.get(name)
-            if param is None:
-                raise RolloutError(f"weight {name!r} is no parameter of the rollout model; the trainer's "
-                                   "architecture differs from the rollout model's.")
-            if param.shape != tensor.shape:
-                raise RolloutError(f"weight {name!r}: trainer sends {tuple(tensor.shape)}, the rollout model "
-                                   f"has {tuple(param.shape)}.")
-            fix = f"the rollout model's {str(param.dtype).removeprefix('torch.')} cannot hold it: run the rollout " \
-                  "engine in a wider dtype (bf16 or fp32)"
-            param.copy_(cast_checked(tensor, param.dtype, f"weight {name!r} of the sync", fix))
+            checked = self.checked_weight(name, tensor)  # names an unknown weight
+            self.params[name].copy_(checked)
             taken += 1
         return taken
 

@@ -44,7 +44,6 @@ import torch
 from mcore_rl.errors import McoreRLError
 from mcore_rl.integrations.verl import weight_wire as wire
 from mcore_rl.integrations.verl.rollout_lora import ServedAdapters, is_adapter_name
-from mcore_rl.mapping.casts import cast_checked
 from mcore_rl.rollout.hf_generate import TransformersRollout
 from mcore_rl.rollout.sampling import SampleRequest, SampleResult, sample_requests
 
@@ -369,15 +368,8 @@ class RolloutServer:
         LoRA factor under its PEFT name as is: ``ServedAdapters`` checks it)."""
         if is_adapter_name(name):
             return tensor
-        param = self.engine.params.get(name)
-        if param is None:
-            raise RolloutServerError(f"weight {name!r} is no parameter of the rollout model; the trainer's "
-                                     "architecture differs from the rollout model's.")
-        if param.shape != tensor.shape:
-            raise RolloutServerError(f"weight {name!r}: trainer sends {tuple(tensor.shape)}, the rollout model has "
-                                     f"{tuple(param.shape)}.")
-        return cast_checked(tensor, param.dtype, f"weight {name!r} of the sync",
-                            "run the rollout in a wider dtype (rollout.dtype=bfloat16 or float32)")
+        return self.engine.checked_weight(name, tensor, "run the rollout in a wider dtype (rollout.dtype=bfloat16 "
+                                          "or float32)")
 
     def _check_names(self, names: list[str]) -> None:
         """A version must name only rollout parameters (and LoRA factors) and cover every
