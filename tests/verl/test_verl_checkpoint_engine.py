@@ -314,3 +314,55 @@ def test_adapter_versions_send_only_the_changed_factors_and_serve_them_unmerged(
     moved = factors["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
     assert metrics[1]["checkpoint_engine/tensor_bytes_sent"] == moved.nbytes
     assert generate_all(server, prompts(1), ["lora"])[0].extra_fields["global_steps"] == 2
+
+
+def test_a_foreign_rollout_iterating_the_stream_gets_each_version_checked():
+    """A rollout that is not mcore_rl's (verl's vLLM/SGLang adapters on GPU) iterates what
+    ``receive_weights`` returns: it gets every tensor of a full version, then, with ``delta``,
+    exactly the tensors that moved, equal to what was sent. An export that fails mid-version (a
+    tensor yielded twice) yields nothing: the sender tells the receivers at once (abort), they do
+    not wait out ``timeout_s``."""
+    import time
+
+    from mcore_rl.integrations.verl.checkpoint_engine import McoreRLCheckpointEngine
+    from mcore_rl.integrations.verl.weight_wire import WeightSyncError
+
+    g = torch.Generator().manual_seed(5)
+    weights = {f"w{i}": torch.randn(3, 5 + i, generator=g) for i in range(6)}
+    sender = McoreRLCheckpointEngine(64, is_master=True, delta=True, timeout_s=60)  # buckets of 64 bytes
+    receiver = McoreRLCheckpointEngine(64, timeout_s=60)
+    sender_errors: list[str] = []
+
+    def one_version(version: int, stream: list) -> list[tuple[str, torch.Tensor]]:
+        meta = sender.prepare()
+        actor, rollout = B._topology(McoreRLCheckpointEngine, 1, 1, meta)
+        sender.init_process_group(actor["rank"][0], actor["world_size"][0], actor["master"][0])
+        receiver.init_process_group(rollout["rank"][0], rollout["world_size"][0], rollout["master"][0])
+        def send() -> None:
+            try:
+                asyncio.run(sender.send_weights(iter(stream), version))
+            except WeightSyncError as e:
+                sender_errors.append(str(e))
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+
+        async def take():
+            return [(n, t.clone()) for n, t in [item async for item in receiver.receive_weights(version)]]
+
+        try:
+            return asyncio.run(take())
+        finally:
+            thread.join(timeout=60)
+            sender.finalize()
+            receiver.finalize()
+
+    got = one_version(1, list(weights.items()))
+    assert [n for n, _ in got] == list(weights) and all(torch.equal(t, weights[n]) for n, t in got)
+    weights["w2"] = weights["w2"] * 2
+    got = one_version(2, list(weights.items()))
+    assert [n for n, _ in got] == ["w2"] and torch.equal(got[0][1], weights["w2"])
+    start = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="abandoned the weight version .*'w0' twice"):
+        one_version(3, list(weights.items()) + [("w0", weights["w0"] + 1)])
+    assert time.perf_counter() - start < 30 and len(sender_errors) == 1 and "twice" in sender_errors[0]

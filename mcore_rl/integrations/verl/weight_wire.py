@@ -18,8 +18,10 @@ A version is, in order (every step a collective over the group):
 
 A receiver refuses a repeated, missing or extra tensor, a checksum that differs from the
 manifest's, or a delta whose base it does not hold; it keeps reading to the manifest (so the
-sender is not left blocked) and acks 0. A sender that dies mid-version makes the receivers'
-next collective fail (or time out after ``timeout_s``): they drop what they staged.
+sender is not left blocked) and acks 0. A sender whose export fails mid-version sends an
+*abort* message (kind 3, the reason) instead of the manifest, so the receivers fail at once; a
+sender that dies mid-version makes the receivers' next collective fail (or time out after
+``timeout_s``). Either way they drop what they staged.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import torch.distributed as dist
 from mcore_rl.errors import McoreRLError
 from mcore_rl.fileio.checksum import checksum
 
-BUCKET, MANIFEST = 1, 2
+BUCKET, MANIFEST, ABORT = 1, 2, 3
 ALIGN = 64  # bytes: every tensor starts at a multiple (a dtype view needs its alignment)
 _BIG = torch.iinfo(torch.int64).max
 DTYPES = {str(d).removeprefix("torch."): d for d in (
@@ -173,6 +175,31 @@ class Sender:
         low, high = int(hello[0]), -int(hello[1])
         base = self.last if self.delta and self.last is not None and low == high == self.last[0] else None
         token = secrets.randbits(62) | 1
+        try:
+            names, sums, sent, wire, payload = self._stream(group, device, weights, base)
+        except Exception as e:  # the export (or its check) failed: tell the receivers, then fail here
+            try:
+                _send(group, device, ABORT, {"reason": f"{type(e).__name__}: {e}"}, [])
+            except Exception:  # noqa: BLE001 - the group itself broke: the receivers' collective fails too
+                pass
+            raise
+        manifest = {"token": token, "base": base[0] if base else 0, "names": names, "checksums": sums, "sent": sent,
+                    "peft": peft_config}
+        wire += _send(group, device, MANIFEST, manifest, [])
+        accepted = int(_all_reduce_min(group, torch.ones(1, dtype=torch.int64, device=device)).cpu()[0])
+        self.last = (token, sums) if accepted else None
+        if not accepted:
+            raise WeightSyncError(f"a rollout receiver refused weight version {token} ({len(sent)} tensors sent; see "
+                                  "the rollout's log for the tensor); the next sync sends every tensor.")
+        return {"checkpoint_engine/bytes_sent": float(wire), "checkpoint_engine/tensor_bytes_sent": float(payload),
+                "checkpoint_engine/tensors_sent": float(len(sent)), "checkpoint_engine/tensors_total": float(len(names)),
+                "checkpoint_engine/delta": float(base is not None),
+                "checkpoint_engine/seconds": time.perf_counter() - start}
+
+    def _stream(self, group: dist.ProcessGroup, device: torch.device, weights: Iterable[tuple[str, torch.Tensor]],
+                base: tuple[int, dict[str, str]] | None) -> tuple[list[str], dict[str, str], list[str], int, int]:
+        """Sends the version's buckets (with ``base``: only tensors whose checksum moved); returns
+        (names, checksums, names sent, wire bytes, tensor bytes)."""
         names, sums, sent, wire, payload = [], {}, [], 0, 0
         bucket, meta, size = [], [], 0
         for name, tensor in weights:
@@ -194,18 +221,7 @@ class Sender:
             payload += t.nbytes
         if bucket:
             wire += _send(group, device, BUCKET, meta, bucket)
-        manifest = {"token": token, "base": base[0] if base else 0, "names": names, "checksums": sums, "sent": sent,
-                    "peft": peft_config}
-        wire += _send(group, device, MANIFEST, manifest, [])
-        accepted = int(_all_reduce_min(group, torch.ones(1, dtype=torch.int64, device=device)).cpu()[0])
-        self.last = (token, sums) if accepted else None
-        if not accepted:
-            raise WeightSyncError(f"a rollout receiver refused weight version {token} ({len(sent)} tensors sent; see "
-                                  "the rollout's log for the tensor); the next sync sends every tensor.")
-        return {"checkpoint_engine/bytes_sent": float(wire), "checkpoint_engine/tensor_bytes_sent": float(payload),
-                "checkpoint_engine/tensors_sent": float(len(sent)), "checkpoint_engine/tensors_total": float(len(names)),
-                "checkpoint_engine/delta": float(base is not None),
-                "checkpoint_engine/seconds": time.perf_counter() - start}
+        return names, sums, sent, wire, payload
 
 
 def receive(group: dist.ProcessGroup, link: Link, known: tuple[int, dict[str, str]] | None,
@@ -223,6 +239,9 @@ def receive(group: dist.ProcessGroup, link: Link, known: tuple[int, dict[str, st
     nbytes = 0
     while True:
         kind, meta, payload = _receive(group, device)
+        if kind == ABORT:
+            raise WeightSyncError(f"the trainer abandoned the weight version it was sending ({meta['reason']}); "
+                                  "nothing of it is applied, the previous version stays served.")
         if kind == MANIFEST:
             break
         nbytes += payload.numel()
