@@ -47,15 +47,18 @@ def main() -> None:
             run(cfg)
     except McoreRLError as error:
         report_refusal(error, rank)
-        if args.check:
-            sys.exit(2)
-        # a rank ends at once after its refusal: interpreter shutdown would destroy its process
-        # groups while a peer may still wait in a collective, and a gloo thread destroyed still
-        # joinable prints C++'s "terminate called without an active exception" after the line
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
+        sys.exit(2)
 
 
 if __name__ == "__main__":  # megatron's checkpoint writers re-import the main module
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code != 2:
+            raise
+        # a refused rank ends at once: interpreter shutdown would destroy its process groups while
+        # a peer may still wait in a collective, and a gloo thread destroyed still joinable prints
+        # C++'s "terminate called without an active exception" after the error line
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)

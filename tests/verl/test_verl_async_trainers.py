@@ -81,12 +81,19 @@ def trained_batches(directory: str) -> dict[int, list[dict]]:
             for name in os.listdir(directory) if name.endswith(".pt")}
 
 
+def hf_weights(step_dir, role: str) -> dict:
+    """The HF-named tensors of a saved role (the merge path: torch_dist read without megatron)."""
+    from mcore_rl.conversion.merge import iter_hf_tensors, open_model_dir, plan_units
+
+    model = open_model_dir(str(step_dir / role))
+    units, dims = plan_units(model)
+    return dict(iter_hf_tensors(model, units, dims))
+
+
 def hf_model_at(model_dir: str, step_dir: str | None):
     """transformers' model of ``model_dir`` holding the actor's weights saved in ``step_dir``
     (``global_step_N``; None: the starting weights)."""
     from transformers import AutoModelForCausalLM
-
-    from tests.verl.test_verl_main_ppo import hf_weights
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
     if step_dir is not None:
