@@ -117,3 +117,14 @@ def test_verl_manifest_names_where_each_content_is(tmp_path):
     shutil.rmtree(VERL_V2.hf_dir(role_dir))
     with pytest.raises(CheckpointError, match=r"names \['model/huggingface'\], which .* does not hold"):
         contents_manifest.check(VERL_V2, role_dir)
+
+
+def test_the_main_job_starts_from_either_layout(dirs):
+    from mcore_rl.job.start import actor_start, critic_start
+
+    old, v2 = dirs
+    for d, layout in ((old, MCORE_RL), (v2, VERL_V2)):
+        start = actor_start(None, d, None)
+        assert start.hf_files == layout.hf_dir(d) and start.mcore_dir == d and start.args.num_layers == 2
+        critic = critic_start(d, start)  # an actor's directory as the critic's start: a fresh value head
+        assert critic.hf_files == layout.hf_dir(d) and critic.mcore_dir == d

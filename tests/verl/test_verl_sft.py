@@ -131,3 +131,16 @@ def test_sft_trainer_other_layouts_same_losses(inputs, tmp_path, dp_padded, over
         assert loss == pytest.approx(ref_loss, abs=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5), (other, reference)
     if "engine.tensor_model_parallel_size=2" in overrides:  # its step 3 holds TP=2 shards
         merged_alike(str(tmp_path / "other" / "global_step_3" / "actor"), tmp_path)
+
+
+def test_model_path_may_be_a_role_dir_of_either_layout(tmp_path):
+    """verl's ``model.path``: a step's role dir in verl's layout builds from its model/huggingface/."""
+    from mcore_rl.fileio.model_layout import MCORE_RL, VERL_V2
+    from mcore_rl.integrations.verl.verl_checkpoints import ModelStart, model_start
+
+    for layout in (MCORE_RL, VERL_V2):
+        d = str(tmp_path / layout.name)
+        os.makedirs(layout.hf_dir(d))
+        meta = {"role": "actor", **({"model_layout": layout.name} if layout is VERL_V2 else {})}
+        Path(d, "mcore_rl.json").write_text(json.dumps(meta))
+        assert model_start(d, "critic") == ModelStart(layout.hf_dir(d), True, d)
