@@ -119,6 +119,10 @@ def _verl_v2_roundtrip(eng, base: str) -> dict:
            "layout": layout_of(role_dir).name, "manifest": check(VERL_V2, role_dir)["contents"]}
     with open(os.path.join(role_dir, "mcore_rl.json")) as f:
         out["schema"] = json.load(f)["schema_version"]
+    with open(os.path.join(os.path.dirname(role_dir), "COMPLETE")) as f:
+        files = json.load(f)["files"]  # the marker vouches for the manifest and both trees
+    out["recorded"] = sorted(rel for rel in files if "/model/" not in rel)
+    out["inner"] = sorted({rel.split("/")[2] for rel in files if rel.startswith("actor/model/")})
     train_step(eng, 1)
     moved = _differ(_state(eng), saved)
     _manager(root).resume({"actor": eng})  # verify_content (default): every item checked as it is read
@@ -214,6 +218,8 @@ def test_verl_v2_layout_saves_resumes_and_loads(saved):
         assert v2["entries"] == ["ckpt_contents.json", "mcore_rl.json", "model"] and v2["model"] == [
             "dist_ckpt", "huggingface"], (rank, v2)
         assert (v2["layout"], v2["schema"]) == ("verl_v2", 3)
+        assert v2["recorded"] == ["actor/ckpt_contents.json", "actor/mcore_rl.json", "trainer_state.json"], v2
+        assert v2["inner"] == ["dist_ckpt", "huggingface"], v2["inner"]
         assert {k: e["path"] for k, e in v2["manifest"].items()} == {
             "model": "model/dist_ckpt", "optimizer": "model/dist_ckpt", "lr_scheduler": "model/dist_ckpt",
             "rng_state": "model/dist_ckpt", "hf_config": "model/huggingface"}, v2["manifest"]

@@ -45,6 +45,10 @@ def check_verl_reads(role_dir: str) -> dict:
     assert named and all(os.path.isdir(os.path.join(role_dir, p)) for p in named), named
     assert manifest["contents"]["model"]["path"] == os.path.relpath(dist, role_dir)
     assert manifest["contents"]["hf_config"]["path"] == os.path.relpath(hf, role_dir)
+    from mcore_rl.checkpoint.role_parts import read_part
+
+    role = os.path.basename(role_dir)  # the part's record (written after it) vouches for the manifest
+    assert f"{role}/ckpt_contents.json" in read_part(os.path.join(role_dir, "PART")).files
     return manifest
 
 
