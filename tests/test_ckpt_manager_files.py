@@ -108,6 +108,7 @@ def _differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 def _verl_v2_roundtrip(eng, base: str) -> dict:
     """Save in verl's layout, update, resume; update, load_model_dir: what differs each time."""
     from mcore_rl.checkpoint.contents_manifest import check
+    from mcore_rl.checkpoint.inventory import read_marker
     from mcore_rl.checkpoint.model_dir import load_model_dir
     from mcore_rl.fileio.model_layout import VERL_V2, layout_of
 
@@ -123,6 +124,9 @@ def _verl_v2_roundtrip(eng, base: str) -> dict:
         files = json.load(f)["files"]  # the marker vouches for the manifest and both trees
     out["recorded"] = sorted(rel for rel in files if "/model/" not in rel)
     out["inner"] = sorted({rel.split("/")[2] for rel in files if rel.startswith("actor/model/")})
+    step_dir = os.path.dirname(role_dir)  # the resume checks the shards item by item as it reads them:
+    in_read = _manager(root)._verify_content(step_dir, read_marker(os.path.join(step_dir, "COMPLETE")), ["actor"])
+    out["in_read"] = in_read["actor"][2] if "actor" in in_read else None  # the dist dir it reads so
     train_step(eng, 1)
     moved = _differ(_state(eng), saved)
     _manager(root).resume({"actor": eng})  # verify_content (default): every item checked as it is read
@@ -220,6 +224,7 @@ def test_verl_v2_layout_saves_resumes_and_loads(saved):
         assert (v2["layout"], v2["schema"]) == ("verl_v2", 3)
         assert v2["recorded"] == ["actor/ckpt_contents.json", "actor/mcore_rl.json", "trainer_state.json"], v2
         assert v2["inner"] == ["dist_ckpt", "huggingface"], v2["inner"]
+        assert v2["in_read"] == "actor/model/dist_ckpt", v2["in_read"]
         assert {k: e["path"] for k, e in v2["manifest"].items()} == {
             "model": "model/dist_ckpt", "optimizer": "model/dist_ckpt", "lr_scheduler": "model/dist_ckpt",
             "rng_state": "model/dist_ckpt", "hf_config": "model/huggingface"}, v2["manifest"]
