@@ -258,7 +258,7 @@ class CheckpointManager:
             contents_manifest.write(self.layout, role_dir, contents_manifest.build(
                 self.layout, role, step, tuple(meta["contents"]), meta["layout"]["world_size"],
                 contents_manifest.hf_arch(hf_dir), scheduler, "lora" in meta,
-                os.path.isfile(os.path.join(hf_dir, "tokenizer_config.json"))))
+                os.path.isfile(os.path.join(hf_dir, "tokenizer_config.json")), os.path.isdir(hf_dir)))
 
     def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
         """HF safetensors shards of at most ``hf_max_shard_size`` (+ index), streamed bucket by
