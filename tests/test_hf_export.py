@@ -40,7 +40,7 @@ def _convert(jobs: list[tuple[str, str, str | None]]) -> None:
 @pytest.fixture(scope="module")
 def conv(tmp_path_factory):
     """name -> converter output: a tiny llama in fp32, a tiny llama critic, an FP8-sourced llama
-    (block FP8, other tensors bf16: converted with the FP8 record), a tiny gpt-oss (bf16)."""
+    (block FP8, other tensors bf16: converted with the FP8 record), a tiny gpt-oss (bf16, no record)."""
     from tests.test_fp8_import import write_fp8
 
     base = str(tmp_path_factory.mktemp("hf_export"))
@@ -50,7 +50,9 @@ def conv(tmp_path_factory):
     tiny_hf_model(tiny_config("llama", num_hidden_layers=2), seed=3).save_pretrained(hf["src_fp8"])
     hf["fp8"] = os.path.join(base, "hf_fp8")
     write_fp8(hf["src_fp8"], hf["fp8"], os.path.join(base, "ref_fp8"), "llama", FP8_QUANT, "block", torch.float32)
-    tiny_hf_model(tiny_config("gpt_oss", num_hidden_layers=2)).to(torch.bfloat16).save_pretrained(hf["gpt_oss"])
+    # hidden 48, expert ffn 40: no whole MXFP4 blocks, so merge --dtype mxfp4 writes the experts bf16 and lists them
+    tiny_hf_model(tiny_config("gpt_oss", num_hidden_layers=2, hidden_size=48, intermediate_size=40)).to(
+        torch.bfloat16).save_pretrained(hf["gpt_oss"])
     out = {n: os.path.join(base, f"conv_{n}") for n in ("llama", "critic", "fp8", "gpt_oss")}
     run_ranks(1, _convert, [(hf[n], out[n], "fp32" if n in ("llama", "critic") else None) for n in out],
               daemon=False)
@@ -165,6 +167,9 @@ def test_write_export_config_equals_merge_and_is_idempotent(conv, tmp_path):
         params = torch.float32 if source == "llama" else torch.bfloat16
         write_export_config(role_dir, "actor", spec, params)
         assert open(config, "rb").read() == open(os.path.join(ref, "config.json"), "rb").read(), kw
+        if source == "gpt_oss":  # the experts modules merge writes unquantized, from the shapes alone
+            assert json.load(open(config))["quantization_config"]["modules_to_not_convert"][-2:] == [
+                "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert json.load(open(config))["dtype"] == "float16"
     with pytest.raises(ExportError, match="says role 'actor', not 'critic'"):
         write_export_config(role_dir, "critic", spec, torch.float32)
