@@ -1,11 +1,11 @@
-"""The background HF export's core (checkpoint/hf_export*.py): a step whose config.json the save
-wrote with ``write_export_config`` exports into its HF dir the bytes ``mcore_to_hf.py merge``
-writes (fp32 with shards + index, bf16, FP8 from an FP8-sourced model, a critic started from a
-causal-LM config; MXFP4's config); its record makes it complete, a short, missing or (verified)
-damaged file makes it partial; a partial export left in the HF dir changes nothing a merge writes;
-the worker killed at each phase leaves a partial export transformers never half-loads, which
-``clean_partial`` and a rerun make complete; the worker runs niced and at idle IO priority and
-refuses bad input in one line.
+"""The background HF export's core (checkpoint/hf_export*.py, conversion/hf_export_step.py and the
+worker): a step whose config.json the save wrote with ``write_export_config`` exports into its HF
+dir the bytes ``mcore_to_hf.py merge`` writes (fp32 with shards + index, bf16, FP8 from an
+FP8-sourced model, a critic started from a causal-LM config; MXFP4's config); its record makes it
+complete, a short, missing or (verified) damaged file makes it partial; a partial export left in
+the HF dir changes nothing a merge writes; the worker killed at each phase leaves a partial
+export transformers never half-loads, which ``clean_partial`` and a rerun make complete; the
+worker runs niced and at idle IO priority and refuses bad input in one line.
 
 Steps here are converter outputs placed as ``global_step_N/<role>`` with a ``COMPLETE`` marker
 recording their files (what a CheckpointManager step is to every reader): no engine is built.
@@ -118,7 +118,7 @@ CASES = {  # name -> (converter output, role, spec kwargs, config.json taken fro
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_export_equals_merge_byte_for_byte(conv, tmp_path, name):
-    from mcore_rl.checkpoint.hf_export import export_step
+    from mcore_rl.conversion.hf_export_step import export_step
     from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of, staging_dir
     from mcore_rl.fileio.output_dir import EXPORT_RECORD
 
@@ -183,7 +183,8 @@ def test_write_export_config_equals_merge_and_is_idempotent(conv, tmp_path):
 def test_step_saved_without_the_export_config_is_refused_unchanged(conv, tmp_path):
     """A step whose config.json is the run's (not written by write_export_config for this dtype):
     the staged config differs, the export stops naming it, nothing is moved or left."""
-    from mcore_rl.checkpoint.hf_export import ExportError, export_step
+    from mcore_rl.checkpoint.hf_export import ExportError
+    from mcore_rl.conversion.hf_export_step import export_step
     from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of
 
     for i, (saved, asked) in enumerate([(None, _spec()), (_spec(), _spec(dtype="bf16"))]):
@@ -226,7 +227,8 @@ def test_partial_export_in_the_hf_dir_changes_nothing_merge_writes(conv, tmp_pat
 
 
 def test_record_of_a_missing_short_or_damaged_file_is_partial(conv, tmp_path):
-    from mcore_rl.checkpoint.hf_export import ExportError, export_step
+    from mcore_rl.checkpoint.hf_export import ExportError
+    from mcore_rl.conversion.hf_export_step import export_step
     from mcore_rl.checkpoint.hf_export_record import clean_partial, export_state, hf_dir_of
     from mcore_rl.fileio.output_dir import EXPORT_RECORD
 
@@ -258,7 +260,7 @@ def test_record_of_a_missing_short_or_damaged_file_is_partial(conv, tmp_path):
 
 
 def _worker(role_dir: str, *args: str, env: dict | None = None, wait: bool = True):
-    cmd = [sys.executable, "-m", "mcore_rl.checkpoint.hf_export_worker", "--role_dir", role_dir, *args]
+    cmd = [sys.executable, "-m", "mcore_rl.conversion.hf_export_worker", "--role_dir", role_dir, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
@@ -287,7 +289,7 @@ def _loads_complete_or_fails(hf: str, ref: str) -> str:
 
 @pytest.mark.parametrize("phase", ["merge", "move", "record"])
 def test_worker_killed_at_each_phase_then_cleaned_and_rerun(conv, tmp_path, phase):
-    from mcore_rl.checkpoint.hf_export import export_step
+    from mcore_rl.conversion.hf_export_step import export_step
     from mcore_rl.checkpoint.hf_export_record import INDEX, clean_partial, export_state, hf_dir_of
 
     spec = _spec(max_shard_size="40KB")
@@ -341,7 +343,7 @@ def test_worker_runs_niced_at_idle_io_priority(conv, tmp_path):
 def test_worker_refuses_in_one_line(conv, tmp_path, capsys, monkeypatch):
     """Bad input: one ``error:`` line, exit 2, checked before the worker lowers its priority
     (in-process here: this process keeps its nice value); as ``python -m``: no traceback."""
-    from mcore_rl.checkpoint.hf_export_worker import main
+    from mcore_rl.conversion.hf_export_worker import main
 
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # main sets them for the export's threads
         monkeypatch.setenv(name, os.environ.get(name, "1"))
