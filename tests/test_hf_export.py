@@ -368,3 +368,57 @@ def test_worker_refuses_in_one_line(conv, tmp_path, capsys, monkeypatch):
     rc, out, err = _worker(role_dir, "--step", "1", "--dtpye", "bf16")
     assert rc == 2 and err == "error: hf_export_worker: unrecognized arguments: --dtpye bf16 (see hf_export_worker " \
         "--help)\n", err
+
+
+def test_inline_weights_of_an_older_step_are_complete_as_they_are(conv, tmp_path):
+    """A step written before background exports records its HF weights itself: ``inline``, never
+    exported over, and clean_partial removes none of them."""
+    from mcore_rl.checkpoint.hf_export import ExportError
+    from mcore_rl.checkpoint.hf_export_record import clean_partial, export_state
+    from mcore_rl.conversion.hf_export_step import export_step
+
+    ref = _merge(make_step(conv["llama"], str(tmp_path / "plain")), str(tmp_path / "ref"), _spec())
+    conv_copy = str(tmp_path / "conv_inline")
+    shutil.copytree(conv["llama"], conv_copy)
+    shutil.copyfile(os.path.join(ref, "model.safetensors"), os.path.join(conv_copy, "huggingface", "model.safetensors"))
+    role_dir = make_step(conv_copy, str(tmp_path / "run"))
+    assert export_state(role_dir) == "inline" and clean_partial(role_dir) == []
+    with pytest.raises(ExportError, match="is inline .* the step holds its HF weights itself; nothing to export"):
+        export_step(role_dir, _spec(), 1)
+
+
+def test_worker_fp8_options_make_the_spec():
+    from mcore_rl.checkpoint.hf_export import ExportSpec
+    from mcore_rl.conversion.hf_export_worker import _parser, _spec
+    from mcore_rl.mapping.fp8_quant import BlockFp8
+
+    args = _parser().parse_args(["--role_dir", "d", "--step", "3", "--dtype", "fp8", "--fp8_block_size", "64", "32",
+                                 "--scale_fmt", "ue8m0", "--max_shard_size", "1GB"])
+    assert _spec(args) == ExportSpec("fp8", "1GB", BlockFp8((64, 32), "ue8m0"))
+    assert _spec(_parser().parse_args(["--role_dir", "d", "--step", "3", "--dtype", "fp8"])).fp8 == BlockFp8()
+
+
+def test_child_dies_with_its_parent(tmp_path):
+    """``die_with_parent_preexec`` as Popen's preexec_fn: SIGKILL of the parent takes the child."""
+    code = ("import subprocess, sys\n"
+            "from mcore_rl.checkpoint.child_process import die_with_parent_preexec\n"
+            "child = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent_preexec())\n"
+            "print(child.pid, flush=True)\n"
+            "child.wait()\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert open(f"/proc/{child}/cmdline").read().startswith("sleep")
+    parent.kill()
+    parent.wait()
+    for _ in range(500):
+        try:
+            state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":  # killed, not yet reaped by init
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"the child {child} outlived its parent")
