@@ -198,6 +198,31 @@ def test_step_saved_without_the_export_config_is_refused_unchanged(conv, tmp_pat
         assert sorted(os.listdir(os.path.dirname(role_dir))) == ["COMPLETE", os.path.basename(role_dir)]
 
 
+def test_step_replaced_while_exported_gets_no_weights(conv, tmp_path, monkeypatch):
+    """A save replacing the step while it is merged (its marker rewritten): nothing is moved, the
+    staging dir is removed, the export is absent."""
+    import mcore_rl.conversion.hf_export_step as step_mod
+    from mcore_rl.checkpoint.hf_export import ExportError
+    from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of, staging_dir
+    from mcore_rl.checkpoint.inventory import Marker, read_marker
+    from mcore_rl.checkpoint.step_dirs import write_marker
+
+    spec = _spec()
+    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
+    marker_path = os.path.join(os.path.dirname(role_dir), "COMPLETE")
+    old = read_marker(marker_path)
+
+    def replaced(phase: str) -> None:  # at the merge's hold point: another save's marker
+        if phase == "hf_export_merge":
+            write_marker(marker_path, Marker(old.step, old.roles, 2, old.files))
+
+    monkeypatch.setattr(step_mod, "hold_point", replaced)
+    with pytest.raises(ExportError, match="changed while it was exported .* nothing was moved: export the step again"):
+        step_mod.export_step(role_dir, spec, 1)
+    assert export_state(role_dir) == "absent" and not os.path.exists(staging_dir(role_dir))
+    assert sorted(os.listdir(hf_dir_of(role_dir))) == ["config.json", "generation_config.json"]
+
+
 def _plant_partial(role_dir: str, ref: str) -> list[str]:
     """What an export killed in its move phase leaves: a shard of the merge and a stale record."""
     from mcore_rl.checkpoint.hf_export_record import hf_dir_of
