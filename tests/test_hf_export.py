@@ -61,10 +61,11 @@ def conv(tmp_path_factory):
 
 
 def make_step(conv_dir: str, root: str, role: str = "actor", spec=None, config_from: str | None = None,
-              step: int = 1) -> str:
+              step: int = 1, verl_v2: bool = False) -> str:
     """``conv_dir`` as ``root/global_step_<step>/<role>`` (``config_from``: its huggingface/config.json
-    taken from there), config.json rewritten by ``write_export_config(spec)`` when given, then a
-    COMPLETE marker recording every file: the order a save writes them in."""
+    taken from there; ``verl_v2``: in verl's layout, ``model/dist_ckpt`` + ``model/huggingface``),
+    config.json rewritten by ``write_export_config(spec)`` when given, then a COMPLETE marker
+    recording every file: the order a save writes them in."""
     from mcore_rl.checkpoint.hf_export import write_export_config
     from mcore_rl.checkpoint.inventory import Marker
     from mcore_rl.checkpoint.step_dirs import write_marker
@@ -74,6 +75,15 @@ def make_step(conv_dir: str, root: str, role: str = "actor", spec=None, config_f
     role_dir = os.path.join(step_dir, role)
     shutil.copytree(conv_dir, role_dir)
     os.remove(os.path.join(role_dir, "RECORD"))
+    if verl_v2:
+        from mcore_rl.fileio.model_layout import LAYOUT_KEY
+
+        os.makedirs(os.path.join(role_dir, "model"))
+        for name in ("dist_ckpt", "huggingface"):
+            os.rename(os.path.join(role_dir, name), os.path.join(role_dir, "model", name))
+        meta_path = os.path.join(role_dir, "mcore_rl.json")
+        meta = json.load(open(meta_path))
+        json.dump({**meta, LAYOUT_KEY: "verl_v2"}, open(meta_path, "w"))
     if config_from is not None:
         shutil.copyfile(os.path.join(config_from, "config.json"), os.path.join(role_dir, "huggingface", "config.json"))
     if spec is not None:
@@ -110,6 +120,7 @@ def _spec(**kw):
 
 CASES = {  # name -> (converter output, role, spec kwargs, config.json taken from)
     "fp32_shards": ("llama", "actor", dict(max_shard_size="40KB"), None),
+    "verl_v2_layout": ("llama", "actor", dict(max_shard_size="80KB"), None),
     "bf16": ("llama", "actor", dict(dtype="bf16"), None),
     "fp8_sourced": ("fp8", "actor", dict(dtype="fp8"), None),
     "critic_from_causal_config": ("critic", "critic", {}, "causal_config"),
@@ -125,10 +136,12 @@ def test_export_equals_merge_byte_for_byte(conv, tmp_path, name):
     source, role, kw, config_from = CASES[name]
     spec = _spec(**kw)
     config_from = conv[config_from] if config_from else None
-    plain = make_step(conv[source], str(tmp_path / "plain"), role, None, config_from)  # the run's config.json
+    v2 = name == "verl_v2_layout"
+    plain = make_step(conv[source], str(tmp_path / "plain"), role, None, config_from, verl_v2=v2)  # the run's config
     ref = _merge(plain, str(tmp_path / "ref"), spec)
-    role_dir = make_step(conv[source], str(tmp_path / "run"), role, spec, config_from)
+    role_dir = make_step(conv[source], str(tmp_path / "run"), role, spec, config_from, verl_v2=v2)
     hf = hf_dir_of(role_dir)
+    assert hf == os.path.join(role_dir, "model", "huggingface") if v2 else os.path.join(role_dir, "huggingface")
     assert open(os.path.join(hf, "config.json"), "rb").read() == open(os.path.join(ref, "config.json"), "rb").read()
     assert export_state(role_dir) == "absent"
     result = export_step(role_dir, spec, 1)
