@@ -109,10 +109,9 @@ class _SharedResults:
         return int(self.words[at]), int(self.words[at + 1])
 
 
-def die_with_parent(parent_pid: int, libc: ctypes.CDLL | None = None) -> None:
-    """In a forked writer or exporter: SIGKILL when the rank dies; exit now if it already has.
-    ``libc``: loaded by the parent (a ``preexec_fn`` should not load libraries after fork)."""
-    libc = libc or ctypes.CDLL(None, use_errno=True)
+def _die_with_parent(parent_pid: int) -> None:
+    """In a forked writer: SIGKILL when the rank dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
@@ -135,7 +134,7 @@ def write_rank_file(parent_pid: int, transforms, rank: int, buckets: list, resul
     ``transforms``: the writer's torch storage transforms (none by default)."""
     forked = os.getpid() != parent_pid
     if forked:
-        die_with_parent(parent_pid)
+        _die_with_parent(parent_pid)
         gc.disable()  # a collection here could free the parent's device tensors (CUDA after fork)
         torch.set_num_threads(1)  # the parent's OpenMP pool does not exist in a forked child
     error, shard, sums = None, (0, ""), (0, "")
