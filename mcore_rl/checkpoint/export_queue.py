@@ -6,8 +6,9 @@ subprocess, ``python -m mcore_rl.checkpoint.hf_export_worker`` (``hf_export.expo
 ``mcore_to_hf.py merge`` path into a staging dir, moved into the step's HF dir, its record
 last), started after its step is complete. It dies with the process that started it
 (``PR_SET_PDEATHSIG``); it lowers its own CPU and I/O priority and runs ``threads`` torch /
-OpenMP / MKL threads (``hf_export_worker``). At most one runs; the others wait in submission order, and a newer step's
-submission drops the older steps' exports that have not started (``supersede``). A thread of
+OpenMP / MKL threads (``hf_export_worker``). At most one runs; the others wait in submission
+order, and a newer step's submission drops the older steps' exports that have not started
+(``supersede``). A thread of
 the queue starts each export when the one before it ends, so a job that does not poll still
 gets its exports; ``poll()`` only collects failures.
 
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -60,6 +62,17 @@ class ExportFailure:
         return f"the HF export of step {self.step} role {self.role} on node {self.node} failed: {self.error}"
 
 
+@dataclass(frozen=True)
+class ExportDone:
+    """An export that ended (exit 0): when it started and ended (``time.time()``), its summary line."""
+
+    step: int
+    role: str
+    started: float
+    ended: float
+    line: str
+
+
 Command = Callable[[ExportTask, int], list[str]]
 
 
@@ -88,6 +101,7 @@ class ExportQueue:
         self._running: tuple[ExportTask, subprocess.Popen, Any] | None = None
         self._cancelled: set[int] = set()  # pids killed on purpose (no failure reported)
         self._failures: list[ExportFailure] = []
+        self.done: list[ExportDone] = []  # the last exports that succeeded (at most 100)
         self._paused = 0
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -208,13 +222,17 @@ class ExportQueue:
                     self._cond.notify_all()
                     continue
                 self._running = (task, proc, output)
+                started = time.time()
             code = proc.wait()
-            failure = _outcome(task, code, output)
+            failure, line = _outcome(task, code, output), _error_line(output)
             output.close()
             with self._cond:
                 if failure is not None and proc.pid not in self._cancelled:
                     log.error("%s", failure.describe())
                     self._failures.append(failure)
+                elif failure is None:
+                    log.info("HF export of step %d role %s done: %s", task.step, task.role, line)
+                    self.done = [*self.done[-99:], ExportDone(task.step, task.role, started, time.time(), line)]
                 self._cancelled.discard(proc.pid)
                 self._running = None
                 self._cond.notify_all()
@@ -244,7 +262,8 @@ def _outcome(task: ExportTask, code: int, output) -> ExportFailure | None:
 
 
 def _error_line(output) -> str:
-    """The exporter's last ``error:`` line, else its last non-empty line ('' when silent)."""
+    """The exporter's last ``error:`` line, else its last non-empty line ('' when silent): the
+    summary line of an export that succeeded."""
     try:
         size = output.seek(0, os.SEEK_END)
         output.seek(max(0, size - _ERROR_TAIL))

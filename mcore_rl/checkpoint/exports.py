@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-from mcore_rl.checkpoint import hf_export, storage
+from mcore_rl.checkpoint import hf_export, hf_export_record, storage
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes, gather_errors
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.checkpoint.export_queue import ExportFailure, ExportQueue
@@ -152,11 +152,11 @@ def _lacking(root: str, steps: list[int]) -> dict[str, list[str]]:
     for step in steps:
         step_dir = os.path.join(root, step_name(step))
         for role in _hf_roles(step_dir):
-            state = hf_export.export_state(os.path.join(step_dir, role))
+            state = hf_export_record.export_state(os.path.join(step_dir, role))
             if state in ("complete", "inline"):
                 continue
             if state == "partial":
-                removed += [f"{step_name(step)}/{rel}" for rel in hf_export.clean_partial(os.path.join(step_dir, role))]
+                removed += [f"{step_name(step)}/{rel}" for rel in hf_export_record.clean_partial(os.path.join(step_dir, role))]
             out.setdefault(str(step), []).append(role)
     if removed:
         log.warning("removed partial HF export(s) under %s (an export was interrupted; never used): %s",
