@@ -34,6 +34,7 @@ def compare(model_dir: str, hf_dir: str) -> tuple[float, float, float]:
     from mcore_rl.checkpoint.model_dir import load_model_dir
     from mcore_rl.checkpoint.storage import read_json
     from mcore_rl.errors import CheckpointError
+    from mcore_rl.fileio.model_layout import layout_of
     from mcore_rl.models.builder import BuildOptions
     from mcore_rl.models.forward import chunk_forward
     from mcore_rl.models.hf_config import model_args_from_hf
@@ -48,7 +49,7 @@ def compare(model_dir: str, hf_dir: str) -> tuple[float, float, float]:
                               "expected role actor|critic and a torch dtype: not a model directory this "
                               "project wrote (pass global_step_<N>/actor or a hf_to_mcore.py output).")
     initialize_parallel_state(ParallelLayout())
-    args = model_args_from_hf(os.path.join(model_dir, "huggingface"))
+    args = model_args_from_hf(layout_of(model_dir, meta).hf_dir(model_dir))
     # computed in fp32 either way: bf16 weights are checked against HF weights rounded to bf16
     engine = ModelEngine(args, ParallelLayout(), role, active_platform(), BuildOptions())
     load_model_dir(model_dir, engine)

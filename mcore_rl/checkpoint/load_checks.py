@@ -14,6 +14,7 @@ from mcore_rl.checkpoint import integrity, storage
 from mcore_rl.checkpoint.collective import agreed
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META
+from mcore_rl.fileio.model_layout import layout_of
 from mcore_rl.checkpoint.inventory import (MARKER, PART, PARTS_KIND, TRAINER_STATE, Marker, parse_step_name,
                                           read_marker)
 from mcore_rl.fileio.safe_load import restricted_unpickling
@@ -31,19 +32,20 @@ def check_step(step_dir: str, engines: dict[str, Any], contents: tuple[str, ...]
     marker = read_marker(marker_path)
     check_step_number(step_dir, marker)
     integrity.check_sizes(step_dir, _files_to_check(step_dir, marker, list(engines)))  # all named at once
-    plans = {}
+    plans, layouts = {}, {}
     for role, engine in engines.items():
         if role not in marker.roles:
             raise CheckpointError(f"{step_dir} holds roles {list(marker.roles)}, not {role!r}; "
                                   "load only the roles it saved.")
         meta = storage.read_json(os.path.join(step_dir, role, META))
         plans[role] = plan_load(meta, engine, role, tuple(contents), os.path.join(step_dir, role))
+        layouts[role] = layout_of(os.path.join(step_dir, role), meta)
     # a step of role parts holds no trainer state of ours (the trainer keeps its own files there)
     trainer_state = {} if marker.kind == PARTS_KIND else storage.read_json(os.path.join(step_dir, TRAINER_STATE))
     for role in engines:
-        dist_dir = os.path.join(step_dir, role, "dist_ckpt")
+        dist_dir = layouts[role].dist_dir(os.path.join(step_dir, role))
         for rel, size in storage.expected_files(dist_dir).items():
-            recorded = marker.files.get(f"{role}/dist_ckpt/{rel}")
+            recorded = marker.files.get(f"{role}/{layouts[role].dist_rel(rel)}")
             if recorded is None or recorded[0] < size:
                 raise CheckpointError(
                     f"{dist_dir}/.metadata names {rel} ({size} bytes or more), which the {MARKER} marker "
@@ -86,7 +88,8 @@ def preread_pickles(step_dir: str, roles: list[str]) -> None:
     payloads) read once through the allowlists, and every tensor key's chunks checked to tile
     its shape (``check_dist_dirs``), the work split over the ranks; a refusal is an error on every
     rank, before any engine is loaded."""
-    check_dist_dirs([os.path.join(step_dir, role, "dist_ckpt") for role in roles], pickles=True)
+    dirs = [os.path.join(step_dir, role) for role in roles]
+    check_dist_dirs([layout_of(d).dist_dir(d) for d in dirs], pickles=True)
 
 
 def check_dist_dirs(dist_dirs: list[str], pickles: bool) -> None:

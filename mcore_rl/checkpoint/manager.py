@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from mcore_rl.checkpoint import integrity, inventory, peer_sync, recovery, step_dirs, storage
+from mcore_rl.checkpoint import contents_manifest, integrity, inventory, peer_sync, recovery, step_dirs, storage
 from mcore_rl.checkpoint.adapters import is_lora, save_part
 from mcore_rl.checkpoint.async_saves import AsyncSaves
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
@@ -31,6 +31,7 @@ from mcore_rl.fileio.faults import fault_point
 from mcore_rl.fileio import item_sums
 from mcore_rl.fileio.checksum import file_checksum
 from mcore_rl.fileio.files import META, copy_hf_files
+from mcore_rl.fileio.model_layout import MCORE_RL, ModelLayout, layout_of
 from mcore_rl.models.hf_layout import carried_bucket, carry_from_hf
 from mcore_rl.checkpoint.inventory import MARKER, TRACKER, TRAINER_STATE, Marker
 from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
@@ -63,15 +64,18 @@ class CheckpointManager:
     collective: all ranks call it.
 
     ``hf_sources``: per role, a HF model directory (its config, tokenizer and generation config
-    are copied) or a transformers config object, written to ``<role>/huggingface/``.
+    are copied) or a transformers config object, written to the role's HF dir. ``layout``: where
+    a role directory keeps its checkpoint and HF files (``fileio.model_layout``: the main job's
+    ``MCORE_RL``, verl's ``VERL_V2``); recorded in its ``mcore_rl.json``, which every reader follows.
     """
 
     def __init__(self, cfg: CheckpointConfig, root: str | None = None,
-                 hf_sources: dict[str, Any] | None = None) -> None:
+                 hf_sources: dict[str, Any] | None = None, layout: ModelLayout = MCORE_RL) -> None:
         chosen = cfg.root or root
         if not chosen:
             raise CheckpointError("checkpoint.root is not set; set checkpoint.root=/path/to/checkpoints.")
         self.cfg, self.root, self.hf_sources = cfg, os.path.abspath(chosen), dict(hf_sources or {})
+        self.layout = layout
         self._async = AsyncSaves()  # the save in flight and the retention behind it
         self._structures: dict[str, SaveStructure] = {}  # per role: the last validated plan (save_plan)
         self._mode: storage.Mode | None = None  # shared / node_local, found by the last save or resume
@@ -216,7 +220,7 @@ class CheckpointManager:
         requests = []
         for role, (contents, state) in snapshot.items():
             role_dir = os.path.join(p.write_dir, role)
-            dist_dir = os.path.join(role_dir, "dist_ckpt")
+            dist_dir = self.layout.dist_dir(role_dir)
             agreed(partial(os.makedirs, dist_dir, exist_ok=True), f"creating {dist_dir}")  # each writer its own
             strategy = ItemSaveStrategy(stage_device_tensors=self.cfg.async_save,
                                         structure=self._structures.setdefault(role, SaveStructure()))
@@ -226,18 +230,20 @@ class CheckpointManager:
             p.strategies.append(strategy)
             requests.append(request)
             if "hf_model" in contents:
-                self._write_hf_weights(engines[role], role, os.path.join(role_dir, "huggingface"), rank0)
-            meta = build_metadata(engines[role], role, contents, self.cfg.optimizer_sharding)
-            agreed(partial(self._write_role_files, role, role_dir, meta, engines[role].args) if rank0 else None,
-                   f"writing {role_dir}")
+                self._write_hf_weights(engines[role], role, self.layout.hf_dir(role_dir), rank0)
+            meta = build_metadata(engines[role], role, contents, self.cfg.optimizer_sharding, self.layout)
+            agreed(partial(self._write_role_files, role, role_dir, meta, engines[role].args,
+                           (p.step, engines[role].scheduler is not None)) if rank0 else None, f"writing {role_dir}")
         if trainer_state is not None:
             agreed(partial(storage.write_json_atomic, os.path.join(p.write_dir, TRAINER_STATE), trainer_state)
                    if rank0 else None, f"writing {TRAINER_STATE}")
         return requests
 
-    def _write_role_files(self, role: str, role_dir: str, meta: dict, args) -> None:
+    def _write_role_files(self, role: str, role_dir: str, meta: dict, args, manifest: tuple[int, bool]) -> None:
+        """Rank 0: ``mcore_rl.json``, the HF files and (a layout with one) the contents manifest,
+        last; ``manifest``: (the step, whether the engine has an LR scheduler)."""
         storage.write_json_atomic(os.path.join(role_dir, META), meta)
-        source, hf_dir = self.hf_sources.get(role), os.path.join(role_dir, "huggingface")
+        source, hf_dir = self.hf_sources.get(role), self.layout.hf_dir(role_dir)
         if isinstance(source, (str, os.PathLike)):
             copy_hf_files(os.fspath(source), hf_dir)
             carry_from_hf(os.fspath(source), hf_dir)  # a vision-language checkpoint's vision tower
@@ -247,6 +253,12 @@ class CheckpointManager:
         config = os.path.join(hf_dir, "config.json")
         if source is not None and role == "actor" and os.path.isfile(config):  # the MTP layers it holds
             record_mtp_count(config, args, args.mtp_built)
+        if self.layout.manifest:
+            step, scheduler = manifest
+            contents_manifest.write(self.layout, role_dir, contents_manifest.build(
+                self.layout, role, step, tuple(meta["contents"]), meta["layout"]["world_size"],
+                contents_manifest.hf_arch(hf_dir), scheduler, "lora" in meta,
+                os.path.isfile(os.path.join(hf_dir, "tokenizer_config.json"))))
 
     def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
         """HF safetensors shards of at most ``hf_max_shard_size`` (+ index), streamed bucket by
@@ -299,7 +311,7 @@ class CheckpointManager:
         mine: dict[str, tuple[int, str]] = {}
         for role, strategy in zip(p.roles, p.strategies):
             for name, digest in (strategy.writer.written_files() if strategy.writer else {}).items():
-                mine[f"{role}/dist_ckpt/{name}"] = digest
+                mine[f"{role}/{self.layout.dist_rel(name)}"] = digest
         own = agreed(partial(_digest_rank0_files, p.write_dir, scope) if torch.distributed.get_rank() == 0 else None,
                      f"recording the files of {p.write_dir}")
         return integrity.gather_manifest({**mine, **(own or {})}, p.write_dir)
@@ -380,19 +392,21 @@ class CheckpointManager:
                                   "differ); resume another step with checkpoint.resume_mode=path.")
         if not self.cfg.verify_content:
             return {}
+        hf = {role: f"{role}/{layout_of(os.path.join(step_dir, role)).hf}/" for role in roles}
         files = {rel: v for rel, v in marker.files.items()
-                 if rel == TRAINER_STATE or (rel.split("/")[0] in roles and rel.split("/")[1] != "huggingface")}
+                 if rel == TRAINER_STATE or (rel.split("/")[0] in roles and not rel.startswith(hf[rel.split("/")[0]]))}
         if all(crc is None for _, crc in files.values()):
             if torch.distributed.get_rank() == 0:
                 log.warning("%s was written before checkpoints recorded checksums: sizes checked, content not", step_dir)
             return {}
         in_read = {}
         for role in roles:
-            prefix = f"{role}/dist_ckpt/"
+            dist = f"{role}/{layout_of(os.path.join(step_dir, role)).dist}"
+            prefix = dist + "/"
             recorded = {rel[len(prefix):]: v for rel, v in files.items() if rel.startswith(prefix)}
             shards = [name for name in recorded if name.endswith(".distcp")]
             if has_item_sums(recorded, shards):
-                in_read[role] = (recorded, step_dir, f"{role}/dist_ckpt")
+                in_read[role] = (recorded, step_dir, dist)
                 for name in shards:
                     del files[prefix + name], files[prefix + item_sums.sums_name(name)]
         parent = os.path.dirname(step_dir)
@@ -461,10 +475,11 @@ def _check_written(p: _Pending, manifest: integrity.Manifest, trainer_state: boo
     required = ((TRAINER_STATE,) if trainer_state else ()) + tuple(f"{role}/{META}" for role in p.roles)
     missing = [r for r in required if r not in manifest]
     for role in p.roles:
-        for rel, size in storage.expected_files(os.path.join(p.write_dir, role, "dist_ckpt")).items():
-            entry = manifest.get(f"{role}/dist_ckpt/{rel}")
+        layout = layout_of(os.path.join(p.write_dir, role))
+        for rel, size in storage.expected_files(layout.dist_dir(os.path.join(p.write_dir, role))).items():
+            entry = manifest.get(f"{role}/{layout.dist_rel(rel)}")
             if entry is None or entry.size < size:
-                missing.append(f"{role}/dist_ckpt/{rel}")
+                missing.append(f"{role}/{layout.dist_rel(rel)}")
     if missing:
         raise CheckpointError(f"{p.write_dir}: {missing[:8]} not written (a writer reported no file, or a "
                               "shorter one than .metadata needs); the step is not marked complete.")

@@ -1,5 +1,6 @@
-"""Loading one model directory (``dist_ckpt/``, ``huggingface/``, ``mcore_rl.json``: a role of a
-CheckpointManager step, or a converter's output) into an engine at any layout."""
+"""Loading one model directory (``mcore_rl.json`` and, in its ``fileio.model_layout``, the megatron
+checkpoint and the HF files: a role of a CheckpointManager step, verl's ``model/dist_ckpt/``
+included, or a converter's output) into an engine at any parallel layout."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ from mcore_rl.checkpoint.load_checks import check_dist_dirs
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.base_identity import model_dir_identity
 from mcore_rl.fileio.files import META
+from mcore_rl.fileio.model_layout import layout_of
 from mcore_rl.checkpoint.state import LoadPlan, _safe_loading, apply_loaded, plan_load, sharded_state
 from mcore_rl.checkpoint.verified_read import Recorded, VerifiedLoadStrategy
 from mcore_rl.mapping.weights import unwrap
@@ -35,14 +37,15 @@ def verify_model_dir(model_dir: str) -> tuple[int, int]:
     """Collective: ``model_dir``'s record (``model_record.find_record``: the step's marker, a
     part's record or a converter's RECORD) found on every rank, every file ``.metadata`` names and
     mcore_rl.json recorded, and every recorded file's size and CRC-32 checked on every node, the
-    work split by size over the node's ranks. Returns the (device, inode) of ``dist_ckpt/``, to
-    check after the load that the directory was not replaced meanwhile (``same_identity``)."""
-    dist_dir = os.path.join(model_dir, "dist_ckpt")
-
+    work split by size over the node's ranks. Returns the (device, inode) of its megatron
+    checkpoint dir, to check after the load that the directory was not replaced meanwhile
+    (``same_identity``)."""
     def find() -> tuple[model_record.DirRecord, tuple[int, int]]:
+        layout = layout_of(model_dir)
+        dist_dir = layout.dist_dir(model_dir)
         ident = _identity(dist_dir)
         record = model_record.find_record(model_dir)
-        needed = [META] + [f"dist_ckpt/{rel}" for rel in storage.expected_files(dist_dir)]
+        needed = [META] + [layout.dist_rel(rel) for rel in storage.expected_files(dist_dir)]
         missing = sorted(set(needed) - set(record.files))
         if missing:
             raise CheckpointError(f"{model_dir}: {missing[:8]} not in its record {record.source}: the files were "
@@ -59,9 +62,9 @@ def verify_model_dir(model_dir: str) -> tuple[int, int]:
 
 
 def same_identity(model_dir: str, ident: tuple[int, int]) -> None:
-    """Collective: ``model_dir/dist_ckpt`` is still the directory ``verify_model_dir`` checked."""
+    """Collective: ``model_dir``'s megatron checkpoint dir is still the one ``verify_model_dir`` checked."""
     def check() -> None:
-        if _identity(os.path.join(model_dir, "dist_ckpt")) != ident:
+        if _identity(layout_of(model_dir).dist_dir(model_dir)) != ident:
             raise CheckpointError(f"{model_dir} was replaced while it was loaded (a save of the same step or a "
                                   "copy changed it); the engine may hold a mix of two saves: load it again.")
     agreed(check, f"checking {model_dir} after the load")
@@ -78,14 +81,15 @@ def _identity(path: str) -> tuple[int, int]:
 
 def load_planned(model_dir: str, engine, plan: LoadPlan, keep_prefix: str | None = None,
                  verified: tuple[Recorded, str, str] | None = None, later: bool = False) -> Callable[[], None]:
-    """Reads ``plan.contents`` from ``model_dir/dist_ckpt`` into ``engine`` (collective).
+    """Reads ``plan.contents`` from ``model_dir``'s megatron checkpoint (``dist_ckpt/``, verl's
+    ``model/dist_ckpt/``) into ``engine`` (collective).
     Model keys starting with ``keep_prefix`` are not read: those parameters keep their values.
     ``verified``: (the record of the dist dir's files, the step dir and the dist dir's name in
     it): every shard item is checked against its recorded checksum while it is read
     (``verified_read``). ``later``: read (when ``verified``) into fresh host buffers and return the function that
     applies them to the engine (else applied before this returns; the returned function then
     does nothing)."""
-    dist_dir = os.path.join(model_dir, "dist_ckpt")
+    dist_dir = agreed(lambda: layout_of(model_dir).dist_dir(model_dir), f"reading {os.path.join(model_dir, META)}")
     agreed(lambda: storage.check_files(dist_dir, storage.expected_files(dist_dir)),  # every file there, none
            f"checking {dist_dir}")                                                   # outside it, on every node
     state = sharded_state(engine, plan.contents, plan.sharding, is_loading=True, rng=plan.restore_rng,
@@ -133,7 +137,8 @@ def load_model_dir(model_dir: str, engine, init_value_head: bool = False, verify
     model_dir = os.path.abspath(model_dir)
     ident = verify_model_dir(model_dir) if verify else None
     plan = agreed(lambda: read_plan(model_dir, engine, role, ("model",), base_load=True), f"checking {model_dir}")
-    check_dist_dirs([os.path.join(model_dir, "dist_ckpt")], pickles=False)  # its chunks tile every tensor
+    dist_dir = agreed(lambda: layout_of(model_dir).dist_dir(model_dir), f"reading {os.path.join(model_dir, META)}")
+    check_dist_dirs([dist_dir], pickles=False)  # its chunks tile every tensor
     base = agreed(lambda: _base_identity(model_dir), f"identifying {model_dir}") if plan.model_part == "base" else None
     load_planned(model_dir, engine, plan, keep_prefix="output_layer." if init_value_head else None)
     if ident is not None:

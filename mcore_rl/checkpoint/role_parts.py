@@ -4,8 +4,9 @@ is ``role_steps.RoleStepManager``; this module holds what a writer does on its d
 decisions taken from the agreed ``inventory.Survey`` (pure functions).
 
 A step ``<root>/global_step_<N>`` is written by several parties, one after the other: each
-engine writes its *role part* ``<N>/<role>/`` (``dist_ckpt/``, ``huggingface/``,
-``mcore_rl.json``) and, last, the part's record ``<N>/<role>/PART`` (every file of the part with
+engine writes its *role part* ``<N>/<role>/`` (a model directory: ``mcore_rl.json`` and, in its
+layout, the megatron checkpoint and the HF files: under verl ``model/dist_ckpt/``,
+``model/huggingface/`` and verl's ``ckpt_contents.json``) and, last, the part's record ``<N>/<role>/PART`` (every file of the part with
 size and CRC-32, written atomically on every node once the node holds the whole part); then the
 trainer writes its own files into ``<N>/`` and, last, its tracker
 ``<root>/latest_checkpointed_iteration.txt``. mcore_rl never writes that tracker here: the
@@ -37,6 +38,7 @@ from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import fault_point, io_fault
 from mcore_rl.fileio.checksum import UnknownChecksumError, file_checksum, recorded_checksum
 from mcore_rl.fileio.files import META
+from mcore_rl.fileio.model_layout import LAYOUTS
 from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, Survey, step_name
 from mcore_rl.fileio.paths import is_real_dir
 
@@ -101,8 +103,8 @@ def node_view(step_dir: str, step: int, roles: list[str]) -> dict:
 
 def _looks_like_part(step_dir: str, name: str) -> bool:
     path = os.path.join(step_dir, name)
-    return is_real_dir(path) and (os.path.exists(os.path.join(path, META)) or os.path.isdir(
-        os.path.join(path, "dist_ckpt")))
+    return is_real_dir(path) and (os.path.exists(os.path.join(path, META)) or any(
+        os.path.isdir(layout.dist_dir(path)) for layout in LAYOUTS.values()))
 
 
 def trainer_files(step_dir: str, roles: list[str]) -> dict[str, tuple[int, str]]:

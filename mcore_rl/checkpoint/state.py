@@ -19,12 +19,17 @@ from mcore_rl.checkpoint import adapters, optimizer_space
 from mcore_rl.checkpoint.adapters import ModelPart
 from mcore_rl.checkpoint.config import SHARDING_TYPES
 from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.model_layout import LAYOUT_KEY, MCORE_RL, ModelLayout
 from mcore_rl.fileio.safe_load import restricted_unpickling
 from mcore_rl.mapping.weights import unwrap
 
 SCHEMA_VERSION = 1
 ADAPTER_SCHEMA_VERSION = 2  # adapter-only (LoRA) steps: no base weights, a ``lora`` record
-READABLE_SCHEMAS = (SCHEMA_VERSION, ADAPTER_SCHEMA_VERSION)
+# a directory in another layout than ``mcore_rl`` (``model_layout.LAYOUT_KEY``: verl_v2 keeps the
+# checkpoint in ``model/dist_ckpt/``): builds before it read ``dist_ckpt/`` only, and refuse it by
+# the version; LoRA or not, the ``lora`` record says (as for schema 2)
+LAYOUT_SCHEMA_VERSION = 3
+READABLE_SCHEMAS = (SCHEMA_VERSION, ADAPTER_SCHEMA_VERSION, LAYOUT_SCHEMA_VERSION)
 # layout sizes a dp_reshardable optimizer state is tied to (only DP may change)
 _DP_RESHARDABLE_FIXED = ("tp", "pp", "vpp", "ep", "etp")  # CP is not: the optimizer shards over DP x CP
 
@@ -70,9 +75,11 @@ def versions() -> dict[str, str]:
     return out
 
 
-def build_metadata(engine, role: str, contents: tuple[str, ...], sharding: str) -> dict[str, Any]:
+def build_metadata(engine, role: str, contents: tuple[str, ...], sharding: str,
+                   layout: ModelLayout = MCORE_RL) -> dict[str, Any]:
     """What ``mcore_rl.json`` holds for one engine's checkpoint (a LoRA engine's: schema 2, with
-    the ``lora`` record of ``adapters.lora_record``)."""
+    the ``lora`` record of ``adapters.lora_record``; a directory in another ``layout`` than
+    ``mcore_rl``: schema 3, with the layout's name)."""
     meta = {"schema_version": SCHEMA_VERSION, "role": role, "model_type": engine.args.arch.model_type,
             "arch": arch_facts(engine.args), "layout": layout_facts(engine),
             "params_dtype": str(engine.config.params_dtype), "contents": sorted(contents),
@@ -81,6 +88,8 @@ def build_metadata(engine, role: str, contents: tuple[str, ...], sharding: str) 
     record = adapters.lora_record(engine)
     if record is not None:  # older readers refuse it by the version instead of missing the base weights
         meta.update(schema_version=ADAPTER_SCHEMA_VERSION, lora=record)
+    if layout != MCORE_RL:
+        meta.update({"schema_version": LAYOUT_SCHEMA_VERSION, LAYOUT_KEY: layout.name})
     return meta
 
 

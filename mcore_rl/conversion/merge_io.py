@@ -19,6 +19,7 @@ from mcore_rl.checkpoint import model_record, storage
 from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.checksum import file_checksum
 from mcore_rl.fileio.files import META
+from mcore_rl.fileio.model_layout import layout_of
 from mcore_rl.fileio.output_dir import check_replaceable, input_overlap, refuse_file, settle_output
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import TensorSpec
@@ -121,8 +122,9 @@ def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
                 if roles else "pass a model dir (global_step_<N>/actor or a converter output)")
         raise MergeError(f"{local_dir} is not a model directory: no {META}; {hint}.")
     record = model_record.find_record(local_dir) if verify else None
-    reader = TorchDistReader(os.path.join(local_dir, "dist_ckpt"),
-                             before_parse=None if record is None else partial(_verify_all, record))
+    layout = layout_of(local_dir)
+    reader = TorchDistReader(layout.dist_dir(local_dir),
+                             before_parse=None if record is None else partial(_verify_all, record, layout.dist))
     try:
         if record is not None:
             _check_recorded(record, reader, local_dir)
@@ -143,14 +145,15 @@ def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
 
 
 def _config_dir(local_dir: str, meta: dict) -> str:
-    """Where the model's config.json is: its ``huggingface/``; an adapter-only LoRA step saved
-    without it takes its base's (a HF directory, or a model directory's ``huggingface/``)."""
-    own = os.path.join(local_dir, "huggingface")
+    """Where the model's config.json is: its HF dir (``huggingface/``; verl's layout:
+    ``model/huggingface/``); an adapter-only LoRA step saved without it takes its base's (a HF
+    directory, or a model directory's HF dir)."""
+    own = layout_of(local_dir, meta).hf_dir(local_dir)
     lora = meta.get("lora") if isinstance(meta.get("lora"), dict) else {}
     base = lora.get("base") if isinstance(lora.get("base"), dict) else {}
     if os.path.isfile(os.path.join(own, "config.json")) or not lora.get("adapter_only") or not base.get("path"):
         return own
-    return base["path"] if base.get("kind") == "hf" else os.path.join(base["path"], "huggingface")
+    return base["path"] if base.get("kind") == "hf" else layout_of(base["path"]).hf_dir(base["path"])
 
 
 def _adapter_only(model: ModelDir) -> bool:
@@ -170,21 +173,23 @@ def _model_args(hf_dir: str) -> ModelArgs:
                          "was saved with.") from None
 
 
-def _verify_all(record: model_record.DirRecord, reader: TorchDistReader) -> None:
-    """Every recorded file's size and checksum; ``dist_ckpt/`` files read through ``reader``'s handle
-    (the bytes it will read), before its ``.metadata`` is parsed."""
+def _verify_all(record: model_record.DirRecord, dist: str, reader: TorchDistReader) -> None:
+    """Every recorded file's size and checksum; the files of the megatron checkpoint (``dist``,
+    relative to the model dir) read through ``reader``'s handle (the bytes it will read), before
+    its ``.metadata`` is parsed."""
     def crc_of(rel: str, like: str | None) -> tuple[int, str]:
-        if rel.startswith("dist_ckpt/"):
-            return reader.checksum(rel[len("dist_ckpt/"):], like)
+        if rel.startswith(dist + "/"):
+            return reader.checksum(rel[len(dist) + 1:], like)
         return file_checksum(os.path.join(record.path, rel), like)
 
     model_record.verify(record, [], crc_of)
 
 
 def _check_recorded(record: model_record.DirRecord, reader: TorchDistReader, local_dir: str) -> None:
-    """Every file the merge reads (those ``.metadata`` names, mcore_rl.json, huggingface/) is recorded."""
-    needed = [META] + [f"dist_ckpt/{rel}" for rel in reader.files()]
-    needed += model_record.listed(os.path.join(local_dir, "huggingface"), local_dir)
+    """Every file the merge reads (those ``.metadata`` names, mcore_rl.json, the HF dir) is recorded."""
+    layout = layout_of(local_dir)
+    needed = [META] + [layout.dist_rel(rel) for rel in reader.files()]
+    needed += model_record.listed(layout.hf_dir(local_dir), local_dir)
     missing = sorted(set(needed) - set(record.files))
     if missing:
         raise MergeError(f"{local_dir}: {missing[:8]} {'is' if len(missing) == 1 else 'are'} not in its record "
@@ -193,11 +198,10 @@ def _check_recorded(record: model_record.DirRecord, reader: TorchDistReader, loc
 
 
 def same_dir(local_dir: str, reader: TorchDistReader) -> None:
-    """``local_dir/dist_ckpt`` is still the directory ``reader`` holds: the step was not replaced
-    (a save of the same step, a copy) since it was opened; else a CheckpointError."""
-    path = os.path.join(local_dir, "dist_ckpt")
+    """``local_dir``'s megatron checkpoint dir is still the directory ``reader`` holds: the step
+    was not replaced (a save of the same step, a copy) since it was opened; else a CheckpointError."""
     try:
-        st = os.stat(path)
+        st = os.stat(layout_of(local_dir).dist_dir(local_dir))
         now = (st.st_dev, st.st_ino)
     except OSError as e:
         now = (-1, -1)

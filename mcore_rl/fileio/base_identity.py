@@ -9,8 +9,9 @@ checkpoints (``mcore_rl.json``) and compared on resume, so adapters never load o
   page cache). A record without it (an older version's) is compared on what it holds — sizes and
   samples, which miss an edit between the samples — and ``sampled_only`` names its files so the
   callers warn;
-* a model directory (``dist_ckpt/``): the size and CRC-32 of every ``dist_ckpt/`` file from the
-  record that vouches for it (the step's marker or the converter's RECORD: computed when it was
+* a model directory: the size and CRC-32 of every file of its megatron checkpoint (``dist_ckpt/``,
+  verl's layout: ``model/dist_ckpt/``; named ``dist_ckpt/<file>`` in either layout, so a base is
+  the same base in both) from the record that vouches for it (the step's marker or the converter's RECORD: computed when it was
   written, so free here); without a record, sizes and samples as for a HF directory;
 * in-memory HF tensors: a SHA-256 of names, dtypes and shapes (and the bytes of a plain dict);
 * nothing loaded (the build's random init): ``{"kind": "none"}``.
@@ -28,6 +29,7 @@ import torch
 
 from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.checksum import file_checksum
+from mcore_rl.fileio.model_layout import MCORE_RL, layout_of
 
 SAMPLE_BYTES = 64 << 10
 Identity = dict[str, Any]  # JSON-able
@@ -91,17 +93,19 @@ def hf_dir_identity(path: str | os.PathLike) -> Identity:
 def model_dir_identity(path: str, record_source: str | None,
                        files: Mapping[str, tuple[int, str | None]] | None) -> Identity:
     """The identity of a model directory: ``files`` (rel -> (size, CRC-32)) from the record at
-    ``record_source`` that vouches for it; None: sizes and samples of ``dist_ckpt/`` itself."""
+    ``record_source`` that vouches for it; None: sizes and samples of its megatron checkpoint dir."""
     path = os.path.abspath(path)
+    layout = layout_of(path)
     if files is not None:
-        listed = {rel: {"size": int(size), "crc32": crc} for rel, (size, crc) in sorted(files.items())
-                  if rel.startswith("dist_ckpt/")}
+        prefix = layout.dist + "/"
+        listed = {MCORE_RL.dist_rel(rel[len(prefix):]): {"size": int(size), "crc32": crc}
+                  for rel, (size, crc) in sorted(files.items()) if rel.startswith(prefix)}
         return {"kind": "mcore", "path": path, "record": record_source, "files": listed}
-    dist = os.path.join(path, "dist_ckpt")
+    dist = layout.dist_dir(path)
     names = sorted(os.listdir(dist))
     sampled = _sampled_files(dist, [n for n in names if os.path.isfile(os.path.join(dist, n))])
     return {"kind": "mcore", "path": path, "record": None,
-            "files": {f"dist_ckpt/{rel}": v for rel, v in sampled.items()}}
+            "files": {MCORE_RL.dist_rel(rel): v for rel, v in sampled.items()}}
 
 
 def tensors_identity(tensors: Mapping[str, torch.Tensor]) -> Identity:

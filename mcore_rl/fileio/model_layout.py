@@ -8,8 +8,9 @@ two layouts mcore_rl writes.
   manifest. mcore_rl's one megatron checkpoint (model, optimizer, RNG, LR scheduler) lives in
   ``model/dist_ckpt/``; the manifest says where each content is.
 
-A directory's layout is recorded in its ``mcore_rl.json`` (``"layout"``); a record without the
-key is the ``mcore_rl`` layout. No torch or megatron import.
+A directory's layout is recorded in its ``mcore_rl.json`` (``"model_layout"``; ``"layout"`` there
+is the parallel layout the model was saved at); a record without the key is the ``mcore_rl``
+layout. No torch or megatron import.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META
 
-LAYOUT_KEY = "layout"  # mcore_rl.json: the layout name; absent = "mcore_rl"
+LAYOUT_KEY = "model_layout"  # mcore_rl.json: the layout name; absent = "mcore_rl"
+CONTENTS_MANIFEST = "ckpt_contents.json"  # verl's manifest of a verl_v2 directory (schema 2)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class ModelLayout:
     name: str
     dist: str  # the megatron torch_dist checkpoint
     hf: str  # HF config, tokenizer (and exported weights)
+    manifest: str | None = None  # a file naming where each content is (verl's ckpt_contents.json)
 
     def dist_dir(self, model_dir: str) -> str:
         return os.path.join(model_dir, *self.dist.split("/"))
@@ -41,9 +44,17 @@ class ModelLayout:
         """The entries this layout puts directly in a model directory (besides its files)."""
         return frozenset({self.dist.split("/")[0], self.hf.split("/")[0]})
 
+    def entries(self) -> frozenset[str]:
+        """Everything this layout puts directly in a model directory besides ``mcore_rl.json``."""
+        return self.top_dirs() | ({self.manifest} if self.manifest else set())
+
+    def dist_rel(self, rel: str) -> str:
+        """``rel`` (a path inside the dist checkpoint) relative to the model directory."""
+        return f"{self.dist}/{rel}"
+
 
 MCORE_RL = ModelLayout("mcore_rl", "dist_ckpt", "huggingface")
-VERL_V2 = ModelLayout("verl_v2", "model/dist_ckpt", "model/huggingface")
+VERL_V2 = ModelLayout("verl_v2", "model/dist_ckpt", "model/huggingface", CONTENTS_MANIFEST)
 LAYOUTS = {layout.name: layout for layout in (MCORE_RL, VERL_V2)}
 
 

@@ -3,8 +3,9 @@
 ``--overwrite`` replaces only an output this project wrote, recognised by what it left there, or
 an empty directory:
 
-- ``model_dir`` (``hf_to_mcore``): ``mcore_rl.json`` (a JSON object) beside nothing but
-  ``dist_ckpt/``, ``huggingface/`` and the converter's ``RECORD``, and not a training checkpoint's role directory
+- ``model_dir`` (``hf_to_mcore``): ``mcore_rl.json`` (a JSON object) beside nothing but what its
+  layout (``model_layout``: ``dist_ckpt/``, ``huggingface/``) puts there and the converter's
+  ``RECORD``, and not a training checkpoint's role directory
   (``global_step_<N>/<role>``);
 - ``hf_export`` (``mcore_to_hf merge``, ``gguf_to_hf``): ``mcore_rl_export.json``, the record
   ``write_export_record`` leaves in the HF directory, naming every entry in it.
@@ -22,11 +23,12 @@ from typing import Literal
 
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META
+from mcore_rl.fileio.model_layout import layout_of
 from mcore_rl.fileio.staging import overlaps, settle
 
 EXPORT_RECORD = "mcore_rl_export.json"
 CONVERTER_RECORD = "RECORD"  # checkpoint.model_record.RECORD (fileio sits below checkpoint: not imported)
-MODEL_DIR_ENTRIES = frozenset({"dist_ckpt", "huggingface", META, CONVERTER_RECORD})
+MODEL_DIR_ENTRIES = frozenset({META, CONVERTER_RECORD})  # and its layout's entries (model_layout)
 OutputKind = Literal["model_dir", "hf_export"]
 _WALK_LIMIT = 200_000  # entries under an input; a larger tree is refused rather than half-checked
 
@@ -128,9 +130,14 @@ def _not_model_dir(final: str, names: list[str]) -> str:
     """Why ``final`` is not a converter output ("" when it is one)."""
     if re.fullmatch(r"global_step_\d+", os.path.basename(os.path.dirname(os.path.realpath(final)))):
         return "it is a role directory of a training checkpoint (global_step_<N>/<role>)"
-    if _json_object(os.path.join(final, META)) is None:
+    meta = _json_object(os.path.join(final, META))
+    if meta is None:
         return f"it holds {_few(names)} and no {META} object"
-    other = [n for n in names if n not in MODEL_DIR_ENTRIES]
+    try:
+        entries = MODEL_DIR_ENTRIES | layout_of(final, meta).entries()
+    except CheckpointError as e:  # a layout this build does not know: not one it replaces
+        return f"its {META} names no layout this build writes ({e})"
+    other = [n for n in names if n not in entries]
     return f"besides a model it holds {_few(other)}" if other else ""
 
 

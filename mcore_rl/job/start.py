@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 
 from mcore_rl.fileio.files import META
+from mcore_rl.fileio.model_layout import layout_of
 from mcore_rl.checkpoint.model_dir import load_model_dir
 from mcore_rl.config_loader import ConfigError
 from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
@@ -65,7 +66,7 @@ def actor_start(hf_dir: str | None, mcore_dir: str | None,
             raise ConfigError(f"model.mcore_dir={mcore_dir!r} holds {f'role {role!r}' if role else 'a HF model'}"
                               "; it must be an actor model directory (a HF model goes in model.hf_dir, "
                               "a critic in model.critic_dir).")
-        hf_files = os.path.join(mcore_dir, "huggingface")
+        hf_files = layout_of(mcore_dir).hf_dir(mcore_dir)
         return Start(model_args_from_hf(hf_files), None, mcore_dir, False, hf_files)
     if hf_dir:
         if _model_dir_role(hf_dir, "model.hf_dir") is not None:
@@ -84,7 +85,7 @@ def critic_start(critic_dir: str | None, actor: Start) -> Start:
         return Start(actor.args, actor.hf, actor.mcore_dir, True, actor.hf_files)
     role = _model_dir_role(critic_dir, "model.critic_dir")
     if role is not None:
-        hf_files = os.path.join(critic_dir, "huggingface")
+        hf_files = layout_of(critic_dir).hf_dir(critic_dir)
         return Start(model_args_from_hf(hf_files), None, critic_dir, role == "actor", hf_files)
     from mcore_rl.conversion.convert import role_from_config
 

@@ -35,7 +35,7 @@ def assert_adapter_only(role_dir: str) -> None:
 
 
 def base_mismatches(role_dir: str, base_dir: str) -> tuple[int, list[str]]:
-    """The engine's own merged export of a LoRA step (``<role_dir>/huggingface``: ``W + s B A``
+    """The engine's own merged export of a LoRA step (the role's HF dir: ``W + s B A``
     from the engine's in-memory base ``W``) against the base on disk plus the step's saved
     adapters, added with the engine's arithmetic (fp32 ``(B @ A) * s``, then ``W +``): equal bit
     for bit exactly when the engine's base at that step is the base it started from. Returns
@@ -46,7 +46,7 @@ def base_mismatches(role_dir: str, base_dir: str) -> tuple[int, list[str]]:
     from mcore_rl.mapping.hf_io import SafetensorsReader
 
     step = open_model_dir(role_dir)
-    exported, base = SafetensorsReader(os.path.join(role_dir, "huggingface")), SafetensorsReader(base_dir)
+    exported, base = SafetensorsReader(step.hf_dir), SafetensorsReader(base_dir)
     dims = step.args.mapping_dims(step.args.vocab_size)
     compared, differ = 0, []
     try:

@@ -24,6 +24,7 @@ from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.conversion.convert_input import role_from_config
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META
+from mcore_rl.fileio.model_layout import VERL_V2, layout_of
 from mcore_rl.checkpoint.role_steps import RoleStepManager
 from mcore_rl.integrations.verl.engine_config import VerlConfigError
 
@@ -45,10 +46,10 @@ class ModelStart:
 def model_start(path: str, role: str) -> ModelStart:
     """verl's ``model.path``: a HF directory (a policy: ``*ForCausalLM``; a value model: that, or
     ``*ForTokenClassification`` / ``*ForSequenceClassification``), or a mcore_rl model directory
-    (converters/hf_to_mcore.py output or a checkpoint's ``global_step_N/<role>``)."""
+    (converters/hf_to_mcore.py output or a checkpoint's ``global_step_N/<role>``, in either layout)."""
     path = os.path.expanduser(path)
     if os.path.isfile(os.path.join(path, META)):
-        return ModelStart(os.path.join(path, "huggingface"), role == "critic", path)
+        return ModelStart(layout_of(path).hf_dir(path), role == "critic", path)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise VerlConfigError(f"model.path={path!r} holds neither config.json (a HF model) nor {META} (a mcore_rl "
                               "model directory); point it at one of them.")
@@ -94,7 +95,8 @@ def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> 
     cfg = CheckpointConfig(root=root, max_ckpt_to_keep=max_ckpt_to_keep or None, save_contents=save,
                            load_contents=load, verify_content=engine.engine_config.verify_content,
                            optimizer_sharding=engine.engine_config.optimizer_sharding)
-    return RoleStepManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None)
+    return RoleStepManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None,
+                           layout=VERL_V2)  # verl 0.9.1's layout: its merger and path helpers read the steps
 
 
 def check_checkpoint_config(checkpoint_config) -> None:
