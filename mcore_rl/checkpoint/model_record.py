@@ -117,6 +117,18 @@ def find_record(model_dir: str) -> DirRecord:
         f"record): the save was interrupted or the copy is torn. Use a complete step, {SKIP_HINT}.")
 
 
+def export_source(model_dir: str) -> DirRecord:
+    """The record a background HF export of ``model_dir`` is taken from and names as its source:
+    the role's ``PART`` record when the role has one (a role part stays its own record after the
+    step is sealed), else ``find_record``'s."""
+    model_dir = os.path.abspath(model_dir)
+    part = os.path.join(model_dir, PART)
+    step = parse_step_name(os.path.basename(os.path.dirname(model_dir)))
+    if step is not None and exists(part):
+        return _from_part(part, step, os.path.basename(model_dir), model_dir)
+    return find_record(model_dir)
+
+
 def _from_marker(step_dir: str, step: int, role: str, model_dir: str) -> DirRecord:
     path = os.path.join(step_dir, MARKER)
     marker = _guarded(read_marker, path)
@@ -178,4 +190,4 @@ def listed(directory: str, base: str) -> list[str]:
     return out
 
 
-__all__ = ["DirRecord", "RECORD", "SKIP_HINT", "exists", "find_record", "listed", "verify", "write_record"]
+__all__ = ["DirRecord", "RECORD", "SKIP_HINT", "exists", "export_source", "find_record", "listed", "verify", "write_record"]

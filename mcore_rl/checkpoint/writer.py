@@ -14,11 +14,9 @@ leaves no writer racing the rerun. Results come back through shared memory, not 
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import mmap
 import os
-import signal
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +35,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.api import _wrap_exception
 from torch.distributed.checkpoint.utils import _get_failure_dict
 
+from mcore_rl.checkpoint.child_process import die_with_parent
 from mcore_rl.checkpoint.collective import agreed, gather_errors, raise_if_any
 from mcore_rl.checkpoint.save_plan import (LocalPlan, SaveStructure, clean_common, local_plan, plan_save,
                                            unchanged_everywhere, validate)
@@ -45,7 +44,6 @@ from mcore_rl.fileio.faults import hold_point, io_fault
 from mcore_rl.fileio import item_sums
 from mcore_rl.fileio.files import ChecksumStream, Writeback
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _ERROR_BYTES = 4096
 _PENDING, _DONE, _FAILED = 0, 1, 2
 
@@ -109,15 +107,6 @@ class _SharedResults:
         return int(self.words[at]), int(self.words[at + 1])
 
 
-def die_with_parent(parent_pid: int, libc: ctypes.CDLL | None = None) -> None:
-    """In a forked writer or exporter: SIGKILL when the rank dies; exit now if it already has.
-    ``libc``: loaded by the parent (a ``preexec_fn`` should not load libraries after fork)."""
-    libc = libc or ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as a compact host tensor: torch.save writes a view's whole storage."""
     tensor = tensor.detach()
@@ -135,7 +124,7 @@ def write_rank_file(parent_pid: int, transforms, rank: int, buckets: list, resul
     ``transforms``: the writer's torch storage transforms (none by default)."""
     forked = os.getpid() != parent_pid
     if forked:
-        die_with_parent(parent_pid)
+        die_with_parent(parent_pid)  # SIGKILL when the rank dies
         gc.disable()  # a collection here could free the parent's device tensors (CUDA after fork)
         torch.set_num_threads(1)  # the parent's OpenMP pool does not exist in a forked child
     error, shard, sums = None, (0, ""), (0, "")

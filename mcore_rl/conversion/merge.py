@@ -11,7 +11,6 @@ they agree: ``mapping/weights.py`` imports megatron, which this path must not).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -27,8 +26,9 @@ from mcore_rl.conversion.merge_fp8 import STORED_KEY, out_specs, tensor_formats
 from mcore_rl.conversion import merge_mxfp4
 from mcore_rl.conversion.merge_io import (  # noqa: F401 - re-exported: callers import them from here
     _WEIGHT_FILE, MergeError, MergeSummary, ModelClass, ModelDir, Unit, _adapter_only, _hf_config,
-    check_target, hf_class, open_model_dir, plan_units, read_unit, same_dir,
+    check_target, export_file, hf_class, open_model_dir, plan_units, read_unit, same_dir,
 )
+from mcore_rl.conversion.merge_config import config_text, merged_config, named_dtype, resolve_dtype
 from mcore_rl.conversion.merge_layout import SourceLayout
 from mcore_rl.conversion.merge_lora import merge_adapter_step
 from mcore_rl.fileio.files import META, peak_rss_mb
@@ -60,9 +60,7 @@ def written_dtype(model: ModelDir, units: list[Unit], dtype: str | None = None) 
     the checkpoint stores its model parameters in (a bf16 run's model keys are bf16 whatever its
     optimizer's fp32 main parameters), else mcore_rl.json's ``params_dtype``."""
     if dtype is not None:
-        if dtype not in HF_DTYPE_NAMES:
-            raise MergeError(f"dtype={dtype!r}; use one of {sorted(HF_DTYPE_NAMES)} (or none: the checkpoint's).")
-        return getattr(torch, HF_DTYPE_NAMES[dtype])
+        return named_dtype(dtype)
     stored = {model.reader.tensors[k].dtype for u in units for k in u.keys}
     if len(stored) == 1:
         return stored.pop()
@@ -152,7 +150,7 @@ def _write_model(model: ModelDir, units: list[Unit], dims: Dims, dtype: torch.dt
         warnings.warn(describe_nonfinite(nonfinite, model.path), NonFiniteWarning, stacklevel=3)
     for name in sorted(os.listdir(model.hf_dir)):
         src = contained(model.hf_dir, name, f"the listing of {model.hf_dir}")
-        if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name not in ("config.json", CARRIED_FILE):
+        if os.path.isfile(src) and not export_file(name) and name not in ("config.json", CARRIED_FILE):
             shutil.copyfile(src, os.path.join(directory, name))
     return writer, formats
 
@@ -174,20 +172,16 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
     the experts' weights) as MXFP4 blocks + scales, the rest as the source stored it (bf16), see
     ``merge_mxfp4``; any other dtype drops a ``quantization_config`` the source config.json carries."""
     start = time.monotonic()
-    if fp8 is not None and dtype != "fp8":
-        raise MergeError(f"an fp8 format ({fp8}) was given with dtype={dtype!r}; pass dtype='fp8' (--dtype fp8).")
-    mxfp4 = dtype == "mxfp4"
-    if dtype == "fp8":
-        fp8, dtype = fp8 or BlockFp8(), None
+    asked = dtype
+    dtype, fp8, mxfp4 = resolve_dtype(dtype, fp8)
     model = open_model_dir(local_dir, verify)
     try:
         if _adapter_only(model):
-            if fp8 is not None or dtype is not None:
+            if asked is not None:
                 raise MergeError(f"{local_dir} holds LoRA adapters: its merge writes the base's dtype; drop --dtype.")
             return merge_adapter_step(model, target_dir, overwrite, verify)
         if mxfp4:
             merge_mxfp4.check_arch(model.args.arch.model_type, local_dir)
-            dtype = "bf16"  # config.json's dtype: that of the published checkpoints' other tensors
         return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype, fp8,
                            mxfp4)
     finally:
@@ -199,22 +193,16 @@ def _merge_open(model: ModelDir, start: float, target_dir: str, max_shard_size: 
                 fp8: BlockFp8 | None = None, mxfp4: bool = False) -> MergeSummary:
     check_target(target_dir, model.path, overwrite)
     cls = hf_class(model, model_class or "auto")
-    config = _hf_config(model, cls)
     units, dims = plan_units(model)
     units = head_units(model, units, cls)
     out_dtype = written_dtype(model, units, dtype)
-    config["dtype"] = config["torch_dtype"] = str(out_dtype).removeprefix("torch.")  # as transformers names it
-    config.pop("quantization_config", None)  # a quantized source's: the weights written are not quantized
-    if fp8 is not None:
-        config["quantization_config"] = fp8.quantization_config()
     stage = Staging.create(target_dir)
     try:
         writer, formats = _write_model(model, units, dims, out_dtype, stage.path, max_shard_size, progress, fp8,
                                        mxfp4)
-        if mxfp4:
-            config["quantization_config"] = merge_mxfp4.quantization_config(formats)
+        config = merged_config(model, cls, out_dtype, fp8, formats if mxfp4 else None)
         with open(os.path.join(stage.path, "config.json"), "w") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+            f.write(config_text(config))
         write_export_record(stage.path, "mcore_to_hf merge")
         same_dir(model.path, model.reader)  # the side files above came from the directory the shards did
         stage.commit(replace=overwrite)

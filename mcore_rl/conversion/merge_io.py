@@ -20,7 +20,7 @@ from mcore_rl.errors import CheckpointError, McoreRLError
 from mcore_rl.fileio.checksum import file_checksum
 from mcore_rl.fileio.files import META
 from mcore_rl.fileio.model_layout import layout_of
-from mcore_rl.fileio.output_dir import check_replaceable, input_overlap, refuse_file, settle_output
+from mcore_rl.fileio.output_dir import EXPORT_RECORD, check_replaceable, input_overlap, refuse_file, settle_output
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import TensorSpec
 from mcore_rl.fileio.torch_dist_read import TorchDistReader
@@ -35,6 +35,12 @@ _CLASS_SUFFIX = {"causal_lm": ("ForCausalLM", "actor"), "token_classification": 
 _EXPERT_DIST = ("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # canonical -> on-disk
 _NOT_WEIGHTS = re.compile(r"^(optimizer\.|chained_\d+\.|rng_state)|\._extra_state(/|$)")
 _WEIGHT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin)$")
+
+
+def export_file(name: str) -> bool:
+    """Whether a file named ``name`` in a HF dir is an export's (weights, index, the export's
+    record), never a file a merge reads there (it reads config.json and copies the side files)."""
+    return bool(_WEIGHT_FILE.match(name)) or name == EXPORT_RECORD
 
 
 class MergeError(CheckpointError):
@@ -80,15 +86,22 @@ def read_unit(reader: TorchDistReader, unit: Unit) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class ModelDir:
-    """A validated model directory: role, ModelArgs, its dist reader and huggingface dir."""
+class ModelInfo:
+    """What a model directory says of its model without its weights: role, ModelArgs (from the
+    HF dir's config.json), the HF dir and ``mcore_rl.json``."""
 
     path: str
     role: str
     args: ModelArgs
-    reader: TorchDistReader
     hf_dir: str
     meta: dict
+
+
+@dataclass(frozen=True)
+class ModelDir(ModelInfo):
+    """A validated model directory: ``ModelInfo`` and its dist reader."""
+
+    reader: TorchDistReader
 
 
 @dataclass(frozen=True)
@@ -128,20 +141,28 @@ def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
     try:
         if record is not None:
             _check_recorded(record, reader, local_dir)
-        meta = storage.read_json(meta_path)
-        contents, role = meta.get("contents"), meta.get("role")
-        if not isinstance(contents, list) or "model" not in contents:
-            raise MergeError(f"{local_dir}: {META} contents {contents!r} hold no 'model' weights (saved without "
-                             "'model' in checkpoint.save_contents, or the file is damaged); nothing to merge.")
-        if role not in ("actor", "critic"):
-            raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
-        hf_dir = _config_dir(local_dir, meta)
-        args = _model_args(hf_dir)
+        info = model_info(local_dir)
         same_dir(local_dir, reader)
     except BaseException:
         reader.close()
         raise
-    return ModelDir(local_dir, role, args, reader, hf_dir, meta)
+    return ModelDir(info.path, info.role, info.args, info.hf_dir, info.meta, reader)
+
+
+def model_info(local_dir: str) -> ModelInfo:
+    """``local_dir``'s ``mcore_rl.json`` (contents must hold ``model``, role actor or critic) and
+    its model config; reads no weights (the step's ``dist_ckpt/`` need not exist yet)."""
+    local_dir = os.path.abspath(local_dir)
+    meta_path = os.path.join(local_dir, META)
+    meta = storage.read_json(meta_path)
+    contents, role = meta.get("contents"), meta.get("role")
+    if not isinstance(contents, list) or "model" not in contents:
+        raise MergeError(f"{local_dir}: {META} contents {contents!r} hold no 'model' weights (saved without "
+                         "'model' in checkpoint.save_contents, or the file is damaged); nothing to merge.")
+    if role not in ("actor", "critic"):
+        raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
+    hf_dir = _config_dir(local_dir, meta)
+    return ModelInfo(local_dir, role, _model_args(hf_dir), hf_dir, meta)
 
 
 def _config_dir(local_dir: str, meta: dict) -> str:
@@ -156,7 +177,7 @@ def _config_dir(local_dir: str, meta: dict) -> str:
     return base["path"] if base.get("kind") == "hf" else layout_of(base["path"]).hf_dir(base["path"])
 
 
-def _adapter_only(model: ModelDir) -> bool:
+def _adapter_only(model: ModelInfo) -> bool:
     lora = model.meta.get("lora")
     return isinstance(lora, dict) and bool(lora.get("adapter_only"))
 
@@ -186,10 +207,13 @@ def _verify_all(record: model_record.DirRecord, dist: str, reader: TorchDistRead
 
 
 def _check_recorded(record: model_record.DirRecord, reader: TorchDistReader, local_dir: str) -> None:
-    """Every file the merge reads (those ``.metadata`` names, mcore_rl.json, the HF dir) is recorded."""
+    """Every file the merge reads (those ``.metadata`` names, mcore_rl.json, the HF dir) is recorded.
+    The HF dir's weight files and export record are not read (``export_file``): an export of the
+    step beside its files, complete or cut short, is not the step's."""
     layout = layout_of(local_dir)
     needed = [META] + [layout.dist_rel(rel) for rel in reader.files()]
-    needed += model_record.listed(layout.hf_dir(local_dir), local_dir)
+    needed += [rel for rel in model_record.listed(layout.hf_dir(local_dir), local_dir)
+               if not export_file(os.path.basename(rel))]
     missing = sorted(set(needed) - set(record.files))
     if missing:
         raise MergeError(f"{local_dir}: {missing[:8]} {'is' if len(missing) == 1 else 'are'} not in its record "
@@ -322,7 +346,7 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
     return units, dims
 
 
-def hf_class(model: ModelDir, model_class: ModelClass = "auto") -> str:
+def hf_class(model: ModelInfo, model_class: ModelClass = "auto") -> str:
     """The transformers class the merged model is: ``auto`` keeps the class its
     ``huggingface/config.json`` records (the converter's or the run's input: a reward model's
     ``*ForSequenceClassification`` comes back as one) when it fits the role, else the role's
@@ -351,7 +375,7 @@ def hf_class(model: ModelDir, model_class: ModelClass = "auto") -> str:
     return named[0] if named else arch.hf_token_classification.removesuffix("ForTokenClassification") + suffix
 
 
-def _hf_config(model: ModelDir, cls: str) -> dict:
+def _hf_config(model: ModelInfo, cls: str) -> dict:
     """config.json of the merged model: architectures [cls] (and one label for a critic)."""
     with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
         config = json.load(f)

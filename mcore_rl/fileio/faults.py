@@ -24,8 +24,10 @@ import time
 # recover: a checkpoint recovery between its renames; stage_commit / stage_aside / stage_swapped:
 # Staging.commit before its first rename, after the old output was moved aside, after the new one
 # was renamed into place (the old not yet removed)
+# hf_export_merge / _move / _record: a background HF export with the merge staged (nothing moved),
+# after its first weight file moved into the HF dir, with every file moved (no record yet)
 PHASES = ("shards", "metadata", "marker", "swap", "tracker", "retention", "recover", "stage_commit", "stage_aside",
-          "stage_swapped")
+          "stage_swapped", "hf_export_merge", "hf_export_move", "hf_export_record")
 ENV = "MCORE_RL_CKPT_FAULT"
 RANK_ENV = "MCORE_RL_CKPT_FAULT_RANK"  # optional: only this global rank dies
 AT_ENV = "MCORE_RL_CKPT_FAULT_AT"  # optional: the n-th arrival at the phase in this process dies

@@ -1,0 +1,333 @@
+"""The background HF export's core (checkpoint/hf_export*.py): a step whose config.json the save
+wrote with ``write_export_config`` exports into its HF dir the bytes ``mcore_to_hf.py merge``
+writes (fp32 with shards + index, bf16, FP8 from an FP8-sourced model, a critic started from a
+causal-LM config; MXFP4's config); its record makes it complete, a short, missing or (verified)
+damaged file makes it partial; a partial export left in the HF dir changes nothing a merge writes;
+the worker killed at each phase leaves a partial export transformers never half-loads, which
+``clean_partial`` and a rerun make complete; the worker runs niced and at idle IO priority and
+refuses bad input in one line.
+
+Steps here are converter outputs placed as ``global_step_N/<role>`` with a ``COMPLETE`` marker
+recording their files (what a CheckpointManager step is to every reader): no engine is built.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.dist import run_ranks
+from tests.tiny import tiny_config, tiny_hf_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FP8_QUANT = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[32, 48])
+
+
+def _convert(jobs: list[tuple[str, str, str | None]]) -> None:
+    from mcore_rl.conversion.convert import ConvertOptions, convert
+
+    for hf, dst, dtype in jobs:
+        convert(ConvertOptions(hf, dst, dtype=dtype), progress=False)
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory):
+    """name -> converter output: a tiny llama in fp32, a tiny llama critic, an FP8-sourced llama
+    (block FP8, other tensors bf16: converted with the FP8 record), a tiny gpt-oss (bf16)."""
+    from tests.test_fp8_import import write_fp8
+
+    base = str(tmp_path_factory.mktemp("hf_export"))
+    hf = {n: os.path.join(base, f"hf_{n}") for n in ("llama", "critic", "src_fp8", "gpt_oss")}
+    tiny_hf_model(tiny_config("llama", num_hidden_layers=2)).save_pretrained(hf["llama"])
+    tiny_hf_model(tiny_config("llama", num_hidden_layers=2), "critic").save_pretrained(hf["critic"])
+    tiny_hf_model(tiny_config("llama", num_hidden_layers=2), seed=3).save_pretrained(hf["src_fp8"])
+    hf["fp8"] = os.path.join(base, "hf_fp8")
+    write_fp8(hf["src_fp8"], hf["fp8"], os.path.join(base, "ref_fp8"), "llama", FP8_QUANT, "block", torch.float32)
+    tiny_hf_model(tiny_config("gpt_oss", num_hidden_layers=2)).to(torch.bfloat16).save_pretrained(hf["gpt_oss"])
+    out = {n: os.path.join(base, f"conv_{n}") for n in ("llama", "critic", "fp8", "gpt_oss")}
+    run_ranks(1, _convert, [(hf[n], out[n], "fp32" if n in ("llama", "critic") else None) for n in out],
+              daemon=False)
+    out["causal_config"] = hf["llama"]
+    return out
+
+
+def make_step(conv_dir: str, root: str, role: str = "actor", spec=None, config_from: str | None = None,
+              step: int = 1) -> str:
+    """``conv_dir`` as ``root/global_step_<step>/<role>`` (``config_from``: its huggingface/config.json
+    taken from there), config.json rewritten by ``write_export_config(spec)`` when given, then a
+    COMPLETE marker recording every file: the order a save writes them in."""
+    from mcore_rl.checkpoint.hf_export import write_export_config
+    from mcore_rl.checkpoint.inventory import Marker
+    from mcore_rl.checkpoint.step_dirs import write_marker
+    from mcore_rl.fileio.checksum import file_checksum
+
+    step_dir = os.path.join(root, f"global_step_{step}")
+    role_dir = os.path.join(step_dir, role)
+    shutil.copytree(conv_dir, role_dir)
+    os.remove(os.path.join(role_dir, "RECORD"))
+    if config_from is not None:
+        shutil.copyfile(os.path.join(config_from, "config.json"), os.path.join(role_dir, "huggingface", "config.json"))
+    if spec is not None:
+        params = json.load(open(os.path.join(role_dir, "mcore_rl.json")))["params_dtype"]
+        write_export_config(role_dir, role, spec, getattr(torch, params.removeprefix("torch.")))
+    files = {}
+    for top, _, names in os.walk(role_dir):
+        for name in names:
+            path = os.path.join(top, name)
+            files[os.path.relpath(path, step_dir)] = file_checksum(path)
+    write_marker(os.path.join(step_dir, "COMPLETE"), Marker(step, (role,), 1, files))
+    return role_dir
+
+
+def _merge(role_dir: str, target: str, spec) -> str:
+    from mcore_rl.conversion.merge import merge
+
+    merge(role_dir, target, max_shard_size=spec.max_shard_size, dtype=spec.dtype, fp8=spec.fp8)
+    return target
+
+
+def _files(directory: str) -> dict[str, bytes]:
+    from mcore_rl.fileio.output_dir import EXPORT_RECORD
+
+    return {n: open(os.path.join(directory, n), "rb").read() for n in sorted(os.listdir(directory))
+            if n != EXPORT_RECORD}
+
+
+def _spec(**kw):
+    from mcore_rl.checkpoint.hf_export import ExportSpec
+
+    return ExportSpec(**kw)
+
+
+CASES = {  # name -> (converter output, role, spec kwargs, config.json taken from)
+    "fp32_shards": ("llama", "actor", dict(max_shard_size="40KB"), None),
+    "bf16": ("llama", "actor", dict(dtype="bf16"), None),
+    "fp8_sourced": ("fp8", "actor", dict(dtype="fp8"), None),
+    "critic_from_causal_config": ("critic", "critic", {}, "causal_config"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_equals_merge_byte_for_byte(conv, tmp_path, name):
+    from mcore_rl.checkpoint.hf_export import export_step
+    from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of, staging_dir
+    from mcore_rl.fileio.output_dir import EXPORT_RECORD
+
+    source, role, kw, config_from = CASES[name]
+    spec = _spec(**kw)
+    config_from = conv[config_from] if config_from else None
+    plain = make_step(conv[source], str(tmp_path / "plain"), role, None, config_from)  # the run's config.json
+    ref = _merge(plain, str(tmp_path / "ref"), spec)
+    role_dir = make_step(conv[source], str(tmp_path / "run"), role, spec, config_from)
+    hf = hf_dir_of(role_dir)
+    assert open(os.path.join(hf, "config.json"), "rb").read() == open(os.path.join(ref, "config.json"), "rb").read()
+    assert export_state(role_dir) == "absent"
+    result = export_step(role_dir, spec, 1)
+    assert _files(hf) == _files(ref) and EXPORT_RECORD in os.listdir(hf)
+    assert export_state(role_dir) == export_state(role_dir, verify=True) == "complete"
+    assert not os.path.exists(staging_dir(role_dir))
+    weights = sorted(n for n in os.listdir(ref) if n.startswith("model"))
+    assert sorted(result.files) == weights and result.bytes == sum(len(_files(ref)[n]) for n in weights)
+    assert result.step_bytes > 0 and result.peak_rss_mb > 0
+    if name == "fp32_shards":
+        assert len(weights) > 3 and result.files[-1] == "model.safetensors.index.json"
+    record = json.load(open(os.path.join(hf, EXPORT_RECORD)))
+    assert (record["step"], record["role"], record["writer"], record["dtype"]) == (1, role, "background export",
+                                                                                   kw.get("dtype"))
+    assert sorted(record["files"]) == sorted(_files(hf))
+    assert export_step(role_dir, spec, 1).skipped  # complete: nothing written again
+    merged = str(tmp_path / "merged")  # the step with its export beside its files merges as before
+    assert _files(_merge(role_dir, merged, spec)) == _files(ref)
+
+
+def test_write_export_config_equals_merge_and_is_idempotent(conv, tmp_path):
+    """MXFP4's quantization_config (gpt-oss, no record: the rule picks), FP8 at a block size, fp16,
+    each as merge writes it for the step; a second call changes no byte; an adapter-only step and a
+    wrong role are refused naming the fix."""
+    from mcore_rl.checkpoint.hf_export import ExportError, write_export_config
+    from mcore_rl.checkpoint.hf_export_record import hf_dir_of
+    from mcore_rl.mapping.fp8_quant import BlockFp8
+
+    for i, (source, kw) in enumerate([("gpt_oss", dict(dtype="mxfp4")), ("llama", dict(dtype="fp8", fp8=BlockFp8(
+            (64, 32), "ue8m0"))), ("llama", dict(dtype="fp16"))]):
+        spec = _spec(**kw)
+        ref = _merge(make_step(conv[source], str(tmp_path / f"plain{i}")), str(tmp_path / f"ref{i}"), spec)
+        role_dir = make_step(conv[source], str(tmp_path / f"run{i}"), spec=spec)
+        config = os.path.join(hf_dir_of(role_dir), "config.json")
+        assert open(config, "rb").read() == open(os.path.join(ref, "config.json"), "rb").read(), kw
+        params = torch.float32 if source == "llama" else torch.bfloat16
+        write_export_config(role_dir, "actor", spec, params)
+        assert open(config, "rb").read() == open(os.path.join(ref, "config.json"), "rb").read(), kw
+    assert json.load(open(config))["dtype"] == "float16"
+    with pytest.raises(ExportError, match="says role 'actor', not 'critic'"):
+        write_export_config(role_dir, "critic", spec, torch.float32)
+    meta_path = os.path.join(role_dir, "mcore_rl.json")
+    meta = json.load(open(meta_path))
+    json.dump({**meta, "lora": {"adapter_only": True}}, open(meta_path, "w"))
+    with pytest.raises(ExportError, match="holds LoRA adapters only: .* the background export does not write them"):
+        write_export_config(role_dir, "actor", spec, torch.float32)
+
+
+def _plant_partial(role_dir: str, ref: str) -> list[str]:
+    """What an export killed in its move phase leaves: a shard of the merge and a stale record."""
+    from mcore_rl.checkpoint.hf_export_record import hf_dir_of
+    from mcore_rl.fileio.output_dir import EXPORT_RECORD
+
+    hf = hf_dir_of(role_dir)
+    shard = sorted(n for n in os.listdir(ref) if n.startswith("model-"))[0]
+    shutil.copyfile(os.path.join(ref, shard), os.path.join(hf, shard))
+    with open(os.path.join(hf, EXPORT_RECORD), "w") as f:
+        json.dump({"written_by": "mcore_rl", "writer": "background export", "step": 1, "files": {}}, f)
+    return [shard, EXPORT_RECORD]
+
+
+def test_partial_export_in_the_hf_dir_changes_nothing_merge_writes(conv, tmp_path):
+    from mcore_rl.checkpoint.hf_export_record import clean_partial, export_state, hf_dir_of
+
+    spec = _spec(max_shard_size="40KB")
+    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
+    ref = _merge(role_dir, str(tmp_path / "ref"), spec)
+    planted = _plant_partial(role_dir, ref)
+    assert export_state(role_dir) == "partial"
+    assert _files(_merge(role_dir, str(tmp_path / "again"), spec)) == _files(ref)
+    removed = clean_partial(role_dir)
+    assert sorted(removed) == sorted(f"actor/huggingface/{n}" for n in planted)
+    assert export_state(role_dir) == "absent" and sorted(os.listdir(hf_dir_of(role_dir))) == ["config.json",
+                                                                                                "generation_config.json"]
+
+
+def test_record_of_a_missing_short_or_damaged_file_is_partial(conv, tmp_path):
+    from mcore_rl.checkpoint.hf_export import ExportError, export_step
+    from mcore_rl.checkpoint.hf_export_record import clean_partial, export_state, hf_dir_of
+    from mcore_rl.fileio.output_dir import EXPORT_RECORD
+
+    spec = _spec(max_shard_size="40KB")
+    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
+    export_step(role_dir, spec, 1)
+    hf = hf_dir_of(role_dir)
+    shard = os.path.join(hf, sorted(n for n in os.listdir(hf) if n.startswith("model-"))[1])
+    data = open(shard, "rb").read()
+    os.rename(shard, shard + ".away")
+    assert export_state(role_dir) == "partial"
+    os.rename(shard + ".away", shard)
+    open(shard, "wb").write(data[:-1])
+    assert export_state(role_dir) == "partial"
+    open(shard, "wb").write(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit flipped
+    assert export_state(role_dir) == "complete" and export_state(role_dir, verify=True) == "partial"
+    record = json.load(open(os.path.join(hf, EXPORT_RECORD)))
+    open(shard, "wb").write(data)
+    json.dump({**record, "source": "xxh3_128:" + "0" * 32}, open(os.path.join(hf, EXPORT_RECORD), "w"))
+    assert export_state(role_dir) == "partial"  # exported from another save of the step
+    with pytest.raises(ExportError, match=r"the HF export of step 1 is partial .* clean_partial\(\) removes"):
+        export_step(role_dir, spec, 1)
+    json.dump(record, open(os.path.join(hf, EXPORT_RECORD), "w"))
+    open(shard, "wb").write(data[:-1] + bytes([data[-1] ^ 1]))
+    removed = clean_partial(role_dir, verify=True)
+    assert removed[0] == f"actor/huggingface/{EXPORT_RECORD}" and removed[1].endswith("index.json")
+    assert "actor/huggingface/config.json" not in removed and export_state(role_dir) == "absent"
+    assert export_step(role_dir, spec, 1).files and export_state(role_dir, verify=True) == "complete"
+
+
+def _worker(role_dir: str, *args: str, env: dict | None = None, wait: bool = True):
+    cmd = [sys.executable, "-m", "mcore_rl.checkpoint.hf_export_worker", "--role_dir", role_dir, *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def _loads_complete_or_fails(hf: str, ref: str) -> str:
+    """transformers' from_pretrained of ``hf``: "fails", or "complete" when it loads ref's tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(hf)
+    except (OSError, ValueError, RuntimeError, KeyError, FileNotFoundError):
+        return "fails"
+    expected = {}
+    for name in os.listdir(ref):
+        if name.endswith(".safetensors"):
+            expected.update(load_file(os.path.join(ref, name)))
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in expected.items()), "loaded a model other than the export"
+    return "complete"
+
+
+@pytest.mark.parametrize("phase", ["merge", "move", "record"])
+def test_worker_killed_at_each_phase_then_cleaned_and_rerun(conv, tmp_path, phase):
+    from mcore_rl.checkpoint.hf_export import export_step
+    from mcore_rl.checkpoint.hf_export_record import INDEX, clean_partial, export_state, hf_dir_of
+
+    spec = _spec(max_shard_size="40KB")
+    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
+    ref = _merge(role_dir, str(tmp_path / "ref"), spec)
+    rc, out, err = _worker(role_dir, "--step", "1", "--max_shard_size", "40KB",
+                           env={"MCORE_RL_CKPT_FAULT": f"hf_export_{phase}"})
+    assert rc == -signal.SIGKILL, (rc, out, err)
+    hf = hf_dir_of(role_dir)
+    assert export_state(role_dir) == export_state(role_dir, verify=True) == "partial"
+    moved = sorted(n for n in os.listdir(hf) if n.startswith("model"))
+    shards = sorted(n for n in os.listdir(ref) if n.startswith("model-"))
+    expect = {"merge": [], "move": shards[:1], "record": sorted(shards + [INDEX])}[phase]
+    assert moved == expect, f"after a kill at {phase}: {moved}"  # shards first, the index last
+    assert _loads_complete_or_fails(hf, ref) == ("complete" if phase == "record" else "fails")
+    assert clean_partial(role_dir) and export_state(role_dir) == "absent"
+    export_step(role_dir, spec, 1)
+    assert export_state(role_dir, verify=True) == "complete" and _files(hf) == _files(ref)
+    assert _loads_complete_or_fails(hf, ref) == "complete"
+
+
+def test_worker_runs_niced_at_idle_io_priority(conv, tmp_path):
+    from mcore_rl.checkpoint.child_process import IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE, ioprio_get
+    from mcore_rl.checkpoint.hf_export_record import export_state
+
+    spec = _spec(dtype="bf16")
+    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    proc = _worker(role_dir, "--step", "1", "--dtype", "bf16", "--threads", "2", env={"MCORE_RL_CKPT_HOLD": str(hold)},
+                   wait=False)
+    try:
+        for _ in range(3000):
+            if any(n.startswith("hf_export_merge.") for n in os.listdir(hold)) or proc.poll() is not None:
+                break
+            subprocess.run(["sleep", "0.05"])
+        assert proc.poll() is None, proc.communicate()
+        stat = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        nice, threads = int(stat[16]), int(stat[17])
+        assert nice >= os.nice(0) + 10, (nice, os.nice(0))
+        assert ioprio_get(proc.pid) in ((IOPRIO_CLASS_IDLE, 0), (IOPRIO_CLASS_BE, 7)), ioprio_get(proc.pid)
+        (hold / "release").touch()
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and err.strip() == "", err
+    assert out.startswith("exported step 1 actor: 1 file(s)") and "2 thread(s)" in out, out
+    assert export_state(role_dir, verify=True) == "complete" and threads >= 1
+
+
+def test_worker_refuses_in_one_line(conv, tmp_path):
+    spec = _spec()
+    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
+    for args, message in [
+        (["--step", "1", "--dtpye", "bf16"], "error: hf_export_worker: unrecognized arguments: --dtpye bf16"),
+        (["--step", "1", "--threads", "0"], "argument --threads: '0' is not a thread count"),
+        (["--step", "2"], f"error: {role_dir} is not a role dir of step 2"),
+        (["--step", "1", "--dtype", "bf16", "--fp8_block_size", "64"], "error: --fp8_block_size given with --dtype "
+                                                                       "bf16; they apply to --dtype fp8 only"),
+    ]:
+        rc, out, err = _worker(role_dir, *args)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), (args, err)
+        assert message in err, (args, err)
+    rc, _, err = _worker(str(tmp_path / "nowhere" / "global_step_1" / "actor"), "--step", "1")
+    assert rc == 2 and err.strip().splitlines() == [f"error: {tmp_path}/nowhere/global_step_1/actor is not a "
+                                                    "directory; pass a role dir of a step (global_step_<N>/<role>)."]
