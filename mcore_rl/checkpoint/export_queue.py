@@ -5,9 +5,10 @@ a shared root, each node's leader on node-local disks (``storage.is_writer``). A
 subprocess, ``python -m mcore_rl.checkpoint.hf_export_worker`` (``hf_export.export_step``: the
 ``mcore_to_hf.py merge`` path into a staging dir, moved into the step's HF dir, its record
 last), started after its step is complete. It dies with the process that started it
-(``PR_SET_PDEATHSIG``), runs at nice 10 and best-effort I/O priority 7, with ``threads`` torch /
-OpenMP / MKL threads. At most one runs; the others wait in submission order, and a newer step's
-submission drops the older steps' exports that have not started (``supersede``). A thread of
+(``PR_SET_PDEATHSIG``); it lowers its own CPU and I/O priority and runs ``threads`` torch /
+OpenMP / MKL threads (``hf_export_worker``). At most one runs; the others wait in submission
+order, and a newer step's submission drops the older steps' exports that have not started
+(``supersede``). A thread of
 the queue starts each export when the one before it ends, so a job that does not poll still
 gets its exports; ``poll()`` only collects failures.
 
@@ -18,27 +19,23 @@ it on every rank (``CheckpointManager``). Nothing here is collective.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
-import platform
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from mcore_rl.checkpoint.storage import node_id
-from mcore_rl.checkpoint.writer import die_with_parent
+from mcore_rl.checkpoint.child_process import die_with_parent_preexec
 
 log = logging.getLogger("mcore_rl.checkpoint")
 
 WORKER = "mcore_rl.checkpoint.hf_export_worker"
-NICE = 10
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30, "ppc64le": 273}  # syscall numbers
-_IOPRIO_BEST_EFFORT_7 = (2 << 13) | 7  # IOPRIO_CLASS_BE << IOPRIO_CLASS_SHIFT | level 7 (lowest)
 _ERROR_TAIL = 64 * 1024  # bytes of the exporter's output read back for its error line
 
 
@@ -65,6 +62,17 @@ class ExportFailure:
         return f"the HF export of step {self.step} role {self.role} on node {self.node} failed: {self.error}"
 
 
+@dataclass(frozen=True)
+class ExportDone:
+    """An export that ended (exit 0): when it started and ended (``time.time()``), its summary line."""
+
+    step: int
+    role: str
+    started: float
+    ended: float
+    line: str
+
+
 Command = Callable[[ExportTask, int], list[str]]
 
 
@@ -72,7 +80,12 @@ def worker_command(task: ExportTask, threads: int) -> list[str]:
     """The exporter's command line for ``task``."""
     cmd = [sys.executable, "-m", WORKER, "--role_dir", task.role_dir, "--step", str(task.step),
            "--max_shard_size", str(task.spec.max_shard_size), "--threads", str(threads)]
-    return cmd + (["--dtype", task.spec.dtype] if task.spec.dtype else [])
+    if task.spec.dtype:
+        cmd += ["--dtype", task.spec.dtype]
+    fp8 = getattr(task.spec, "fp8", None)
+    if fp8 is not None:
+        cmd += ["--fp8_block_size", *map(str, fp8.block), "--scale_fmt", fp8.scale_fmt]
+    return cmd
 
 
 class ExportQueue:
@@ -88,10 +101,10 @@ class ExportQueue:
         self._running: tuple[ExportTask, subprocess.Popen, Any] | None = None
         self._cancelled: set[int] = set()  # pids killed on purpose (no failure reported)
         self._failures: list[ExportFailure] = []
+        self.done: list[ExportDone] = []  # the last exports that succeeded (at most 100)
         self._paused = 0
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._libc = ctypes.CDLL(None, use_errno=True)
 
     # ---- what callers do -----------------------------------------------------------------
     def submit(self, step: int, role_dirs: dict[str, str], spec: Any) -> None:
@@ -209,33 +222,27 @@ class ExportQueue:
                     self._cond.notify_all()
                     continue
                 self._running = (task, proc, output)
+                started = time.time()
             code = proc.wait()
-            failure = _outcome(task, code, output)
+            failure, line = _outcome(task, code, output), _error_line(output)
             output.close()
             with self._cond:
                 if failure is not None and proc.pid not in self._cancelled:
                     log.error("%s", failure.describe())
                     self._failures.append(failure)
+                elif failure is None:
+                    log.info("HF export of step %d role %s done: %s", task.step, task.role, line)
+                    self.done = [*self.done[-99:], ExportDone(task.step, task.role, started, time.time(), line)]
                 self._cancelled.discard(proc.pid)
                 self._running = None
                 self._cond.notify_all()
 
     def _start(self, task: ExportTask, output) -> subprocess.Popen:
         env = {**os.environ, "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
-        parent, libc = os.getpid(), self._libc
         log.info("HF export of step %d role %s started (%s)", task.step, task.role, task.role_dir)
         return subprocess.Popen(self._command(task, self.threads), stdin=subprocess.DEVNULL, stdout=output,
                                 stderr=subprocess.STDOUT, env=env, close_fds=True,
-                                preexec_fn=lambda: _lower_priority(parent, libc))
-
-
-def _lower_priority(parent: int, libc: ctypes.CDLL) -> None:
-    """In the exporter before exec: dies with its parent; nice 10, best-effort I/O level 7."""
-    die_with_parent(parent, libc)
-    os.nice(NICE)
-    number = _IOPRIO_SET.get(platform.machine())
-    if number is not None:
-        libc.syscall(number, 1, 0, _IOPRIO_BEST_EFFORT_7)  # IOPRIO_WHO_PROCESS, this process
+                                preexec_fn=die_with_parent_preexec())
 
 
 def _outcome(task: ExportTask, code: int, output) -> ExportFailure | None:
@@ -255,7 +262,8 @@ def _outcome(task: ExportTask, code: int, output) -> ExportFailure | None:
 
 
 def _error_line(output) -> str:
-    """The exporter's last ``error:`` line, else its last non-empty line ('' when silent)."""
+    """The exporter's last ``error:`` line, else its last non-empty line ('' when silent): the
+    summary line of an export that succeeded."""
     try:
         size = output.seek(0, os.SEEK_END)
         output.seek(max(0, size - _ERROR_TAIL))
