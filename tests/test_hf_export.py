@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -174,6 +175,23 @@ def test_write_export_config_equals_merge_and_is_idempotent(conv, tmp_path):
         write_export_config(role_dir, "actor", spec, torch.float32)
 
 
+def test_step_saved_without_the_export_config_is_refused_unchanged(conv, tmp_path):
+    """A step whose config.json is the run's (not written by write_export_config for this dtype):
+    the staged config differs, the export stops naming it, nothing is moved or left."""
+    from mcore_rl.checkpoint.hf_export import ExportError, export_step
+    from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of
+
+    for i, (saved, asked) in enumerate([(None, _spec()), (_spec(), _spec(dtype="bf16"))]):
+        role_dir = make_step(conv["critic" if i == 0 else "llama"], str(tmp_path / f"run{i}"), "critic" if i == 0
+                             else "actor", saved, conv["causal_config"] if i == 0 else None)
+        before = _files(hf_dir_of(role_dir))
+        with pytest.raises(ExportError, match=r"the merge of the step writes \['config.json'\] differently from the "
+                                              r"step's files: the step's config.json was not written for this export"):
+            export_step(role_dir, asked, 1)
+        assert _files(hf_dir_of(role_dir)) == before and export_state(role_dir) == "absent"
+        assert sorted(os.listdir(os.path.dirname(role_dir))) == ["COMPLETE", os.path.basename(role_dir)]
+
+
 def _plant_partial(role_dir: str, ref: str) -> list[str]:
     """What an export killed in its move phase leaves: a shard of the merge and a stale record."""
     from mcore_rl.checkpoint.hf_export_record import hf_dir_of
@@ -300,7 +318,7 @@ def test_worker_runs_niced_at_idle_io_priority(conv, tmp_path):
         for _ in range(3000):
             if any(n.startswith("hf_export_merge.") for n in os.listdir(hold)) or proc.poll() is not None:
                 break
-            subprocess.run(["sleep", "0.05"])
+            time.sleep(0.02)
         assert proc.poll() is None, proc.communicate()
         stat = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
         nice, threads = int(stat[16]), int(stat[17])
@@ -315,19 +333,31 @@ def test_worker_runs_niced_at_idle_io_priority(conv, tmp_path):
     assert export_state(role_dir, verify=True) == "complete" and threads >= 1
 
 
-def test_worker_refuses_in_one_line(conv, tmp_path):
-    spec = _spec()
-    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
+def test_worker_refuses_in_one_line(conv, tmp_path, capsys, monkeypatch):
+    """Bad input: one ``error:`` line, exit 2, checked before the worker lowers its priority
+    (in-process here: this process keeps its nice value); as ``python -m``: no traceback."""
+    from mcore_rl.checkpoint.hf_export_worker import main
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # main sets them for the export's threads
+        monkeypatch.setenv(name, os.environ.get(name, "1"))
+    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=_spec())
+    nowhere = str(tmp_path / "nowhere" / "global_step_1" / "actor")
+    nice = os.nice(0)
     for args, message in [
-        (["--step", "1", "--dtpye", "bf16"], "error: hf_export_worker: unrecognized arguments: --dtpye bf16"),
-        (["--step", "1", "--threads", "0"], "argument --threads: '0' is not a thread count"),
-        (["--step", "2"], f"error: {role_dir} is not a role dir of step 2"),
-        (["--step", "1", "--dtype", "bf16", "--fp8_block_size", "64"], "error: --fp8_block_size given with --dtype "
-                                                                       "bf16; they apply to --dtype fp8 only"),
+        (["--role_dir", role_dir, "--step", "1", "--threads", "0"], "argument --threads: '0' is not a thread count"),
+        (["--role_dir", role_dir, "--step", "2"], f"error: {role_dir} is not a role dir of step 2"),
+        (["--role_dir", role_dir, "--step", "1", "--dtype", "bf16", "--fp8_block_size", "64"],
+         "error: --fp8_block_size given with --dtype bf16; they apply to --dtype fp8 only"),
+        (["--role_dir", nowhere, "--step", "1"], f"error: {nowhere} is not a directory; pass a role dir of a step"),
     ]:
-        rc, out, err = _worker(role_dir, *args)
+        try:
+            rc = main(args)
+        except SystemExit as e:  # argparse
+            rc = e.code
+        out, err = capsys.readouterr()
         assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), (args, err)
-        assert message in err, (args, err)
-    rc, _, err = _worker(str(tmp_path / "nowhere" / "global_step_1" / "actor"), "--step", "1")
-    assert rc == 2 and err.strip().splitlines() == [f"error: {tmp_path}/nowhere/global_step_1/actor is not a "
-                                                    "directory; pass a role dir of a step (global_step_<N>/<role>)."]
+        assert message in err and out == "", (args, err)
+    assert os.nice(0) == nice and sorted(os.listdir(os.path.dirname(role_dir))) == ["COMPLETE", "actor"]
+    rc, out, err = _worker(role_dir, "--step", "1", "--dtpye", "bf16")
+    assert rc == 2 and err == "error: hf_export_worker: unrecognized arguments: --dtpye bf16 (see hf_export_worker " \
+        "--help)\n", err

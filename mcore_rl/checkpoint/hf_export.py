@@ -118,13 +118,18 @@ def write_export_config(role_dir: str, role: str, spec: ExportSpec, params_dtype
     fsync_path(info.hf_dir)
 
 
-def _check_step(role_dir: str, step: int) -> tuple[ModelInfo, rec.Survey]:
+def check_role_dir(role_dir: str, step: int) -> None:
+    """``role_dir`` is a directory ``global_step_<step>/<role>``; else an ExportError naming it."""
     if not os.path.isdir(role_dir):
         raise ExportError(f"{role_dir} is not a directory; pass a role dir of a step (global_step_<N>/<role>).")
-    named = parse_step_name(os.path.basename(os.path.dirname(role_dir)))
+    named = parse_step_name(os.path.basename(os.path.dirname(os.path.abspath(role_dir))))
     if named != step:
         raise ExportError(f"{role_dir} is not a role dir of step {step} (global_step_{step}/<role>); pass the step's "
                           "role dir.")
+
+
+def _check_step(role_dir: str, step: int) -> tuple[ModelInfo, rec.Survey]:
+    check_role_dir(role_dir, step)
     info = model_info(role_dir)
     _refuse_adapter_only(info)
     return info, rec.survey(role_dir)
@@ -149,7 +154,11 @@ def export_step(role_dir: str, spec: ExportSpec, step: int) -> ExportResult:
     target = rec.staging_dir(role_dir)
     merge(role_dir, target, max_shard_size=spec.max_shard_size, dtype=spec.dtype, fp8=spec.fp8, verify=True)
     _phase("hf_export_merge")
-    weights = _check_staged(target, found)
+    try:
+        weights = _check_staged(target, found)
+    except ExportError:
+        shutil.rmtree(target)  # nothing was moved: the step is as it was
+        raise
     moved = _move(target, found.hf_dir, weights)
     rec.write_record(role_dir, step, spec.dtype, found.source, found.source_file)
     shutil.rmtree(target)

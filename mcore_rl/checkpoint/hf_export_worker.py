@@ -57,24 +57,28 @@ def _spec(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit code: 0 exported (or complete already), 2 bad input or a failed export (one line)."""
+    """Exit code: 0 exported (or complete already), 2 bad input or a failed export (one line).
+    The input is checked before the process lowers its priority (a refusal changes nothing)."""
     args = _parser().parse_args(argv)
     threads = str(args.threads)
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch is imported: its pools read them
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch starts its pools
         os.environ[name] = threads
-    from mcore_rl.checkpoint.child_process import lower_priority
     from mcore_rl.entry import error_line, quiet_third_party
     from mcore_rl.errors import McoreRLError
 
-    priority = lower_priority()
     quiet_third_party(0)
     try:
         import torch
 
-        torch.set_num_threads(args.threads)
-        from mcore_rl.checkpoint.hf_export import export_step
+        from mcore_rl.checkpoint.hf_export import check_role_dir, export_step
 
-        result = export_step(args.role_dir, _spec(args), args.step)
+        spec = _spec(args)
+        check_role_dir(args.role_dir, args.step)
+        from mcore_rl.checkpoint.child_process import lower_priority
+
+        priority = lower_priority()
+        torch.set_num_threads(args.threads)
+        result = export_step(args.role_dir, spec, args.step)
     except McoreRLError as e:
         print(error_line(e), file=sys.stderr, flush=True)
         return 2
