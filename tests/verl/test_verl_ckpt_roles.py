@@ -10,6 +10,9 @@ bit-exactly, saves step 2 (clearing W1's leftover first), then step 3's two part
 before verl's data.pt/tracker; W3 resumes step 2, finds step 3's leftovers stale, saves 3 and 4
 and checks per-role retention (actor 2, critic 1) and the refusal to overwrite a sealed step.
 ``test_two_nodes_node_local`` runs one world on two simulated nodes with node-local disks.
+``test_hf_export_failure_is_raised_at_the_next_save`` saves an actor with ``hf_model``: its
+background export (``verl_exports``), a killed exporter's failure at the next save, the export
+of the step after it equal to ``mcore_to_hf.py merge``.
 """
 from __future__ import annotations
 
@@ -266,6 +269,71 @@ def test_async_save_is_refused():
     check_checkpoint_config(CheckpointConfig())
     with pytest.raises(VerlConfigError, match="async_save=True"):
         check_checkpoint_config(CheckpointConfig(async_save=True))
+
+
+# ---- hf_model: the background export of a role part -------------------------------------------------
+def _drained(timeout_s: float = 120.0) -> None:
+    """Waits until this process's export queue is idle, leaving its failures to the next save."""
+    import time
+
+    from mcore_rl.integrations.verl import verl_exports
+
+    queue, deadline = verl_exports.existing_queue(), time.monotonic() + timeout_s
+    while queue is not None and queue.busy() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    torch.distributed.barrier()
+
+
+def export_world(actor_dir: str, root: str) -> dict:
+    """An actor with ``hf_model`` (DP=2, shared root: rank 0 exports): step 1's exporter killed
+    (the fault point at its merge phase), the failure raised by step 2's save on every rank,
+    step 2 saved again and exported."""
+    from verl.trainer.config.config import CheckpointConfig
+
+    from mcore_rl.checkpoint import hf_export_record
+    from tests.verl import rl_bodies as B
+
+    B._env()
+    actor = B._verl_worker("language_model", actor_dir, {}, False, 10)
+    actor.engine.checkpoint_config = CheckpointConfig(save_contents=["model", "optimizer", "extra", "hf_model"])
+    step = lambda n: os.path.join(root, f"global_step_{n}")  # noqa: E731
+
+    def save(n: int) -> None:
+        actor.save_checkpoint(os.path.join(step(n), "actor"), None, n, max_ckpt_to_keep=None)
+
+    def driver(n: int) -> None:
+        if torch.distributed.get_rank() == 0:
+            torch.save({"dataloader_step": n}, os.path.join(step(n), "data.pt"))
+            with open(os.path.join(root, TRACKER), "w") as f:
+                f.write(str(n))
+        torch.distributed.barrier()
+
+    _train({"actor": actor}, 1)
+    os.environ["MCORE_RL_CKPT_FAULT"] = "hf_export_merge"  # the exporter (a child: it inherits it) dies
+    save(1)
+    driver(1)
+    _drained()
+    del os.environ["MCORE_RL_CKPT_FAULT"]
+    _train({"actor": actor}, 2)
+    failed = _error(lambda: save(2))
+    save(2)
+    driver(2)
+    _drained()
+    return {"failed": failed, "state1": hf_export_record.export_state(os.path.join(step(1), "actor")),
+            "step2": sorted(os.listdir(step(2)))}
+
+
+def test_hf_export_failure_is_raised_at_the_next_save(models, tmp_path):
+    from tests.verl.export_checks import assert_exported
+
+    root = str(tmp_path / "ckpt")
+    res = run_ranks(2, export_world, models[0], root, daemon=False)
+    for r in res:  # every rank: the step, the role, the node and the exporter's fate
+        assert "HF export of step 1 role actor on node 0 failed" in r["failed"], r["failed"]
+        assert "killed by signal 9" in r["failed"], r["failed"]
+    assert res[0]["state1"] == "partial"  # its staging dir: cleaned by the next start, never read
+    assert res[0]["step2"] == ["actor", "data.pt"], res[0]["step2"]  # no staging dir left beside the part
+    assert_exported(os.path.join(root, "global_step_2", "actor"), 2)
 
 
 # ---- two simulated nodes with node-local disks -----------------------------------------------------

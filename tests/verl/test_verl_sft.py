@@ -1,5 +1,6 @@
 """verl's own SFT trainer (``python -m verl.trainer.sft_trainer`` under torchrun, no Ray) drives
-mcore_rl on CPU: the loss falls, verl saves through our engine, a rerun resumes exactly, and other
+mcore_rl on CPU: the loss falls, verl saves through our engine (with ``hf_model``: the HF weights
+exported in the background into ``actor/model/huggingface/``), a rerun resumes exactly, and other
 layouts and micro-batchings compute the same losses as DP=2 with padded rows: TP=2 + SP with
 packed rows in dynamic micro-batches, PP=2 with padded rows in micro-batches of 1 (each differs
 from the reference in both, so a fault in either shows)."""
@@ -16,6 +17,7 @@ import pytest
 
 pytest.importorskip("verl")
 
+from tests.verl.export_checks import assert_exported, engine_log_prob_gap  # noqa: E402
 from tests.verl.verl_fixtures import save_sft_parquet, save_tiny_model  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,14 +31,15 @@ def inputs(tmp_path_factory):
 
 
 PADDED = "model.use_remove_padding=False"
+HF_MODEL = "checkpoint.save_contents=[model,optimizer,extra,hf_model]"
 
 
 @pytest.fixture(scope="module")
 def dp_padded(inputs, tmp_path_factory) -> tuple[list[tuple[float, float]], str]:
-    """3 steps at DP=2 without remove-padding, saving step 3: the reference for the other layouts
-    and the first run of the resume test; (losses and grad norms, checkpoint dir)."""
+    """3 steps at DP=2 without remove-padding, saving step 3 with its HF weights: the reference
+    for the other layouts and the first run of the resume test; (losses and grad norms, checkpoint dir)."""
     root = str(tmp_path_factory.mktemp("dp") / "ckpt")
-    return sft(inputs, root, 3, PADDED), root
+    return sft(inputs, root, 3, PADDED, HF_MODEL), root
 
 
 def sft(inputs: dict, ckpt: str, steps: int, *overrides: str) -> list[tuple[float, float]]:
@@ -70,6 +73,12 @@ def test_sft_trainer_trains_saves_and_resumes_exactly(inputs, dp_padded, tmp_pat
     assert (step / "actor" / "PART").is_file() and (step / "actor" / "mcore_rl.json").is_file()
     assert (step / "data_0.pt").is_file() and not (step / "COMPLETE").exists()
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # hf_model: exported in the background from the written part; the trainer's last save waited
+    # for it. The weights equal mcore_to_hf.py merge of the part, and transformers computes from
+    # them the log-probs of mcore_rl's engine loaded from the part (fp32 both)
+    assert_exported(str(step / "actor"), 3)
+    gap = engine_log_prob_gap(str(step / "actor"))
+    assert gap["gap"] <= 1e-5 and gap["tokens"] > 50, gap
     resumed = sft(inputs, str(root), 6, PADDED)
     assert resumed == straight[3:], (resumed, straight)  # steps 4..6, bit for bit
     assert sorted(os.listdir(root)) == ["global_step_3", "global_step_6", "latest_checkpointed_iteration.txt"]
