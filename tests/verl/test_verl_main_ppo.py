@@ -7,7 +7,11 @@ Launches share one Ray head (tests/verl/main_ppo_runner.py). What each asserts:
 - GRPO at TP=2, written as a verl Megatron script (MEGATRON_SCRIPT: only model_engine,
   rollout.name and the search path change): non-zero grad norm at every step, and verl's
   rollout-vs-trainer mismatch metrics within 1e-4 at every step; a control launch without weight
-  sync exceeds that bound (the policy moves by far more than 1e-4 per step).
+  sync exceeds that bound (the policy moves by far more than 1e-4 per step). Its last step is
+  saved with ``hf_model``: the actor's HF weights exported in the background into
+  ``global_step_2/actor/model/huggingface/`` (the last save waits for them), equal to
+  ``mcore_to_hf.py merge`` of the part, transformers' log-probs from them equal to those of
+  mcore_rl's engine loaded from the part (fp32).
 - GRPO with LoRA (verl's Megatron keys ``model.lora.*`` added to that script, merged weight
   sync) and PPO with a LoRA actor (adapter-only sync) and a LoRA critic (GAE): see the tests.
 """
@@ -21,6 +25,7 @@ import pytest
 
 pytest.importorskip("verl")
 
+from tests.verl.export_checks import assert_exported, engine_log_prob_gap  # noqa: E402
 from tests.verl.lora_checks import assert_adapter_only, base_mismatches, same_trained_tensors  # noqa: E402
 from tests.verl.main_ppo_runner import RayHead, launch  # noqa: E402
 from tests.verl.ppo_fixtures import REWARD_FILE, save_arithmetic_parquet, save_chat_model  # noqa: E402
@@ -94,12 +99,17 @@ def assert_every_step_trains_on_policy(run, steps: int) -> None:
 
 def test_grpo_from_a_verl_megatron_script_at_tp2_stays_on_policy(head, inputs, tmp_path):
     run = launch(head, str(tmp_path), [*migrated(MEGATRON_SCRIPT), *common(inputs, 2), "trainer.save_freq=2",
+                                        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
                                         f"trainer.default_local_dir={tmp_path / 'ckpt'}"])
     assert_every_step_trains_on_policy(run, 2)  # step 2 samples from the weights synced after step 1
     assert all(len(run.generations[s]) == 32 for s in (1, 2))  # 8 prompts x 4 samples per step
     with open(tmp_path / "ckpt" / "global_step_2" / "actor" / "mcore_rl.json") as f:
         layout = json.load(f)["layout"]
     assert (layout["tp"], layout["pp"]) == (2, 1), layout  # the megatron.* keys reached the engine
+    actor = str(tmp_path / "ckpt" / "global_step_2" / "actor")
+    assert_exported(actor, 2)  # the TP=2 part's HF weights, as merge writes them
+    gap = engine_log_prob_gap(actor)
+    assert gap["gap"] <= 1e-5 and gap["tokens"] > 50, gap
     scores = [sum(g["score"] for g in run.generations[s]) / 32 for s in (1, 2)]
     assert len(set(scores)) == 2 and all(0 < s < 1 for s in scores), scores  # shaped: partial credit varies
 

@@ -96,9 +96,11 @@ def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> 
     if engine.engine.optimizer is None:  # a frozen model (forward_only): weights only
         save, load = ("model",), ("model",)
     # the per-save manager's close() does not wait for the exports: they run on in the process's queue
+    e = engine.engine_config
     cfg = CheckpointConfig(root=root, max_ckpt_to_keep=max_ckpt_to_keep or None, save_contents=save,
-                           load_contents=load, verify_content=engine.engine_config.verify_content,
-                           optimizer_sharding=engine.engine_config.optimizer_sharding, hf_export_wait_at_close=False)
+                           load_contents=load, verify_content=e.verify_content, optimizer_sharding=e.optimizer_sharding,
+                           hf_dtype=e.hf_dtype, hf_export_threads=e.hf_export_threads,
+                           hf_export_supersede=e.hf_export_supersede, hf_export_wait_at_close=False)
     if "hf_model" in save:
         queue = (verl_exports.process_queue(cfg.hf_export_threads, cfg.hf_export_supersede) if contents == "save"
                  else verl_exports.existing_queue())
