@@ -47,7 +47,8 @@ PART_FORMAT = 1
 # a background HF export's staging dir beside a part (``hf_export_record.staging_dir``:
 # ``.<role>.hf_export``) and merge's own staging/replaced dirs of it: never a part nor a
 # trainer's file, removed with the part
-_EXPORT_STAGING = re.compile(r"\.(?P<a>[^/.][^/]*?)\.hf_export|\.\.(?P<b>[^/.][^/]*?)\.hf_export\.(staging|replaced)-[0-9a-f]{12}")
+_EXPORT_STAGING = re.compile(r"\.(?P<a>[^/.][^/]*?)\.hf_export"
+                             r"|\.\.(?P<b>[^/.][^/]*?)\.hf_export\.(staging|replaced)-[0-9a-f-]+")
 
 
 def export_staging(name: str, role: str | None = None) -> bool:
