@@ -292,20 +292,25 @@ def _offline_merge(local_dir: str, target: str) -> dict:
 
 
 def _critic_leg(hf_critic: str, tmp: str) -> dict:
-    """A LoRA critic (value head trained in full) saved with its merged HF export, resumed."""
-    from mcore_rl.mapping.hf_io import SafetensorsReader
-    from mcore_rl.models.hf_weights import export_hf
+    """A LoRA critic (value head trained in full) saved (a save with hf_model refused), merged
+    offline, resumed."""
+    from mcore_rl.errors import CheckpointError
     from mcore_rl.lora.layers import merged_tensor_of
+    from mcore_rl.models.hf_weights import export_hf
 
     root = f"{tmp}/critic"
     engine, critic = build(hf_critic, {}, seed=1, role="critic")
     train(critic, range(1))
-    manager(root, save_contents=("model", "optimizer", "extra", "hf_model")).save(1, {"critic": engine}, {"step": 1})
+    try:  # hf_model: the background export does not merge adapters; refused before anything is written
+        manager(f"{root}_hf", save_contents=("model", "optimizer", "extra", "hf_model")).save(1, {"critic": engine}, {})
+        refused = None
+    except CheckpointError as e:
+        refused = str(e)
+    manager(root).save(1, {"critic": engine}, {"step": 1})
     out = {"at_save": {"adapters": adapters_full(engine), "base": base_full(engine)},
            "merged": {k: v.clone() for k, v in export_hf(engine.model, engine.args, "critic",
-                                                           merged_tensor_of(engine.model)).items()}}
-    exported = SafetensorsReader(f"{root}/global_step_1/critic/huggingface")
-    out["exported"] = {k: exported[k] for k in exported}
+                                                           merged_tensor_of(engine.model)).items()},
+           "refused": refused, "hf_root": os.listdir(f"{root}_hf") if os.path.isdir(f"{root}_hf") else []}
     out["keys"] = _saved(f"{root}/global_step_1", "critic")[0]
     out["offline"] = _offline_merge(f"{root}/global_step_1/critic", f"{tmp}/critic_merged")
     destroy()

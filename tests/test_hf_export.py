@@ -1,11 +1,11 @@
-"""The background HF export's core (checkpoint/hf_export*.py): a step whose config.json the save
-wrote with ``write_export_config`` exports into its HF dir the bytes ``mcore_to_hf.py merge``
-writes (fp32 with shards + index, bf16, FP8 from an FP8-sourced model, a critic started from a
-causal-LM config; MXFP4's config); its record makes it complete, a short, missing or (verified)
-damaged file makes it partial; a partial export left in the HF dir changes nothing a merge writes;
-the worker killed at each phase leaves a partial export transformers never half-loads, which
-``clean_partial`` and a rerun make complete; the worker runs niced and at idle IO priority and
-refuses bad input in one line.
+"""The background HF export's core (checkpoint/hf_export*.py, conversion/hf_export_step.py and the
+worker): a step whose config.json the save wrote with ``write_export_config`` exports into its HF
+dir the bytes ``mcore_to_hf.py merge`` writes (fp32 with shards + index, bf16, FP8 from an
+FP8-sourced model, a critic started from a causal-LM config; MXFP4's config); its record makes it
+complete, a short, missing or (verified) damaged file makes it partial; a partial export left in
+the HF dir changes nothing a merge writes; the worker killed at each phase leaves a partial
+export transformers never half-loads, which ``clean_partial`` and a rerun make complete; the
+worker runs niced and at idle IO priority and refuses bad input in one line.
 
 Steps here are converter outputs placed as ``global_step_N/<role>`` with a ``COMPLETE`` marker
 recording their files (what a CheckpointManager step is to every reader): no engine is built.
@@ -40,7 +40,7 @@ def _convert(jobs: list[tuple[str, str, str | None]]) -> None:
 @pytest.fixture(scope="module")
 def conv(tmp_path_factory):
     """name -> converter output: a tiny llama in fp32, a tiny llama critic, an FP8-sourced llama
-    (block FP8, other tensors bf16: converted with the FP8 record), a tiny gpt-oss (bf16)."""
+    (block FP8, other tensors bf16: converted with the FP8 record), a tiny gpt-oss (bf16, no record)."""
     from tests.test_fp8_import import write_fp8
 
     base = str(tmp_path_factory.mktemp("hf_export"))
@@ -50,7 +50,9 @@ def conv(tmp_path_factory):
     tiny_hf_model(tiny_config("llama", num_hidden_layers=2), seed=3).save_pretrained(hf["src_fp8"])
     hf["fp8"] = os.path.join(base, "hf_fp8")
     write_fp8(hf["src_fp8"], hf["fp8"], os.path.join(base, "ref_fp8"), "llama", FP8_QUANT, "block", torch.float32)
-    tiny_hf_model(tiny_config("gpt_oss", num_hidden_layers=2)).to(torch.bfloat16).save_pretrained(hf["gpt_oss"])
+    # hidden 48, expert ffn 40: no whole MXFP4 blocks, so merge --dtype mxfp4 writes the experts bf16 and lists them
+    tiny_hf_model(tiny_config("gpt_oss", num_hidden_layers=2, hidden_size=48, intermediate_size=40)).to(
+        torch.bfloat16).save_pretrained(hf["gpt_oss"])
     out = {n: os.path.join(base, f"conv_{n}") for n in ("llama", "critic", "fp8", "gpt_oss")}
     run_ranks(1, _convert, [(hf[n], out[n], "fp32" if n in ("llama", "critic") else None) for n in out],
               daemon=False)
@@ -116,7 +118,7 @@ CASES = {  # name -> (converter output, role, spec kwargs, config.json taken fro
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_export_equals_merge_byte_for_byte(conv, tmp_path, name):
-    from mcore_rl.checkpoint.hf_export import export_step
+    from mcore_rl.conversion.hf_export_step import export_step
     from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of, staging_dir
     from mcore_rl.fileio.output_dir import EXPORT_RECORD
 
@@ -165,6 +167,9 @@ def test_write_export_config_equals_merge_and_is_idempotent(conv, tmp_path):
         params = torch.float32 if source == "llama" else torch.bfloat16
         write_export_config(role_dir, "actor", spec, params)
         assert open(config, "rb").read() == open(os.path.join(ref, "config.json"), "rb").read(), kw
+        if source == "gpt_oss":  # the experts modules merge writes unquantized, from the shapes alone
+            assert json.load(open(config))["quantization_config"]["modules_to_not_convert"][-2:] == [
+                "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert json.load(open(config))["dtype"] == "float16"
     with pytest.raises(ExportError, match="says role 'actor', not 'critic'"):
         write_export_config(role_dir, "critic", spec, torch.float32)
@@ -178,7 +183,8 @@ def test_write_export_config_equals_merge_and_is_idempotent(conv, tmp_path):
 def test_step_saved_without_the_export_config_is_refused_unchanged(conv, tmp_path):
     """A step whose config.json is the run's (not written by write_export_config for this dtype):
     the staged config differs, the export stops naming it, nothing is moved or left."""
-    from mcore_rl.checkpoint.hf_export import ExportError, export_step
+    from mcore_rl.checkpoint.hf_export import ExportError
+    from mcore_rl.conversion.hf_export_step import export_step
     from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of
 
     for i, (saved, asked) in enumerate([(None, _spec()), (_spec(), _spec(dtype="bf16"))]):
@@ -221,7 +227,8 @@ def test_partial_export_in_the_hf_dir_changes_nothing_merge_writes(conv, tmp_pat
 
 
 def test_record_of_a_missing_short_or_damaged_file_is_partial(conv, tmp_path):
-    from mcore_rl.checkpoint.hf_export import ExportError, export_step
+    from mcore_rl.checkpoint.hf_export import ExportError
+    from mcore_rl.conversion.hf_export_step import export_step
     from mcore_rl.checkpoint.hf_export_record import clean_partial, export_state, hf_dir_of
     from mcore_rl.fileio.output_dir import EXPORT_RECORD
 
@@ -253,7 +260,7 @@ def test_record_of_a_missing_short_or_damaged_file_is_partial(conv, tmp_path):
 
 
 def _worker(role_dir: str, *args: str, env: dict | None = None, wait: bool = True):
-    cmd = [sys.executable, "-m", "mcore_rl.checkpoint.hf_export_worker", "--role_dir", role_dir, *args]
+    cmd = [sys.executable, "-m", "mcore_rl.conversion.hf_export_worker", "--role_dir", role_dir, *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
@@ -282,7 +289,7 @@ def _loads_complete_or_fails(hf: str, ref: str) -> str:
 
 @pytest.mark.parametrize("phase", ["merge", "move", "record"])
 def test_worker_killed_at_each_phase_then_cleaned_and_rerun(conv, tmp_path, phase):
-    from mcore_rl.checkpoint.hf_export import export_step
+    from mcore_rl.conversion.hf_export_step import export_step
     from mcore_rl.checkpoint.hf_export_record import INDEX, clean_partial, export_state, hf_dir_of
 
     spec = _spec(max_shard_size="40KB")
@@ -336,7 +343,7 @@ def test_worker_runs_niced_at_idle_io_priority(conv, tmp_path):
 def test_worker_refuses_in_one_line(conv, tmp_path, capsys, monkeypatch):
     """Bad input: one ``error:`` line, exit 2, checked before the worker lowers its priority
     (in-process here: this process keeps its nice value); as ``python -m``: no traceback."""
-    from mcore_rl.checkpoint.hf_export_worker import main
+    from mcore_rl.conversion.hf_export_worker import main
 
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # main sets them for the export's threads
         monkeypatch.setenv(name, os.environ.get(name, "1"))
@@ -361,3 +368,57 @@ def test_worker_refuses_in_one_line(conv, tmp_path, capsys, monkeypatch):
     rc, out, err = _worker(role_dir, "--step", "1", "--dtpye", "bf16")
     assert rc == 2 and err == "error: hf_export_worker: unrecognized arguments: --dtpye bf16 (see hf_export_worker " \
         "--help)\n", err
+
+
+def test_inline_weights_of_an_older_step_are_complete_as_they_are(conv, tmp_path):
+    """A step written before background exports records its HF weights itself: ``inline``, never
+    exported over, and clean_partial removes none of them."""
+    from mcore_rl.checkpoint.hf_export import ExportError
+    from mcore_rl.checkpoint.hf_export_record import clean_partial, export_state
+    from mcore_rl.conversion.hf_export_step import export_step
+
+    ref = _merge(make_step(conv["llama"], str(tmp_path / "plain")), str(tmp_path / "ref"), _spec())
+    conv_copy = str(tmp_path / "conv_inline")
+    shutil.copytree(conv["llama"], conv_copy)
+    shutil.copyfile(os.path.join(ref, "model.safetensors"), os.path.join(conv_copy, "huggingface", "model.safetensors"))
+    role_dir = make_step(conv_copy, str(tmp_path / "run"))
+    assert export_state(role_dir) == "inline" and clean_partial(role_dir) == []
+    with pytest.raises(ExportError, match="is inline .* the step holds its HF weights itself; nothing to export"):
+        export_step(role_dir, _spec(), 1)
+
+
+def test_worker_fp8_options_make_the_spec():
+    from mcore_rl.checkpoint.hf_export import ExportSpec
+    from mcore_rl.conversion.hf_export_worker import _parser, _spec
+    from mcore_rl.mapping.fp8_quant import BlockFp8
+
+    args = _parser().parse_args(["--role_dir", "d", "--step", "3", "--dtype", "fp8", "--fp8_block_size", "64", "32",
+                                 "--scale_fmt", "ue8m0", "--max_shard_size", "1GB"])
+    assert _spec(args) == ExportSpec("fp8", "1GB", BlockFp8((64, 32), "ue8m0"))
+    assert _spec(_parser().parse_args(["--role_dir", "d", "--step", "3", "--dtype", "fp8"])).fp8 == BlockFp8()
+
+
+def test_child_dies_with_its_parent(tmp_path):
+    """``die_with_parent_preexec`` as Popen's preexec_fn: SIGKILL of the parent takes the child."""
+    code = ("import subprocess, sys\n"
+            "from mcore_rl.checkpoint.child_process import die_with_parent_preexec\n"
+            "child = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent_preexec())\n"
+            "print(child.pid, flush=True)\n"
+            "child.wait()\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert open(f"/proc/{child}/cmdline").read().startswith("sleep")
+    parent.kill()
+    parent.wait()
+    for _ in range(500):
+        try:
+            state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":  # killed, not yet reaped by init
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"the child {child} outlived its parent")

@@ -24,6 +24,7 @@ from functools import partial
 import torch
 
 from mcore_rl.checkpoint import hf_export, hf_export_record, storage
+from mcore_rl.checkpoint.adapters import is_lora
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes, gather_errors
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.checkpoint.export_queue import ExportFailure, ExportQueue
@@ -50,6 +51,18 @@ class ManagerExports:
         """What the exports write: ``hf_dtype`` (fp8: 128x128 blocks, float scales, as ``merge --dtype fp8``)."""
         fp8 = BlockFp8() if self.cfg.hf_dtype == "fp8" else None
         return hf_export.ExportSpec(dtype=self.cfg.hf_dtype, max_shard_size=self.cfg.hf_max_shard_size, fp8=fp8)
+
+    def check_engines(self, engines: dict) -> None:
+        """Refuses (before anything is written) a save with ``hf_model`` of a LoRA engine: its
+        steps hold adapters only, whose HF weights are base + adapters, which the background
+        export does not write (``hf_export``)."""
+        lora = sorted(role for role, engine in engines.items() if self.enabled and is_lora(engine))
+        if lora:
+            raise CheckpointError(
+                f"checkpoint.save_contents holds 'hf_model', but role(s) {lora} train LoRA adapters: their steps hold "
+                "the adapters only, and the background HF export does not merge them into the base. Drop 'hf_model' "
+                "and write a step's merged HF model with `python converters/mcore_to_hf.py merge "
+                "<step dir>/<role> <output dir>` (it merges the adapters into their recorded base).")
 
     # ---- local, non-blocking ---------------------------------------------------------------
     def collect(self) -> None:

@@ -1,6 +1,6 @@
 """The completeness record of a background HF export, and what an export left in a role's HF dir.
 
-A background export (``hf_export.export_step``) adds the HF weight files (``model*.safetensors``
+A background export (``conversion/hf_export_step.export_step``) adds the HF weight files (``model*.safetensors``
 and the index) to a role's HF dir (``model_layout.layout_of(role_dir).hf_dir``) and, last,
 ``mcore_rl_export.json``::
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mcore_rl.checkpoint import model_record, storage
-from mcore_rl.conversion.merge_io import export_file
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.checksum import UnknownChecksumError, file_checksum
 from mcore_rl.fileio.files import fsync_path
 from mcore_rl.fileio.model_layout import layout_of
 from mcore_rl.fileio.output_dir import EXPORT_RECORD
+from mcore_rl.fileio.output_dir import is_export_file as export_file
 from mcore_rl.fileio.staging import settle
 
 WRITER = "background export"

@@ -120,6 +120,7 @@ class CheckpointManager:
         raised here, on every rank, before anything is written."""
         self.wait()
         self._exports.raise_failures(f"the save of step {step}")
+        self._exports.check_engines(engines)
         pending = self._prepare(step)
         requests = self._write(pending, self._snapshot(engines), engines, trainer_state)
         finish = partial(self._finish, pending)

@@ -1,4 +1,4 @@
-"""The background HF exporter as a process: ``python -m mcore_rl.checkpoint.hf_export_worker
+"""The background HF exporter as a process: ``python -m mcore_rl.conversion.hf_export_worker
 --role_dir global_step_N/<role> --step N [--dtype X] [--max_shard_size S] [--threads T]
 [--fp8_block_size R [C]] [--scale_fmt F]``.
 
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from mcore_rl.entry import OneLineParser
+from mcore_rl.errors import OneLineParser
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8", "mxfp4")
 
@@ -63,14 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     threads = str(args.threads)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch starts its pools
         os.environ[name] = threads
-    from mcore_rl.entry import error_line, quiet_third_party
-    from mcore_rl.errors import McoreRLError
+    from mcore_rl.errors import McoreRLError, error_line
 
-    quiet_third_party(0)
     try:
         import torch
 
-        from mcore_rl.checkpoint.hf_export import check_role_dir, export_step
+        from mcore_rl.checkpoint.hf_export import check_role_dir
+        from mcore_rl.conversion.hf_export_step import export_step
 
         spec = _spec(args)
         check_role_dir(args.role_dir, args.step)
