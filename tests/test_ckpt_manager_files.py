@@ -17,6 +17,10 @@
   runs (its marker files do not exist). After planting, the step's COMPLETE marker is rewritten
   to the planted files' sizes and checksums (an attacker who rewrote the marker too), so the
   manager's own file checks pass and the unpickler is what refuses.
+- ``layout=VERL_V2`` (verl's trainers): the same engine saved into ``actor/model/dist_ckpt/`` +
+  ``actor/model/huggingface/`` with verl's ``ckpt_contents.json`` (schema 2, every path present),
+  ``mcore_rl.json`` saying so (schema 3); ``manager.resume`` (content verified item by item) and
+  ``load_model_dir`` bring the engine back bit for bit after another update.
 """
 from __future__ import annotations
 
@@ -50,7 +54,9 @@ def _manager(root: str, exports=None, **kw):
     from mcore_rl.checkpoint.config import CheckpointConfig
     from mcore_rl.checkpoint.manager import CheckpointManager
 
-    return CheckpointManager(CheckpointConfig(root=root, **kw), hf_sources={"actor": _config()}, exports=exports)
+    layout = kw.pop("layout", None)
+    return CheckpointManager(CheckpointConfig(root=root, **kw), hf_sources={"actor": _config()}, exports=exports,
+                             **({"layout": layout} if layout else {}))
 
 
 def _resume_planted(eng, base: str, step_dir: str, name: str) -> dict:
@@ -150,6 +156,52 @@ def _save_then_attack(base: str) -> dict:
         out = _export_in_background(eng, base)
         for name in PLANTS:
             out[name] = _resume_planted(eng, base, out["step_dir"], name)
+        out["verl_v2"] = _verl_v2_roundtrip(eng, base)
+    return out
+
+
+def _state(eng, model_only: bool = False) -> list[torch.Tensor]:
+    """This rank's parameters (and, unless ``model_only``, its optimizer state)."""
+    from tests.ckpt_bodies import optimizer_fingerprint
+
+    params = [p.detach().clone() for p in eng.model[0].parameters()]
+    return params if model_only else params + list(optimizer_fingerprint(eng).values())
+
+
+def _differ(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
+    assert len(a) == len(b)
+    return sum(not torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _verl_v2_roundtrip(eng, base: str) -> dict:
+    """Save in verl's layout, update, resume; update, load_model_dir: what differs each time."""
+    from mcore_rl.checkpoint.contents_manifest import check
+    from mcore_rl.checkpoint.inventory import read_marker
+    from mcore_rl.checkpoint.model_dir import load_model_dir
+    from mcore_rl.fileio.model_layout import VERL_V2, layout_of
+
+    root = os.path.join(base, "verl_v2")
+    manager = _manager(root, save_contents=("model", "optimizer", "extra"), layout=VERL_V2)
+    role_dir = os.path.join(manager.save(1, {"actor": eng}, {"step": 1}), "actor")
+    saved = _state(eng)
+    out = {"entries": sorted(os.listdir(role_dir)), "model": sorted(os.listdir(os.path.join(role_dir, "model"))),
+           "layout": layout_of(role_dir).name, "manifest": check(VERL_V2, role_dir)["contents"]}
+    with open(os.path.join(role_dir, "mcore_rl.json")) as f:
+        out["schema"] = json.load(f)["schema_version"]
+    with open(os.path.join(os.path.dirname(role_dir), "COMPLETE")) as f:
+        files = json.load(f)["files"]  # the marker vouches for the manifest and both trees
+    out["recorded"] = sorted(rel for rel in files if "/model/" not in rel)
+    out["inner"] = sorted({rel.split("/")[2] for rel in files if rel.startswith("actor/model/")})
+    step_dir = os.path.dirname(role_dir)  # the resume checks the shards item by item as it reads them:
+    in_read = _manager(root)._verify_content(step_dir, read_marker(os.path.join(step_dir, "COMPLETE")), ["actor"])
+    out["in_read"] = in_read["actor"][2] if "actor" in in_read else None  # the dist dir it reads so
+    train_step(eng, 1)
+    moved = _differ(_state(eng), saved)
+    _manager(root).resume({"actor": eng})  # verify_content (default): every item checked as it is read
+    out["resumed"] = (moved, _differ(_state(eng), saved))
+    train_step(eng, 2)
+    load_model_dir(role_dir, eng)
+    out["loaded"] = _differ(_state(eng, model_only=True), saved[:len(_state(eng, model_only=True))])
     return out
 
 
@@ -278,3 +330,20 @@ def test_manager_resume_refuses_planted_pickles(saved, name, file):
     if name == "payload":  # refused before any engine is loaded, the same error on every rank
         assert "rng_state/shard_0_2" in saved[0][name]["error"], saved[0][name]["error"]
         assert saved[0][name]["error"] == saved[1][name]["error"]
+
+
+def test_verl_v2_layout_saves_resumes_and_loads(saved):
+    for rank, r in enumerate(saved):
+        v2 = r["verl_v2"]
+        assert v2["entries"] == ["ckpt_contents.json", "mcore_rl.json", "model"] and v2["model"] == [
+            "dist_ckpt", "huggingface"], (rank, v2)
+        assert (v2["layout"], v2["schema"]) == ("verl_v2", 3)
+        assert v2["recorded"] == ["actor/ckpt_contents.json", "actor/mcore_rl.json", "trainer_state.json"], v2
+        assert v2["inner"] == ["dist_ckpt", "huggingface"], v2["inner"]
+        assert v2["in_read"] == "actor/model/dist_ckpt", v2["in_read"]
+        assert {k: e["path"] for k, e in v2["manifest"].items()} == {
+            "model": "model/dist_ckpt", "optimizer": "model/dist_ckpt", "lr_scheduler": "model/dist_ckpt",
+            "rng_state": "model/dist_ckpt", "hf_config": "model/huggingface"}, v2["manifest"]
+        moved, after_resume = v2["resumed"]
+        assert moved > 0 and after_resume == 0, (rank, v2["resumed"])  # the update moved them; resume restored all
+        assert v2["loaded"] == 0, (rank, v2["loaded"])  # load_model_dir: the model weights

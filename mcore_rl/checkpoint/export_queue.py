@@ -2,7 +2,7 @@
 
 One process per node that holds a complete copy of the steps runs the exports: global rank 0 on
 a shared root, each node's leader on node-local disks (``storage.is_writer``). An export is a
-subprocess, ``python -m mcore_rl.checkpoint.hf_export_worker`` (``hf_export.export_step``: the
+subprocess, ``python -m mcore_rl.conversion.hf_export_worker`` (``hf_export.export_step``: the
 ``mcore_to_hf.py merge`` path into a staging dir, moved into the step's HF dir, its record
 last), started after its step is complete. It dies with the process that started it
 (``PR_SET_PDEATHSIG``); it lowers its own CPU and I/O priority and runs ``threads`` torch /
@@ -35,7 +35,7 @@ from mcore_rl.checkpoint.child_process import die_with_parent_preexec
 
 log = logging.getLogger("mcore_rl.checkpoint")
 
-WORKER = "mcore_rl.checkpoint.hf_export_worker"
+WORKER = "mcore_rl.conversion.hf_export_worker"
 _ERROR_TAIL = 64 * 1024  # bytes of the exporter's output read back for its error line
 
 

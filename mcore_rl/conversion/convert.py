@@ -33,6 +33,7 @@ from mcore_rl.conversion.convert_input import (HF_DTYPE_NAMES, ConvertError, Dty
 from mcore_rl.conversion.merge_fp8 import STORED_KEY
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META, copy_hf_files, peak_rss_mb, process_age_s
+from mcore_rl.fileio.model_layout import MCORE_RL  # a converter writes the mcore_rl layout
 from mcore_rl.fileio.staging import Staging, StagingError
 from mcore_rl.checkpoint.state import build_metadata
 from mcore_rl.checkpoint.writer import ItemSaveStrategy, plan_item_save
@@ -241,7 +242,7 @@ def _stage_output(final: str) -> Staging:
                            f"created in {os.path.dirname(stage.final)}; the output must be on a filesystem all "
                            "ranks share (not a node-local disk).")
     if mine is not None:
-        os.mkdir(os.path.join(stage.path, "dist_ckpt"))
+        os.mkdir(MCORE_RL.dist_dir(stage.path))
     torch.distributed.barrier()
     return stage
 
@@ -343,14 +344,14 @@ def convert(opts: ConvertOptions, progress: bool = True) -> Summary:
             from tqdm import tqdm
 
             resolver.bar = tqdm(total=0, unit="tensor", desc="hf_to_mcore")
-        _save(chunks, resolver, os.path.join(stage.path, "dist_ckpt"), opts.output_path)
+        _save(chunks, resolver, MCORE_RL.dist_dir(stage.path), opts.output_path)
         if resolver.nonfinite:  # this rank's parameters; written as they are, said once per rank
             warnings.warn(describe_nonfinite(resolver.nonfinite, opts.hf_model_path), NonFiniteWarning, stacklevel=2)
         check_coverage(resolver, chunks, source, carried)
         if rank0:
-            _hf_side_files(opts.hf_model_path, os.path.join(stage.path, "huggingface"), dtype, reader, carried, args)
+            _hf_side_files(opts.hf_model_path, MCORE_RL.hf_dir(stage.path), dtype, reader, carried, args)
             if role == "actor":  # the MTP layers written (a critic has none)
-                record_mtp_count(os.path.join(stage.path, "huggingface", "config.json"), args, args.mtp_built)
+                record_mtp_count(os.path.join(MCORE_RL.hf_dir(stage.path), "config.json"), args, args.mtp_built)
             facts = SimpleNamespace(args=args, layout=layout, config=chunks[0].config)
             meta = build_metadata(facts, role, ("model",), None)
             if reader.quantized:  # an FP8 / MXFP4 import: merge --dtype fp8 / mxfp4 writes back what was quantized

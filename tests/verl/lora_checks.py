@@ -1,7 +1,8 @@
 """What the ``main_ppo`` LoRA tests read from a run's adapter-only steps (``global_step_N/<role>``
-saved by the mcore_rl engine with ``checkpoint.save_contents`` holding ``hf_model``): the tensors
-the step holds (adapter factors, a critic's value head; never the base) and whether the engine's
-base weights at that step are still the base it started from, bit for bit."""
+saved by the mcore_rl engine): the tensors the step holds (adapter factors, a critic's value head;
+never the base), and whether the engine's log-probs in training are those of the base on disk
+plus the step's adapters (its base untouched). ``hf_model`` is refused for LoRA engines (the
+background export does not merge adapters; ``mcore_to_hf.py merge`` does)."""
 from __future__ import annotations
 
 import json
@@ -34,39 +35,35 @@ def assert_adapter_only(role_dir: str) -> None:
     assert not base and any(ADAPTER in n for n in names), (role_dir, sorted(names))
 
 
-def base_mismatches(role_dir: str, base_dir: str) -> tuple[int, list[str]]:
-    """The engine's own merged export of a LoRA step (the role's HF dir: ``W + s B A``
-    from the engine's in-memory base ``W``) against the base on disk plus the step's saved
-    adapters, added with the engine's arithmetic (fp32 ``(B @ A) * s``, then ``W +``): equal bit
-    for bit exactly when the engine's base at that step is the base it started from. Returns
-    (HF tensors compared, names that differ); tensors the step holds itself (a critic's value
-    head, trained in full) are not base weights and are skipped."""
-    from mcore_rl.conversion.merge_io import canonical_rules, open_model_dir
-    from mcore_rl.conversion.merge_lora import step_tensor
-    from mcore_rl.mapping.hf_io import SafetensorsReader
+def policy_log_prob_gap(role_dir: str, samples: list[dict], temperature: float, with_adapters: bool = True) -> float:
+    """max |log-prob difference| over ``samples``' response tokens between the engine's log-probs
+    recorded in training (``old_log_probs``, tests/verl/recording_dataset.py) and transformers'
+    model of the adapter-only step ``role_dir`` merged onto its base as it is on disk
+    (``mcore_to_hf.py merge``: ``W + s B A``; ``with_adapters=False``: the base alone, a
+    control), logits divided by ``temperature`` as verl computes them. Within rounding exactly
+    when the engine's base at that step is the base it started from, with the step's adapters."""
+    import tempfile
 
-    step = open_model_dir(role_dir)
-    exported, base = SafetensorsReader(step.hf_dir), SafetensorsReader(base_dir)
-    dims = step.args.mapping_dims(step.args.vocab_size)
-    compared, differ = 0, []
-    try:
-        for canonical, hf_names, transform in canonical_rules(step.args, step.role):
-            if step_tensor(step, canonical) is not None:  # trained in full
-                continue
-            pieces = [base[n] for n in hf_names]
-            linear = canonical.removesuffix(".weight")
-            a = step_tensor(step, linear + ".lora.A") if linear != canonical else None
-            if a is not None:
-                b, scale = step_tensor(step, linear + ".lora.B"), step_tensor(step, linear + ".lora.scale")
-                delta = (b @ a) * scale.reshape(-1)[0].to(a.dtype)
-                pieces = [p + d.to(p.dtype) for p, d in zip(pieces, transform.to_hf(delta, dims))]
-            for name, expected in zip(hf_names, pieces):
-                compared += 1
-                if not torch.equal(exported[name], expected):
-                    differ.append(name)
-    finally:
-        step.reader.close()
-    return compared, differ
+    from transformers import AutoModelForCausalLM
+
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.fileio.files import META
+
+    with open(os.path.join(role_dir, META)) as f:
+        base = json.load(f)["lora"]["base"]["path"]
+    with tempfile.TemporaryDirectory(prefix="lora_merged_") as tmp:
+        if with_adapters:
+            merge(role_dir, os.path.join(tmp, "hf"))
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "hf") if with_adapters else base,
+                                                     attn_implementation="eager", dtype=torch.float32).eval()
+    gap = 0.0
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s["prompt"] + s["response"]])
+            logits = model(ids).logits[0].float()[len(s["prompt"]) - 1:-1] / temperature
+            mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s["response"])[:, None])[:, 0]
+            gap = max(gap, float((mine - s["old_log_probs"]).abs().max()))
+    return gap
 
 
 def same_trained_tensors(a_role_dir: str, b_role_dir: str, where: str) -> None:

@@ -1,8 +1,15 @@
 """verl's own SFT trainer (``python -m verl.trainer.sft_trainer`` under torchrun, no Ray) drives
-mcore_rl on CPU: the loss falls, verl saves through our engine, a rerun resumes exactly, and other
+mcore_rl on CPU: the loss falls, verl saves through our engine (with ``hf_model``: the HF weights
+exported in the background into ``actor/model/huggingface/``), a rerun resumes exactly, and other
 layouts and micro-batchings compute the same losses as DP=2 with padded rows: TP=2 + SP with
 packed rows in dynamic micro-batches, PP=2 with padded rows in micro-batches of 1 (each differs
-from the reference in both, so a fault in either shows)."""
+from the reference in both, so a fault in either shows).
+
+The steps are written in verl 0.9.1's checkpoint layout: verl's own path helpers, old-layout
+detector and manifest schema accept them, and verl's merger (on CPU, ``verl_merger_cpu``) writes
+the same weights as ``mcore_to_hf.py merge --dtype bf16`` at TP=1 and TP=2 (tests/verl/layout_checks.py).
+The resumed step is first rewritten in the older layout (``<role>/dist_ckpt/``): it still resumes
+exactly and merges."""
 from __future__ import annotations
 
 import json
@@ -16,6 +23,8 @@ import pytest
 
 pytest.importorskip("verl")
 
+from tests.verl.export_checks import assert_exported, engine_log_prob_gap  # noqa: E402
+from tests.verl.layout_checks import check_verl_reads, to_old_layout, verl_merge, weight_differences  # noqa: E402
 from tests.verl.verl_fixtures import save_sft_parquet, save_tiny_model  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,14 +38,43 @@ def inputs(tmp_path_factory):
 
 
 PADDED = "model.use_remove_padding=False"
+HF_MODEL = "checkpoint.save_contents=[model,optimizer,extra,hf_model]"
 
 
 @pytest.fixture(scope="module")
 def dp_padded(inputs, tmp_path_factory) -> tuple[list[tuple[float, float]], str]:
-    """3 steps at DP=2 without remove-padding, saving step 3: the reference for the other layouts
-    and the first run of the resume test; (losses and grad norms, checkpoint dir)."""
+    """3 steps at DP=2 without remove-padding, saving step 3 with ``hf_model``: the reference for
+    the other layouts and the first run of the resume test; (losses and grad norms, checkpoint
+    dir). Its HF weights were exported in the background from the written part (the trainer's
+    last save waited for them): they equal ``mcore_to_hf.py merge`` of the part, and transformers
+    computes from them the log-probs of mcore_rl's engine loaded from the part (fp32 both). The
+    step is then rewritten as builds before verl's layout wrote it (``to_old_layout``: its HF
+    weights recorded inline, as such builds wrote them), after its merge (``<dir>/v2_merged``):
+    the resume reads it."""
+    from mcore_rl.conversion.merge import merge
+    from mcore_rl.fileio.model_layout import VERL_V2, layout_of
+
     root = str(tmp_path_factory.mktemp("dp") / "ckpt")
-    return sft(inputs, root, 3, PADDED), root
+    losses = sft(inputs, root, 3, PADDED, HF_MODEL)
+    actor = os.path.join(root, "global_step_3", "actor")
+    assert layout_of(actor) is VERL_V2
+    assert_exported(actor, 3)
+    gap = engine_log_prob_gap(actor)
+    assert gap["gap"] <= 1e-5 and gap["tokens"] > 50, gap
+    merge(actor, os.path.join(os.path.dirname(root), "v2_merged"), dtype="bf16")
+    to_old_layout(actor)
+    return losses, root
+
+
+def merged_alike(role_dir: str, tmp: Path) -> None:
+    """verl's megatron merger and ``mcore_to_hf.py merge --dtype bf16`` of ``role_dir`` write the
+    same weights, bit for bit; verl's helpers accept the directory first."""
+    from mcore_rl.conversion.merge import merge
+
+    check_verl_reads(role_dir)
+    verl_merge(role_dir, str(tmp / "verl_merged"))
+    merge(role_dir, str(tmp / "merged"), dtype="bf16")
+    assert weight_differences(str(tmp / "verl_merged"), str(tmp / "merged")) == []
 
 
 def sft(inputs: dict, ckpt: str, steps: int, *overrides: str) -> list[tuple[float, float]]:
@@ -76,6 +114,17 @@ def test_sft_trainer_trains_saves_and_resumes_exactly(inputs, dp_padded, tmp_pat
     sealed = json.loads((step / "COMPLETE").read_text())  # sealed at the resume: the model and verl's files
     assert sealed["roles"] == ["actor"] and {"data_0.pt", "data_1.pt", "actor/PART"} <= set(sealed["files"])
     assert not (root / "global_step_6" / "COMPLETE").exists()  # the newest step, until a resume seals it
+    # step 3 (the older layout) resumed exactly above, and merges; verl's own detector refuses it
+    from verl.utils.checkpoint.megatron_checkpoint_manager import MegatronCheckpointManager
+
+    from mcore_rl.conversion.merge import merge
+
+    assert (step / "actor" / "dist_ckpt").is_dir() and not (step / "actor" / "model").exists()
+    merge(str(step / "actor"), str(tmp_path / "old_merged"), dtype="bf16")
+    assert weight_differences(str(tmp_path / "old_merged"), str(root.parent / "v2_merged")) == []
+    with pytest.raises(RuntimeError, match="deprecated Megatron checkpoint layout"):
+        MegatronCheckpointManager._raise_for_old_layout(str(step / "actor"))
+    merged_alike(str(root / "global_step_6" / "actor"), tmp_path)  # written by the resumed run: TP=1
 
 
 @pytest.mark.parametrize("overrides", [
@@ -90,3 +139,18 @@ def test_sft_trainer_other_layouts_same_losses(inputs, tmp_path, dp_padded, over
     assert len(other) == len(reference) == 3
     for (loss, norm), (ref_loss, ref_norm) in zip(other, reference):
         assert loss == pytest.approx(ref_loss, abs=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5), (other, reference)
+    if "engine.tensor_model_parallel_size=2" in overrides:  # its step 3 holds TP=2 shards
+        merged_alike(str(tmp_path / "other" / "global_step_3" / "actor"), tmp_path)
+
+
+def test_model_path_may_be_a_role_dir_of_either_layout(tmp_path):
+    """verl's ``model.path``: a step's role dir in verl's layout builds from its model/huggingface/."""
+    from mcore_rl.fileio.model_layout import MCORE_RL, VERL_V2
+    from mcore_rl.integrations.verl.verl_checkpoints import ModelStart, model_start
+
+    for layout in (MCORE_RL, VERL_V2):
+        d = str(tmp_path / layout.name)
+        os.makedirs(layout.hf_dir(d))
+        meta = {"role": "actor", **({"model_layout": layout.name} if layout is VERL_V2 else {})}
+        Path(d, "mcore_rl.json").write_text(json.dumps(meta))
+        assert model_start(d, "critic") == ModelStart(layout.hf_dir(d), True, d)
