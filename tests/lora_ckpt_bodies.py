@@ -291,28 +291,51 @@ def _offline_merge(local_dir: str, target: str) -> dict:
     return {k: written[k] for k in written}
 
 
+HF_MODEL = ("model", "optimizer", "extra", "hf_model")
+
+
+def _exported(role_dir: str, target: str) -> dict:
+    """The role's background HF export (the manager closed: exports done): its state (checksums
+    verified), its files and ``mcore_to_hf.py merge``'s of the step (into ``target``) but the
+    records, the names that differ in bytes, its config.json and its tensors."""
+    import filecmp
+    import json
+
+    from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of
+    from mcore_rl.fileio.output_dir import EXPORT_RECORD
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+
+    hf = hf_dir_of(role_dir)
+    state = export_state(role_dir, verify=True)
+    _offline_merge(role_dir, target)
+    ours, theirs = (sorted(set(os.listdir(d)) - {EXPORT_RECORD}) for d in (hf, target))
+    differ = [n for n in ours if n not in theirs or not filecmp.cmp(os.path.join(hf, n), os.path.join(target, n),
+                                                                     shallow=False)]
+    written = SafetensorsReader(hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    return {"state": state, "files": ours, "merge_files": theirs, "differ": differ, "config": config,
+            "tensors": {k: written[k].clone() for k in written}, "dir": hf}
+
+
 def _critic_leg(hf_critic: str, tmp: str) -> dict:
-    """A LoRA critic (value head trained in full) saved (a save with hf_model refused), merged
-    offline, resumed."""
-    from mcore_rl.errors import CheckpointError
+    """A LoRA critic (value head trained in full) saved with ``hf_model`` (its merged weights
+    exported in the background), merged offline, resumed."""
     from mcore_rl.lora.layers import merged_tensor_of
     from mcore_rl.models.hf_weights import export_hf
 
     root = f"{tmp}/critic"
     engine, critic = build(hf_critic, {}, seed=1, role="critic")
     train(critic, range(1))
-    try:  # hf_model: the background export does not merge adapters; refused before anything is written
-        manager(f"{root}_hf", save_contents=("model", "optimizer", "extra", "hf_model")).save(1, {"critic": engine}, {})
-        refused = None
-    except CheckpointError as e:
-        refused = str(e)
-    manager(root).save(1, {"critic": engine}, {"step": 1})
+    saver = manager(root, hf_sources={"critic": hf_critic}, save_contents=HF_MODEL)
+    saver.save(1, {"critic": engine}, {"step": 1})
+    saver.close()  # waits for the export
     out = {"at_save": {"adapters": adapters_full(engine), "base": base_full(engine)},
            "merged": {k: v.clone() for k, v in export_hf(engine.model, engine.args, "critic",
-                                                           merged_tensor_of(engine.model)).items()},
-           "refused": refused, "hf_root": os.listdir(f"{root}_hf") if os.path.isdir(f"{root}_hf") else []}
+                                                           merged_tensor_of(engine.model)).items()}}
     out["keys"] = _saved(f"{root}/global_step_1", "critic")[0]
-    out["offline"] = _offline_merge(f"{root}/global_step_1/critic", f"{tmp}/critic_merged")
+    out["export"] = _exported(f"{root}/global_step_1/critic", f"{tmp}/critic_merged")
+    out["offline"] = out["export"].pop("tensors")
     destroy()
     engine, _ = build(hf_critic, {}, seed=77, role="critic")
     manager(root).resume({"critic": engine})
@@ -322,8 +345,14 @@ def _critic_leg(hf_critic: str, tmp: str) -> dict:
 
 
 def _moe_leg(hf_moe: str, tmp: str) -> dict:
-    """A LoRA glm4_moe actor whose router correction bias moves in training: saved, resumed."""
+    """A LoRA glm4_moe actor whose router correction bias moves in training: saved with
+    ``hf_model`` (exported in the background; transformers' log-probs of the export against the
+    engine's), resumed."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.ckpt_bodies import step_batch
     from tests.steps import EXACT_MOE
+    from tests.tiny import hf_log_probs
 
     moe = dict(EXACT_MOE, expert_bias_update_rate=0.01)
     engine, actor = build(hf_moe, {}, seed=1, moe=moe)
@@ -331,16 +360,25 @@ def _moe_leg(hf_moe: str, tmp: str) -> dict:
     from mcore_rl.models.hf_weights import export_hf
     from mcore_rl.lora.layers import merged_tensor_of
 
-    manager(f"{tmp}/moe").save(1, {"actor": engine}, {"step": 1})
+    saver = manager(f"{tmp}/moe", hf_sources={"actor": hf_moe}, save_contents=HF_MODEL)
+    saver.save(1, {"actor": engine}, {"step": 1})
+    saver.close()  # waits for the export
     at_save = base_full(engine)
     merged = {k: v.clone() for k, v in export_hf(engine.model, engine.args, "actor",
                                                  merged_tensor_of(engine.model)).items()}
-    offline = _offline_merge(f"{tmp}/moe/global_step_1/actor", f"{tmp}/moe_merged")
+    exported = _exported(f"{tmp}/moe/global_step_1/actor", f"{tmp}/moe_merged")
+    offline = exported.pop("tensors")
+    batch = step_batch(engine.args.vocab_size, 5)
+    mine = actor.compute_log_prob(batch)["log_probs"]
+    hf = AutoModelForCausalLM.from_pretrained(exported["dir"], attn_implementation="eager",
+                                              dtype=torch.float32).eval()
+    exported["log_prob_gap"] = float((hf_log_probs(hf, batch)[0] - mine).abs().max())
     destroy()
     engine, _ = build(hf_moe, {}, seed=77, moe=moe)
     fresh = base_full(engine)
     manager(f"{tmp}/moe").resume({"actor": engine})
-    out = {"at_save": at_save, "fresh": fresh, "loaded": base_full(engine), "merged": merged, "offline": offline}
+    out = {"at_save": at_save, "fresh": fresh, "loaded": base_full(engine), "merged": merged, "offline": offline,
+           "export": exported}
     destroy()
     return out
 

@@ -97,11 +97,12 @@ def test_adapter_only_step_base_and_settings_checked(tmp_path):
 
 
 def test_critic_value_head_moe_bias_and_merged_export(tmp_path):
-    """World 1: a LoRA critic's step holds its value head (trained in full) and resumes it; the
-    converter's merge of it is the live merged model (``hf_model`` in save_contents is refused
-    for a LoRA engine before anything is written: the background export does not merge
-    adapters); a LoRA glm4_moe actor's router correction bias (a state
-    buffer that training moves) is saved and resumed."""
+    """World 1: a LoRA critic's step holds its value head (trained in full) and resumes it; a
+    LoRA glm4_moe actor's router correction bias (a state buffer that training moves) is saved
+    and resumed. Both saved with ``hf_model``: the background export of each adapter-only step
+    is complete, byte for byte the converter's merge of the step (base + s B A, the step's own
+    value head / bias), whose tensors are the live engine's merged model; transformers' log-probs
+    of the actor's export are the engine's."""
     critic_hf = hf_dir_for(str(tmp_path), "llama", "critic")
     moe_hf = hf_dir_for(str(tmp_path), "glm4_moe", "actor")
     out = run_ranks(1, extras_run, critic_hf, moe_hf, str(tmp_path), daemon=False)[0]
@@ -112,13 +113,17 @@ def test_critic_value_head_moe_bias_and_merged_export(tmp_path):
     for part in ("adapters", "base"):
         assert c["at_save"][part].keys() == c["loaded"][part].keys() and c["loaded"][part]
         assert all(torch.equal(v, c["loaded"][part][k]) for k, v in c["at_save"][part].items()), part
-    assert "role(s) ['critic'] train LoRA adapters" in c["refused"] and "mcore_to_hf.py merge" in c["refused"], c
-    assert not [d for d in c["hf_root"] if d.startswith("global_step_")], c["hf_root"]  # nothing written
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(c["merged"][q], c["at_save"]["base"][q])  # merged, not the base
     _assert_close(c["offline"], c["merged"], "critic")  # the converter's merge = the live merged export
     m = out["moe"]
     _assert_close(m["offline"], m["merged"], "moe")
+    for leg in (c, m):
+        e = leg["export"]
+        assert e["state"] == "complete" and e["files"] == e["merge_files"] and not e["differ"], e
+        assert "model.safetensors" in e["files"] and e["config"]["dtype"] == e["config"]["torch_dtype"] == "float32"
+    assert c["export"]["config"]["architectures"] == ["LlamaForTokenClassification"], c["export"]["config"]
+    assert m["export"]["log_prob_gap"] <= 1e-5, m["export"]["log_prob_gap"]
     bias = [k for k in m["at_save"] if k.endswith("e_score_correction_bias")]
     assert bias and all(not torch.equal(m["at_save"][k], m["fresh"][k]) for k in bias)  # it moved
     assert all(torch.equal(v, m["loaded"][k]) for k, v in m["at_save"].items())

@@ -53,16 +53,16 @@ class ManagerExports:
         return hf_export.ExportSpec(dtype=self.cfg.hf_dtype, max_shard_size=self.cfg.hf_max_shard_size, fp8=fp8)
 
     def check_engines(self, engines: dict) -> None:
-        """Refuses (before anything is written) a save with ``hf_model`` of a LoRA engine: its
-        steps hold adapters only, whose HF weights are base + adapters, which the background
-        export does not write (``hf_export``)."""
-        lora = sorted(role for role, engine in engines.items() if self.enabled and is_lora(engine))
+        """Refuses (before anything is written) a save with ``hf_model`` of a LoRA engine under a
+        quantized ``hf_dtype``: its steps hold adapters only, whose export is their merge with
+        the base (``merge_lora``), never quantized. Other LoRA saves export base + adapters."""
+        quantized = self.enabled and self.cfg.hf_dtype in ("fp8", "mxfp4")
+        lora = sorted(role for role, engine in engines.items() if quantized and is_lora(engine))
         if lora:
             raise CheckpointError(
-                f"checkpoint.save_contents holds 'hf_model', but role(s) {lora} train LoRA adapters: their steps hold "
-                "the adapters only, and the background HF export does not merge them into the base. Drop 'hf_model' "
-                "and write a step's merged HF model with `python converters/mcore_to_hf.py merge "
-                "<step dir>/<role> <output dir>` (it merges the adapters into their recorded base).")
+                f"checkpoint.save_contents holds 'hf_model' with checkpoint.hf_dtype={self.cfg.hf_dtype!r}, but "
+                f"role(s) {lora} train LoRA adapters: their export merges the adapters into the base unquantized. "
+                "Set checkpoint.hf_dtype to fp32, bf16, fp16 or null (the run's params dtype), or drop 'hf_model'.")
 
     # ---- local, non-blocking ---------------------------------------------------------------
     def collect(self) -> None:

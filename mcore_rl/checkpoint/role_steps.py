@@ -60,7 +60,7 @@ class RoleStepManager(CheckpointManager):
             raise CheckpointError("async_save=True: role parts are saved synchronously; set async_save=False.")
         self.wait()
         self._exports.raise_failures(f"the save of step {step} ({role})")  # before anything is written
-        self._exports.check_engines({role: engine})  # hf_model of a LoRA engine: refused here
+        self._exports.check_engines({role: engine})  # a LoRA engine under a quantized hf_dtype: refused here
         agreed(lambda: self._check_root(), f"preparing checkpoint root {self.root}")
         self._mode = storage.detect_storage(self.root, announce=self._mode is None)
         found = inventory.survey(self.root)
