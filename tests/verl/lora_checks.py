@@ -1,8 +1,8 @@
 """What the ``main_ppo`` LoRA tests read from a run's adapter-only steps (``global_step_N/<role>``
 saved by the mcore_rl engine): the tensors the step holds (adapter factors, a critic's value head;
 never the base), and whether the engine's log-probs in training are those of the base on disk
-plus the step's adapters (its base untouched). ``hf_model`` is refused for LoRA engines (the
-background export does not merge adapters; ``mcore_to_hf.py merge`` does)."""
+plus the step's adapters (its base untouched). (A LoRA step saved with ``hf_model`` gets the same
+merge as its background export: tests/verl/test_verl_lora.py.)"""
 from __future__ import annotations
 
 import json

@@ -117,7 +117,7 @@ def test_grpo_from_a_verl_megatron_script_at_tp2_stays_on_policy(head, inputs, t
 
 # LoRA on the policy (verl's Megatron keys; verl then computes the reference in the actor with the
 # adapters disabled, ``ref_in_actor``) with the KL loss that reads that reference; adapter-only
-# steps (``hf_model`` is refused for LoRA engines: the background export does not merge adapters)
+# steps (saved without ``hf_model`` here; a LoRA step's background export: tests/verl/test_verl_lora.py)
 LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
 LORA_CRITIC = ["critic.model.lora.rank=8", "critic.model.lora.alpha=16"]
