@@ -234,6 +234,7 @@ def checks_run(hf_a: str, hf_b: str, hf_copy: str, tmp: str) -> dict:
     out["merge"] = {}
     for name, step in (("hf_base", lora),):  # (the model-directory base here has no huggingface/: unmergeable)
         out["merge"][name] = _offline_merge(f"{step}/global_step_1/actor", f"{tmp}/merged_{name}")
+    out["merge_dtypes"] = _merge_dtypes(f"{lora}/global_step_1/actor", tmp)
     out["edited"] = _edited_base_refused(hf_a, lora, tmp)
     return out
 
@@ -281,12 +282,32 @@ def _edited_base_refused(hf_a: str, lora: str, tmp: str) -> dict:
     return out
 
 
-def _offline_merge(local_dir: str, target: str) -> dict:
+def _merge_dtypes(local_dir: str, tmp: str) -> dict:
+    """The adapter-only step merged with ``dtype`` bf16 (its tensors, config.json dtype) beside
+    the merge without (config.json dtype), and the message refusing ``dtype`` fp8."""
+    import json
+
+    from mcore_rl.conversion.merge import MergeError, merge
+
+    out = {"bf16": _offline_merge(local_dir, f"{tmp}/merged_bf16", dtype="bf16")}
+    for name in ("merged_bf16", "merged_hf_base"):
+        with open(f"{tmp}/{name}/config.json") as f:
+            out[f"{name}_config"] = json.load(f)["dtype"]
+    try:
+        merge(local_dir, f"{tmp}/merged_fp8", dtype="fp8")
+        out["fp8"] = ""
+    except MergeError as e:
+        out["fp8"] = str(e)
+    out["fp8_target"] = os.path.exists(f"{tmp}/merged_fp8")
+    return out
+
+
+def _offline_merge(local_dir: str, target: str, dtype: str | None = None) -> dict:
     """converters' merge of an adapter-only step with its base: the HF tensors it wrote."""
     from mcore_rl.conversion.merge import merge
     from mcore_rl.mapping.hf_io import SafetensorsReader
 
-    merge(local_dir, target)
+    merge(local_dir, target, dtype=dtype)
     written = SafetensorsReader(target)
     return {k: written[k] for k in written}
 

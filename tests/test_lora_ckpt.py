@@ -94,6 +94,14 @@ def test_adapter_only_step_base_and_settings_checked(tmp_path):
     for name, merged in out["merge"].items():
         assert merged and any(not torch.equal(merged[k], v) for k, v in out["copy"]["base_hf"].items()
                               if k in merged), name
+    # merge --dtype bf16 of the step: every tensor the fp32 merge's rounded to bf16; config.json names
+    # the dtype (without --dtype: the step's params_dtype, fp32 here); quantized dtypes refused
+    d, fp32 = out["merge_dtypes"], out["merge"]["hf_base"]
+    assert d["bf16"].keys() == fp32.keys() and all(
+        t.dtype == torch.bfloat16 and torch.equal(t, fp32[k].to(torch.bfloat16)) for k, t in d["bf16"].items())
+    assert (d["merged_bf16_config"], d["merged_hf_base_config"]) == ("bfloat16", "float32"), d
+    assert "holds LoRA adapters: its merge (base + adapters) is not quantized; drop --dtype fp8" in d["fp8"], d
+    assert not d["fp8_target"]
 
 
 def test_critic_value_head_moe_bias_and_merged_export(tmp_path):
