@@ -374,6 +374,32 @@ def test_hf_export_failure_raised_at_next_save_and_retention_waits(models, tmp_p
     assert_exported(os.path.join(root, "global_step_5", "actor"), 5)
 
 
+_AT_EXIT = """
+import sys
+from mcore_rl.integrations.verl import verl_exports
+queue = verl_exports.process_queue(1, False)  # no superseding: both run, in order
+queue._command = lambda task, threads: ["sh", "-c", f"sleep 1; touch {task.role_dir}; exit {task.step}"]
+queue.submit(0, {"actor": sys.argv[1] + "/done0"}, None)
+queue.submit(2, {"actor": sys.argv[1] + "/done2"}, None)
+"""
+
+
+def test_a_worker_process_waits_for_its_exports_at_exit(tmp_path):
+    """A process that ends right after its last save (the SFT trainer under torchrun) lets its
+    queued exports finish (the exit hook ``verl_exports.process_queue`` registers; an exporter
+    dies with the process that started it) and prints a failure it found as one error line."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    proc = subprocess.run([sys.executable, "-c", _AT_EXIT, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["done0", "done2"]  # step 2 ran after step 0, both finished
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "HF export of step 2 role actor" in errors[0] and "exited with code 2" in errors[0], \
+        proc.stderr[-2000:]
+
+
 # ---- two simulated nodes with node-local disks -----------------------------------------------------
 def node_world(actor_dir: str, critic_dir: str, root: str, out: str) -> None:
     """One rank per node, each node a private tmpfs at ``root``: step 1's parts reach both nodes
