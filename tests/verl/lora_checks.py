@@ -1,8 +1,7 @@
 """What the ``main_ppo`` LoRA tests read from a run's adapter-only steps (``global_step_N/<role>``
 saved by the mcore_rl engine): the tensors the step holds (adapter factors, a critic's value head;
-never the base), and whether the engine's log-probs in training are those of the base on disk
-plus the step's adapters (its base untouched). (A LoRA step saved with ``hf_model`` gets the same
-merge as its background export: tests/verl/test_verl_lora.py.)"""
+never the base) and how close two runs' trained tensors are. (A LoRA step saved with ``hf_model``
+gets its merged HF weights from the background export: tests/verl/test_verl_lora.py.)"""
 from __future__ import annotations
 
 import json
@@ -33,37 +32,6 @@ def assert_adapter_only(role_dir: str) -> None:
     names = saved_model_tensors(role_dir)
     base = [n for n in names if ADAPTER not in n and not n.startswith("output_layer.")]
     assert not base and any(ADAPTER in n for n in names), (role_dir, sorted(names))
-
-
-def policy_log_prob_gap(role_dir: str, samples: list[dict], temperature: float, with_adapters: bool = True) -> float:
-    """max |log-prob difference| over ``samples``' response tokens between the engine's log-probs
-    recorded in training (``old_log_probs``, tests/verl/recording_dataset.py) and transformers'
-    model of the adapter-only step ``role_dir`` merged onto its base as it is on disk
-    (``mcore_to_hf.py merge``: ``W + s B A``; ``with_adapters=False``: the base alone, a
-    control), logits divided by ``temperature`` as verl computes them. Within rounding exactly
-    when the engine's base at that step is the base it started from, with the step's adapters."""
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-
-    from mcore_rl.conversion.merge import merge
-    from mcore_rl.fileio.files import META
-
-    with open(os.path.join(role_dir, META)) as f:
-        base = json.load(f)["lora"]["base"]["path"]
-    with tempfile.TemporaryDirectory(prefix="lora_merged_") as tmp:
-        if with_adapters:
-            merge(role_dir, os.path.join(tmp, "hf"))
-        model = AutoModelForCausalLM.from_pretrained(os.path.join(tmp, "hf") if with_adapters else base,
-                                                     attn_implementation="eager", dtype=torch.float32).eval()
-    gap = 0.0
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s["prompt"] + s["response"]])
-            logits = model(ids).logits[0].float()[len(s["prompt"]) - 1:-1] / temperature
-            mine = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s["response"])[:, None])[:, 0]
-            gap = max(gap, float((mine - s["old_log_probs"]).abs().max()))
-    return gap
 
 
 def same_trained_tensors(a_role_dir: str, b_role_dir: str, where: str) -> None:

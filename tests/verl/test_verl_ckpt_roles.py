@@ -12,7 +12,8 @@ and checks per-role retention (actor 2, critic 1) and the refusal to overwrite a
 ``test_two_nodes_node_local`` runs one world on two simulated nodes with node-local disks.
 ``test_hf_export_failure_raised_at_next_save_and_retention_waits`` saves an actor with
 ``hf_model`` (background exports, ``verl_exports``): a killed exporter's failure at the next save,
-retention waiting for a running export, exports equal to ``mcore_to_hf.py merge``.
+the resume re-exporting it, retention waiting for a running export, exports equal to
+``mcore_to_hf.py merge``.
 """
 from __future__ import annotations
 
@@ -286,12 +287,20 @@ def _drained(timeout_s: float = 120.0) -> None:
 
 
 def _exporter(hold: str):
-    """The worker's command line, step 1's exporter killed at its merge phase (the fault point),
-    step 2's held there until ``<hold>/release`` exists (the hold point): env of that exporter only."""
+    """The worker's command line; the first export of step 1 killed at its merge phase (the fault
+    point), step 3's held there until ``<hold>/release`` exists (the hold point): env of that
+    exporter only."""
     from mcore_rl.checkpoint.export_queue import worker_command
 
+    killed: list[int] = []
+
     def command(task, threads: int) -> list[str]:
-        env = {1: ["MCORE_RL_CKPT_FAULT=hf_export_merge"], 2: [f"MCORE_RL_CKPT_HOLD={hold}"]}.get(task.step, [])
+        env = []
+        if task.step == 1 and not killed:
+            killed.append(1)
+            env = ["MCORE_RL_CKPT_FAULT=hf_export_merge"]
+        elif task.step == 3:
+            env = [f"MCORE_RL_CKPT_HOLD={hold}"]
         return ["env", *env, *worker_command(task, threads)]
 
     return command
@@ -300,9 +309,9 @@ def _exporter(hold: str):
 def export_world(actor_dir: str, root: str, hold: str) -> dict:
     """An actor with ``hf_model`` (DP=2, shared root: rank 0 exports), verl's save sequence:
     step 1's exporter is killed: step 2's first save raises that on every rank before it writes
-    anything; step 2's export is held while steps 3 and 4 are saved with max_ckpt_to_keep=1:
-    retention keeps step 2 while its export runs and removes it at step 5's save (``hold``: the
-test's hold-point directory)."""
+    anything; the resume of step 1 cleans its partial export and exports it again; step 3's export
+    is held while steps 4 and 5 are saved with max_ckpt_to_keep=1: retention keeps step 3 while
+    its export runs and removes it at step 6's save (``hold``: the test's hold-point directory)."""
     from verl.trainer.config.config import CheckpointConfig
 
     from mcore_rl.checkpoint import hf_export_record
@@ -334,22 +343,28 @@ test's hold-point directory)."""
     out["state1"] = hf_export_record.export_state(os.path.join(step(1), "actor"))
     out["failed"] = _error(lambda: save(2, None))
     out["step2_after_failure"] = os.path.exists(step(2))
-    save(2, None)
+    save(2, None)  # seals step 1
     driver(2)
+    _drained()
+    actor.load_checkpoint(os.path.join(step(1), "actor"), None, False)  # a resume: step 1 lacks its export
+    _drained()
+    out["state1_resumed"] = hf_export_record.export_state(os.path.join(step(1), "actor"), verify=True)
+    save(3, None)
+    driver(3)
     while rank == 0 and not any(n.startswith("hf_export_merge.") for n in os.listdir(hold)):
-        time.sleep(0.05)  # step 2's exporter is provably running (held)
-    for n in (3, 4):
+        time.sleep(0.05)  # step 3's exporter is provably running (held)
+    for n in (4, 5):
         save(n)
         driver(n)
     out["running"] = sorted(verl_exports.existing_queue().running_steps())
-    out["after4"] = sorted(os.listdir(root))
+    out["after5"] = sorted(os.listdir(root))
     open(os.path.join(hold, "release"), "w").close()
     _drained()
-    out["state2"] = hf_export_record.export_state(os.path.join(step(2), "actor"), verify=True)
-    save(5)
-    driver(5)
+    out["state3"] = hf_export_record.export_state(os.path.join(step(3), "actor"), verify=True)
+    save(6)
+    driver(6)
     _drained()
-    out["after5"] = sorted(os.listdir(root))
+    out["after6"] = sorted(os.listdir(root))
     return out
 
 
@@ -364,14 +379,41 @@ def test_hf_export_failure_raised_at_next_save_and_retention_waits(models, tmp_p
         assert "killed by signal 9" in r["failed"], r["failed"]
         assert r["step2_after_failure"] is False
     r0 = res[0]
-    assert r0["state1"] == "partial"  # its staging dir: ignored by every reader, cleaned by the next start
-    # keep 1: step 1 went at step 3's save; step 2 stayed at step 4's while its export ran, and
-    # went (with step 3) at step 5's once it was done
-    assert r0["running"] == [2] and r0["after4"] == ["global_step_2", "global_step_3", "global_step_4", TRACKER], r0
-    assert r0["state2"] == "complete"
-    assert r0["after5"] == ["global_step_4", "global_step_5", TRACKER], r0["after5"]
-    assert sorted(os.listdir(os.path.join(root, "global_step_5"))) == ["actor", "data.pt"]  # no staging left
-    assert_exported(os.path.join(root, "global_step_5", "actor"), 5)
+    assert r0["state1"] == "partial"  # its staging dir: ignored by every reader
+    assert r0["state1_resumed"] == "complete"  # cleaned and exported again by the resume
+    # keep 1: steps 1 and 2 went at step 4's save; step 3 stayed at step 5's while its export ran,
+    # and went (with step 4) at step 6's once it was done
+    assert r0["running"] == [3] and r0["after5"] == ["global_step_3", "global_step_4", "global_step_5", TRACKER], r0
+    assert r0["state3"] == "complete"
+    assert r0["after6"] == ["global_step_5", "global_step_6", TRACKER], r0["after6"]
+    assert sorted(os.listdir(os.path.join(root, "global_step_6"))) == ["actor", "data.pt"]  # no staging left
+    assert_exported(os.path.join(root, "global_step_6", "actor"), 6)
+
+
+_AT_EXIT = """
+import sys
+from mcore_rl.integrations.verl import verl_exports
+queue = verl_exports.process_queue(1, False)  # no superseding: both run, in order
+queue._command = lambda task, threads: ["sh", "-c", f"sleep 1; touch {task.role_dir}; exit {task.step}"]
+queue.submit(0, {"actor": sys.argv[1] + "/done0"}, None)
+queue.submit(2, {"actor": sys.argv[1] + "/done2"}, None)
+"""
+
+
+def test_a_worker_process_waits_for_its_exports_at_exit(tmp_path):
+    """A process that ends right after its last save (the SFT trainer under torchrun) lets its
+    queued exports finish (the exit hook ``verl_exports.process_queue`` registers; an exporter
+    dies with the process that started it) and prints a failure it found as one error line."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    proc = subprocess.run([sys.executable, "-c", _AT_EXIT, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["done0", "done2"]  # step 2 ran after step 0, both finished
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "HF export of step 2 role actor" in errors[0] and "exited with code 2" in errors[0], \
+        proc.stderr[-2000:]
 
 
 # ---- two simulated nodes with node-local disks -----------------------------------------------------

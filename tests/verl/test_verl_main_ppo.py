@@ -22,12 +22,11 @@ import math
 import os
 
 import pytest
-import torch
 
 pytest.importorskip("verl")
 
 from tests.verl.export_checks import assert_exported, engine_log_prob_gap  # noqa: E402
-from tests.verl.lora_checks import assert_adapter_only, policy_log_prob_gap, same_trained_tensors  # noqa: E402
+from tests.verl.lora_checks import assert_adapter_only, same_trained_tensors  # noqa: E402
 from tests.verl.main_ppo_runner import RayHead, launch  # noqa: E402
 from tests.verl.ppo_fixtures import REWARD_FILE, save_arithmetic_parquet, save_chat_model  # noqa: E402
 
@@ -121,8 +120,6 @@ def test_grpo_from_a_verl_megatron_script_at_tp2_stays_on_policy(head, inputs, t
 LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
 LORA_CRITIC = ["critic.model.lora.rank=8", "critic.model.lora.alpha=16"]
-HERE = os.path.dirname(os.path.abspath(__file__))
-T = 0.8  # actor_rollout_ref.rollout.temperature: verl's log-probs divide the logits by it
 
 
 def assert_reference_is_the_base(run) -> None:
@@ -175,8 +172,7 @@ def ppo(inputs: dict, root: str) -> list[str]:
             *common(inputs, 3),
             "actor_rollout_ref.rollout.full_determinism=True", "data.seed=7", "trainer.save_freq=1",
             "trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=1",
-            f"trainer.default_local_dir={root}", f"data.custom_cls.path={HERE}/recording_dataset.py",
-            "data.custom_cls.name=RecordingRLHFDataset"]  # with MCORE_RL_TEST_BATCHES: the trained batches
+            f"trainer.default_local_dir={root}"]
 
 
 # verl's colocated worker saves the actor, then the critic, in one process: the 6th save is step
@@ -190,21 +186,13 @@ def listing(root) -> dict[str, list[str]]:
 
 
 def test_ppo_with_lora_actor_and_critic_killed_during_step_3_resumes_both_roles(head, inputs, tmp_path):
-    batches = str(tmp_path / "batches")
-    straight = launch(head, str(tmp_path / "straight"), ppo(inputs, str(tmp_path / "a")),
-                      job_env={"MCORE_RL_TEST_BATCHES": batches})
+    straight = launch(head, str(tmp_path / "straight"), ppo(inputs, str(tmp_path / "a")))
     assert_every_step_trains_on_policy(straight, 3)
     assert_reference_is_the_base(straight)
     for step, m in straight.metrics.items():
         assert m["critic/grad_norm"] > 0 and math.isfinite(m["critic/vf_loss"]), (step, m)
     for role in ("actor", "critic"):
         assert_adapter_only(str(tmp_path / "a" / "global_step_3" / role))
-    # step 2's log-probs in training came from the base on disk plus step 1's saved adapters (the
-    # engine's base untouched); the base alone is far off (the adapters moved the policy)
-    step2 = torch.load(os.path.join(batches, "2.pt"))
-    actor1 = str(tmp_path / "a" / "global_step_1" / "actor")
-    gap, control = policy_log_prob_gap(actor1, step2, T), policy_log_prob_gap(actor1, step2, T, with_adapters=False)
-    assert gap <= 1e-5 < 10 * 1e-5 < control, (gap, control)
 
     root = tmp_path / "b"
     killed = launch(head, str(tmp_path / "killed"), ppo(inputs, str(root)), job_env=KILL)

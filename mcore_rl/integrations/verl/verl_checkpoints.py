@@ -101,11 +101,9 @@ def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> 
                            load_contents=load, verify_content=e.verify_content, optimizer_sharding=e.optimizer_sharding,
                            hf_dtype=e.hf_dtype, hf_export_threads=e.hf_export_threads,
                            hf_export_supersede=e.hf_export_supersede, hf_export_wait_at_close=False)
-    if "hf_model" in save:
-        queue = (verl_exports.process_queue(cfg.hf_export_threads, cfg.hf_export_supersede) if contents == "save"
-                 else verl_exports.existing_queue())
-    else:
-        queue = None
+    # the process's queue, for a load too: a resume re-exports sealed steps that lack their export
+    # there, and a queue the per-load manager made would die with its close()
+    queue = verl_exports.process_queue(cfg.hf_export_threads, cfg.hf_export_supersede) if "hf_model" in save else None
     return RoleStepManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None,
                            exports=queue, layout=VERL_V2)  # verl 0.9.1's layout: its merger and path helpers read it
 

@@ -36,8 +36,8 @@ _PROCESS = _ProcessExports()
 
 
 def process_queue(threads: int, supersede: bool) -> ExportQueue:
-    """This process's export queue (made by the first call, with its ``threads`` and
-    ``supersede``; it is waited for when the process exits)."""
+    """This process's export queue (made by the first save or load with ``hf_model``, with its
+    ``threads`` and ``supersede``; it is waited for when the process exits)."""
     if _PROCESS.queue is None:
         _PROCESS.queue = ExportQueue(threads, supersede)
         atexit.register(wait_at_exit, _PROCESS.queue)
@@ -45,7 +45,7 @@ def process_queue(threads: int, supersede: bool) -> ExportQueue:
 
 
 def existing_queue() -> ExportQueue | None:
-    """The process's queue when a save made one (loads pass it on: a resume re-exports)."""
+    """The process's queue when a save or load made one (None before)."""
     return _PROCESS.queue
 
 
