@@ -11,7 +11,8 @@ world 1 on a model started from a block-FP8 HF checkpoint (dequantized at load):
 - the exporter SIGKILLed at each phase (merge staged / first file moved / all moved, no record):
   the failure is raised at ``wait_exports``, at the next ``save`` and at ``close``, naming step,
   role, node and "killed by signal 9"; every such step is partial, never complete;
-- the whole job SIGKILLed while its exporter is held at each phase: the exporter dies with it;
+- the whole job SIGKILLed while its exporter is held at each phase (three jobs, steps 1-3 of one
+  root): the exporter dies with it, the step's export is partial;
 - a rerun (resume) cleans every partial export (one warning line) and exports again, with
   superseding only the newest step (one line naming the steps left without HF weights); what it
   writes equals ``merge``.
@@ -176,19 +177,19 @@ def _saves(src: str, base: str) -> dict:
     engine, model = build_engine(src, {}, "actor", False, seed=1)
     train(model, range(1))  # away from the source's values
     out = {"keep1": _retention_while_exporting(engine, src, base), "killed": _exporter_killed(engine, src, base)}
-    for phase in PHASES:
-        nothing = ExportQueue(command=lambda t, n: ["true"])
-        manager(f"{base}/job_{phase}", {"actor": src}, nothing, save_contents=HF).save(1, {"actor": engine}, {"step": 1})
+    jobs = manager(f"{base}/jobs", {"actor": src}, ExportQueue(command=lambda t, n: ["true"]), save_contents=HF)
+    for step in (1, 2, 3):  # exported by the killed jobs below, one phase each
+        jobs.save(step, {"actor": engine}, {"step": step})
     return out
 
 
-def _job_holding_an_export(role_dir: str, phase: str, hold: str, out) -> None:
-    """The 'job': a process whose export queue exports ``role_dir``, held at ``phase``."""
+def _job_holding_an_export(root: str, step: int, phase: str, hold: str, out) -> None:
+    """The 'job': a process whose export queue exports ``step``, held at ``phase``."""
     from mcore_rl.checkpoint.export_queue import ExportQueue
     from mcore_rl.checkpoint.hf_export import ExportSpec
 
     queue = ExportQueue(command=_command(**{HOLD_ENV: hold, HOLD_ONLY_ENV: f"hf_export_{phase}"}))
-    queue.submit(1, {"actor": role_dir}, ExportSpec())
+    queue.submit(step, {"actor": f"{root}/global_step_{step}/actor"}, ExportSpec())
     out.put(int(_wait_file(hold, f"hf_export_{phase}.").split(".")[-1]))
     time.sleep(600)
 
@@ -197,7 +198,7 @@ def _reruns(src: str, base: str) -> dict:
     """The rerun of every root with partial exports: resume, then wait for the exports."""
     engine, _ = build_engine(src, {}, "actor", False, seed=2)
     out, managers = {}, []
-    for name in ("killed", *(f"job_{p}" for p in PHASES)):  # each resumes; their exports run at once
+    for name in ("killed", "jobs"):  # each resumes; their exports run at once
         lines = _listen()
         mgr = manager(f"{base}/{name}", {"actor": src}, save_contents=HF, hf_dtype="fp8" if name == "killed" else None)
         out[name] = {"state": mgr.resume({"actor": engine}), "lines": lines.lines}
@@ -214,19 +215,18 @@ def runs(tmp_path_factory):
     src = fp8_source(base)
     saved = run_ranks(1, _saves, src, base, daemon=False)[0]
     ctx, jobs = mp.get_context("fork"), {}
-    for phase in PHASES:  # the three jobs run at once, each held at its phase, then killed
+    for step, phase in enumerate(PHASES, 1):  # three jobs at once, each held at its phase, then killed
         hold = f"{base}/hold_{phase}"
         os.makedirs(hold)
         pids = ctx.Queue()
-        proc = ctx.Process(target=_job_holding_an_export, args=(f"{base}/job_{phase}/global_step_1/actor", phase,
-                                                               hold, pids))
+        proc = ctx.Process(target=_job_holding_an_export, args=(f"{base}/jobs", step, phase, hold, pids))
         proc.start()
         jobs[phase] = (proc, pids)
     exporters = {phase: pids.get(timeout=120) for phase, (_, pids) in jobs.items()}
     for proc, _ in jobs.values():
         os.kill(proc.pid, signal.SIGKILL)
         proc.join()
-    job_states = {p: _state(f"{base}/job_{p}", 1) for p in PHASES}
+    job_states = {p: _state(f"{base}/jobs", step) for step, p in enumerate(PHASES, 1)}
     rerun = run_ranks(1, _reruns, src, base, daemon=False)[0]
     return {"base": base, "saved": saved, "exporters": exporters, "job_states": job_states, "rerun": rerun}
 
@@ -314,9 +314,10 @@ def test_rerun_cleans_partial_exports_and_exports_again(runs, tmp_path):
                      "`mcore_to_hf.py merge` writes them)"], killed["lines"]
     assert {s: _state(f"{base}/killed", s) for s in (1, 2, 3)} == {1: "absent", 2: "absent", 3: "complete"}
     # (step 3 equals merge --dtype fp8: test_fp8_export_equals_merge_dtype_fp8)
-    for phase in PHASES:
-        lines = rerun[f"job_{phase}"]["lines"]
-        assert sum(ln.startswith("removed partial HF export") for ln in lines) == 1, (phase, lines)
-        assert any(ln.startswith("HF exports missing or partial for step(s) [1]: exporting [1] again") for ln in lines)
-        assert _state(f"{base}/job_{phase}", 1) == "complete", phase
-        assert same_as_merge(f"{base}/job_{phase}/global_step_1/actor", str(tmp_path / phase)) == [], phase
+    jobs = rerun["jobs"]  # the killed jobs' steps: 1 held at merge, 2 at move, 3 at record
+    assert jobs["state"] == {"step": 3}
+    warned = [ln for ln in jobs["lines"] if ln.startswith("removed partial HF export")]
+    assert len(warned) == 1 and all(f"global_step_{s}/" in warned[0] for s in (1, 2, 3)), jobs["lines"]
+    assert [ln for ln in jobs["lines"] if ln.startswith("HF exports missing")] == [again[0]], jobs["lines"]
+    assert {s: _state(f"{base}/jobs", s) for s in (1, 2, 3)} == {1: "absent", 2: "absent", 3: "complete"}
+    assert same_as_merge(f"{base}/jobs/global_step_3/actor", str(tmp_path / "jobs3")) == []

@@ -295,6 +295,30 @@ def test_load_contents_may_not_hold_hf_model():
     assert "hf_model" in CheckpointConfig(save_contents=SAVE).save_contents  # fine for saving
 
 
+@pytest.mark.parametrize("override,error", [
+    ("hf_dtype=int8", "checkpoint.hf_dtype='int8'; use one of ['fp32', 'bf16', 'fp16', 'fp8', 'mxfp4'] or null"),
+    ("hf_export_threads=0", "checkpoint.hf_export_threads=0 must be an integer >= 1"),
+    ("hf_export_supersede=maybe", "checkpoint.hf_export_supersede: expected bool, got 'maybe'"),
+    ("hf_export_wait_at_close=soon", "checkpoint.hf_export_wait_at_close: expected bool, got 'soon'"),
+])
+def test_export_keys_in_the_job_config(override, error):
+    from mcore_rl.checkpoint.config import CheckpointConfig
+    from mcore_rl.config_loader import ConfigError, load_config
+    from mcore_rl.errors import CheckpointError
+    from mcore_rl.job.schema import JobConfig
+
+    cfg = load_config(JobConfig, "configs/grpo_demo.yaml", ["checkpoint.hf_dtype=fp8", "checkpoint.hf_export_threads=3",
+                                                            "checkpoint.hf_export_supersede=false",
+                                                            "checkpoint.hf_export_wait_at_close=false"])
+    c = cfg.checkpoint
+    assert (c.hf_dtype, c.hf_export_threads, c.hf_export_supersede, c.hf_export_wait_at_close) == ("fp8", 3, False, False)
+    with pytest.raises(ConfigError) as raised:
+        load_config(JobConfig, "configs/grpo_demo.yaml", [f"checkpoint.{override}"])
+    assert error in str(raised.value), str(raised.value)
+    with pytest.raises(CheckpointError, match="hf_export_wait_at_close=None must be true or false"):
+        CheckpointConfig(hf_export_wait_at_close=None)  # built in code, not through the loader
+
+
 @pytest.mark.parametrize("name,file", [("metadata", ".metadata"), ("payload", ".distcp"),
                                        ("common", "common.pt")])
 def test_manager_resume_refuses_planted_pickles(saved, name, file):

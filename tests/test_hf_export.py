@@ -61,10 +61,11 @@ def conv(tmp_path_factory):
 
 
 def make_step(conv_dir: str, root: str, role: str = "actor", spec=None, config_from: str | None = None,
-              step: int = 1) -> str:
+              step: int = 1, verl_v2: bool = False) -> str:
     """``conv_dir`` as ``root/global_step_<step>/<role>`` (``config_from``: its huggingface/config.json
-    taken from there), config.json rewritten by ``write_export_config(spec)`` when given, then a
-    COMPLETE marker recording every file: the order a save writes them in."""
+    taken from there; ``verl_v2``: in verl's layout, ``model/dist_ckpt`` + ``model/huggingface``),
+    config.json rewritten by ``write_export_config(spec)`` when given, then a COMPLETE marker
+    recording every file: the order a save writes them in."""
     from mcore_rl.checkpoint.hf_export import write_export_config
     from mcore_rl.checkpoint.inventory import Marker
     from mcore_rl.checkpoint.step_dirs import write_marker
@@ -74,6 +75,15 @@ def make_step(conv_dir: str, root: str, role: str = "actor", spec=None, config_f
     role_dir = os.path.join(step_dir, role)
     shutil.copytree(conv_dir, role_dir)
     os.remove(os.path.join(role_dir, "RECORD"))
+    if verl_v2:
+        from mcore_rl.fileio.model_layout import LAYOUT_KEY
+
+        os.makedirs(os.path.join(role_dir, "model"))
+        for name in ("dist_ckpt", "huggingface"):
+            os.rename(os.path.join(role_dir, name), os.path.join(role_dir, "model", name))
+        meta_path = os.path.join(role_dir, "mcore_rl.json")
+        meta = json.load(open(meta_path))
+        json.dump({**meta, LAYOUT_KEY: "verl_v2"}, open(meta_path, "w"))
     if config_from is not None:
         shutil.copyfile(os.path.join(config_from, "config.json"), os.path.join(role_dir, "huggingface", "config.json"))
     if spec is not None:
@@ -110,6 +120,7 @@ def _spec(**kw):
 
 CASES = {  # name -> (converter output, role, spec kwargs, config.json taken from)
     "fp32_shards": ("llama", "actor", dict(max_shard_size="40KB"), None),
+    "verl_v2_layout": ("llama", "actor", dict(max_shard_size="80KB"), None),
     "bf16": ("llama", "actor", dict(dtype="bf16"), None),
     "fp8_sourced": ("fp8", "actor", dict(dtype="fp8"), None),
     "critic_from_causal_config": ("critic", "critic", {}, "causal_config"),
@@ -125,10 +136,12 @@ def test_export_equals_merge_byte_for_byte(conv, tmp_path, name):
     source, role, kw, config_from = CASES[name]
     spec = _spec(**kw)
     config_from = conv[config_from] if config_from else None
-    plain = make_step(conv[source], str(tmp_path / "plain"), role, None, config_from)  # the run's config.json
+    v2 = name == "verl_v2_layout"
+    plain = make_step(conv[source], str(tmp_path / "plain"), role, None, config_from, verl_v2=v2)  # the run's config
     ref = _merge(plain, str(tmp_path / "ref"), spec)
-    role_dir = make_step(conv[source], str(tmp_path / "run"), role, spec, config_from)
+    role_dir = make_step(conv[source], str(tmp_path / "run"), role, spec, config_from, verl_v2=v2)
     hf = hf_dir_of(role_dir)
+    assert hf == os.path.join(role_dir, "model", "huggingface") if v2 else os.path.join(role_dir, "huggingface")
     assert open(os.path.join(hf, "config.json"), "rb").read() == open(os.path.join(ref, "config.json"), "rb").read()
     assert export_state(role_dir) == "absent"
     result = export_step(role_dir, spec, 1)
@@ -198,6 +211,31 @@ def test_step_saved_without_the_export_config_is_refused_unchanged(conv, tmp_pat
         assert sorted(os.listdir(os.path.dirname(role_dir))) == ["COMPLETE", os.path.basename(role_dir)]
 
 
+def test_step_replaced_while_exported_gets_no_weights(conv, tmp_path, monkeypatch):
+    """A save replacing the step while it is merged (its marker rewritten): nothing is moved, the
+    staging dir is removed, the export is absent."""
+    import mcore_rl.conversion.hf_export_step as step_mod
+    from mcore_rl.checkpoint.hf_export import ExportError
+    from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of, staging_dir
+    from mcore_rl.checkpoint.inventory import Marker, read_marker
+    from mcore_rl.checkpoint.step_dirs import write_marker
+
+    spec = _spec()
+    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
+    marker_path = os.path.join(os.path.dirname(role_dir), "COMPLETE")
+    old = read_marker(marker_path)
+
+    def replaced(phase: str) -> None:  # at the merge's hold point: another save's marker
+        if phase == "hf_export_merge":
+            write_marker(marker_path, Marker(old.step, old.roles, 2, old.files))
+
+    monkeypatch.setattr(step_mod, "hold_point", replaced)
+    with pytest.raises(ExportError, match="changed while it was exported .* nothing was moved: export the step again"):
+        step_mod.export_step(role_dir, spec, 1)
+    assert export_state(role_dir) == "absent" and not os.path.exists(staging_dir(role_dir))
+    assert sorted(os.listdir(hf_dir_of(role_dir))) == ["config.json", "generation_config.json"]
+
+
 def _plant_partial(role_dir: str, ref: str) -> list[str]:
     """What an export killed in its move phase leaves: a shard of the merge and a stale record."""
     from mcore_rl.checkpoint.hf_export_record import hf_dir_of
@@ -222,8 +260,8 @@ def test_partial_export_in_the_hf_dir_changes_nothing_merge_writes(conv, tmp_pat
     assert _files(_merge(role_dir, str(tmp_path / "again"), spec)) == _files(ref)
     removed = clean_partial(role_dir)
     assert sorted(removed) == sorted(f"actor/huggingface/{n}" for n in planted)
-    assert export_state(role_dir) == "absent" and sorted(os.listdir(hf_dir_of(role_dir))) == ["config.json",
-                                                                                                "generation_config.json"]
+    assert export_state(role_dir) == "absent"
+    assert sorted(os.listdir(hf_dir_of(role_dir))) == ["config.json", "generation_config.json"]
 
 
 def test_record_of_a_missing_short_or_damaged_file_is_partial(conv, tmp_path):
@@ -287,17 +325,45 @@ def _loads_complete_or_fails(hf: str, ref: str) -> str:
     return "complete"
 
 
+def _held(proc, hold) -> None:
+    """Waits until the worker announces it holds at the merge phase (``MCORE_RL_CKPT_HOLD``)."""
+    for _ in range(30000):
+        if any(n.startswith("hf_export_merge.") for n in os.listdir(hold)) or proc.poll() is not None:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()
+
+
 @pytest.mark.parametrize("phase", ["merge", "move", "record"])
 def test_worker_killed_at_each_phase_then_cleaned_and_rerun(conv, tmp_path, phase):
-    from mcore_rl.conversion.hf_export_step import export_step
+    """merge: the worker holds with the merge staged (nothing moved), runs niced (by 10, the
+    default) at IO class idle (or best-effort 7), and is SIGKILLed from outside;
+    move / record: it kills itself after its first weight file moved / before its record. Each
+    leaves a partial export (shards first: never the index without every shard) that transformers
+    loads only complete; clean_partial and a rerun (the worker: exit 0, its summary line) complete it."""
+    from mcore_rl.checkpoint.child_process import IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE, ioprio_get
     from mcore_rl.checkpoint.hf_export_record import INDEX, clean_partial, export_state, hf_dir_of
+    from mcore_rl.conversion.hf_export_step import export_step
 
     spec = _spec(max_shard_size="40KB")
     role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
     ref = _merge(role_dir, str(tmp_path / "ref"), spec)
-    rc, out, err = _worker(role_dir, "--step", "1", "--max_shard_size", "40KB",
-                           env={"MCORE_RL_CKPT_FAULT": f"hf_export_{phase}"})
-    assert rc == -signal.SIGKILL, (rc, out, err)
+    args = ["--step", "1", "--max_shard_size", "40KB"]
+    if phase == "merge":
+        hold = tmp_path / "hold"
+        hold.mkdir()
+        proc = _worker(role_dir, *args, env={"MCORE_RL_CKPT_HOLD": str(hold)}, wait=False)
+        try:
+            _held(proc, hold)
+            stat = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            assert int(stat[16]) >= os.nice(0) + 10, (stat[16], os.nice(0))  # field 19: nice
+            assert ioprio_get(proc.pid) in ((IOPRIO_CLASS_IDLE, 0), (IOPRIO_CLASS_BE, 7)), ioprio_get(proc.pid)
+        finally:
+            proc.kill()
+        rc = proc.wait()
+    else:
+        rc, out, err = _worker(role_dir, *args, "--nice", "0", env={"MCORE_RL_CKPT_FAULT": f"hf_export_{phase}"})
+    assert rc == -signal.SIGKILL, (rc, phase == "merge" or err)
     hf = hf_dir_of(role_dir)
     assert export_state(role_dir) == export_state(role_dir, verify=True) == "partial"
     moved = sorted(n for n in os.listdir(hf) if n.startswith("model"))
@@ -306,38 +372,14 @@ def test_worker_killed_at_each_phase_then_cleaned_and_rerun(conv, tmp_path, phas
     assert moved == expect, f"after a kill at {phase}: {moved}"  # shards first, the index last
     assert _loads_complete_or_fails(hf, ref) == ("complete" if phase == "record" else "fails")
     assert clean_partial(role_dir) and export_state(role_dir) == "absent"
-    export_step(role_dir, spec, 1)
+    if phase == "record":
+        rc, out, err = _worker(role_dir, *args, "--nice", "0", "--threads", "2")
+        assert rc == 0 and err == "" and out.startswith(f"exported step 1 actor: {len(shards) + 1} file(s)"), (out, err)
+        assert "peak RSS" in out and "(nice " in out and "2 torch thread(s)" in out, out
+    else:
+        export_step(role_dir, spec, 1)
     assert export_state(role_dir, verify=True) == "complete" and _files(hf) == _files(ref)
     assert _loads_complete_or_fails(hf, ref) == "complete"
-
-
-def test_worker_runs_niced_at_idle_io_priority(conv, tmp_path):
-    from mcore_rl.checkpoint.child_process import IOPRIO_CLASS_BE, IOPRIO_CLASS_IDLE, ioprio_get
-    from mcore_rl.checkpoint.hf_export_record import export_state
-
-    spec = _spec(dtype="bf16")
-    role_dir = make_step(conv["llama"], str(tmp_path / "run"), spec=spec)
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    proc = _worker(role_dir, "--step", "1", "--dtype", "bf16", "--threads", "2", env={"MCORE_RL_CKPT_HOLD": str(hold)},
-                   wait=False)
-    try:
-        for _ in range(3000):
-            if any(n.startswith("hf_export_merge.") for n in os.listdir(hold)) or proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, proc.communicate()
-        stat = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
-        nice, threads = int(stat[16]), int(stat[17])
-        assert nice >= os.nice(0) + 10, (nice, os.nice(0))
-        assert ioprio_get(proc.pid) in ((IOPRIO_CLASS_IDLE, 0), (IOPRIO_CLASS_BE, 7)), ioprio_get(proc.pid)
-        (hold / "release").touch()
-        out, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0 and err.strip() == "", err
-    assert out.startswith("exported step 1 actor: 1 file(s)") and "2 thread(s)" in out, out
-    assert export_state(role_dir, verify=True) == "complete" and threads >= 1
 
 
 def test_worker_refuses_in_one_line(conv, tmp_path, capsys, monkeypatch):

@@ -165,7 +165,11 @@ def _lacking(root: str, steps: list[int]) -> dict[str, list[str]]:
     for step in steps:
         step_dir = os.path.join(root, step_name(step))
         for role in _hf_roles(step_dir):
-            state = hf_export_record.export_state(os.path.join(step_dir, role))
+            try:
+                state = hf_export_record.export_state(os.path.join(step_dir, role))
+            except CheckpointError as e:  # the step resumes all the same; its HF dir is left as it is
+                log.warning("cannot tell whether %s/%s has its HF export (%s); left as it is", step_dir, role, e)
+                continue
             if state in ("complete", "inline"):
                 continue
             if state == "partial":

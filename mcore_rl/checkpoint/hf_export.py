@@ -33,7 +33,7 @@ class ExportSpec:
     checkpoint's), shards of at most ``max_shard_size``, the block-FP8 format (``dtype="fp8"``)."""
 
     dtype: str | None = None
-    max_shard_size: str = "5GB"
+    max_shard_size: int | str = "5GB"
     fp8: BlockFp8 | None = None
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mcore_rl.checkpoint import model_record, storage
+from mcore_rl.checkpoint.inventory import parse_step_name
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.checksum import UnknownChecksumError, file_checksum
 from mcore_rl.fileio.files import fsync_path
@@ -100,10 +101,10 @@ def _valid_record(role_dir: str, hf_dir: str, source: str, verify: bool) -> dict
         record = storage.read_json(os.path.join(hf_dir, EXPORT_RECORD))
     except CheckpointError:
         return None
-    step = os.path.basename(os.path.dirname(role_dir))
+    step = parse_step_name(os.path.basename(os.path.dirname(role_dir)))
     files = record.get("files")
     if (record.get("written_by") != "mcore_rl" or record.get("writer") != WRITER or record.get("source") != source
-            or f"global_step_{record.get('step')}" != step or record.get("role") != os.path.basename(role_dir)
+            or record.get("step") != step or record.get("role") != os.path.basename(role_dir)
             or not isinstance(files, dict) or not files):
         return None
     for name, entry in files.items():

@@ -83,6 +83,7 @@ def export_step(role_dir: str, spec: ExportSpec, step: int) -> ExportResult:
     except ExportError:
         shutil.rmtree(target)  # nothing was moved: the step is as it was
         raise
+    _same_source(role_dir, found, target)
     moved = _move(target, found.hf_dir, weights)
     rec.write_record(role_dir, step, spec.dtype, found.source, found.source_file)
     shutil.rmtree(target)
@@ -91,6 +92,17 @@ def export_step(role_dir: str, spec: ExportSpec, step: int) -> ExportResult:
                      if not rel.startswith(os.path.relpath(info.hf_dir, role_dir) + os.sep))
     nbytes = sum(os.path.getsize(os.path.join(found.hf_dir, n)) for n in moved)
     return ExportResult(step, role, tuple(moved), nbytes, time.monotonic() - start, peak_rss_mb(), step_bytes)
+
+
+def _same_source(role_dir: str, found: rec.Survey, target: str) -> None:
+    """The step is still the one the export started from (its marker / PART unchanged): a save
+    that replaced the step meanwhile gets no weights of the old one (the staging dir is removed)."""
+    now = rec.survey(role_dir)
+    if now.source != found.source or now.uncovered or now.record_present:  # (its staging dir is there)
+        shutil.rmtree(target)
+        raise ExportError(f"{role_dir} changed while it was exported (its {found.source_file} or HF dir is not the one "
+                          "the export started from: a save replaced the step, or another exporter ran); nothing was "
+                          "moved: export the step again.")
 
 
 def _phase(name: str) -> None:

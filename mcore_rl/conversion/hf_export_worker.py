@@ -1,8 +1,8 @@
 """The background HF exporter as a process: ``python -m mcore_rl.conversion.hf_export_worker
 --role_dir global_step_N/<role> --step N [--dtype X] [--max_shard_size S] [--threads T]
-[--fp8_block_size R [C]] [--scale_fmt F]``.
+[--nice K] [--fp8_block_size R [C]] [--scale_fmt F]``.
 
-It lowers its own CPU priority (``nice``) and IO priority (idle, else best-effort 7), runs torch
+It lowers its own CPU priority (``nice``, by ``--nice``, default 10) and IO priority (idle, else best-effort 7), runs torch
 (and OpenMP / MKL) on ``--threads`` threads, exports the step (``hf_export.export_step``) and prints
 one summary line: exit 0. Bad input or a failed export: ONE ``error: ...`` line on stderr, exit 2,
 no traceback. The parent that starts it makes it die with the parent
@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                    "checkpoint's)")
     p.add_argument("--max_shard_size", default="5GB", help="largest shard (e.g. 5GB, 500MiB)")
     p.add_argument("--threads", type=_threads, default=1, help="torch / OpenMP / MKL threads (default 1)")
+    p.add_argument("--nice", type=int, choices=range(0, 20), default=10, metavar="0..19",
+                   help="how much to lower the CPU priority (default 10); the IO priority is idle either way")
     p.add_argument("--fp8_block_size", nargs="+", default=None, help="--dtype fp8: the block, e.g. 128 128")
     p.add_argument("--scale_fmt", default=None, help="--dtype fp8: the scale format (float, ue8m0)")
     return p
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         check_role_dir(args.role_dir, args.step)
         from mcore_rl.checkpoint.child_process import lower_priority
 
-        priority = lower_priority()
+        priority = lower_priority(args.nice)
         torch.set_num_threads(args.threads)
         result = export_step(args.role_dir, spec, args.step)
     except McoreRLError as e:
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line(f"exporting step {args.step} of {args.role_dir!r} failed: {type(e).__name__}: {e} (not a "
                          "refusal of mcore_rl's: report it with this line)"), file=sys.stderr, flush=True)
         return 2
-    print(f"{result.line()} ({priority}, {args.threads} thread(s))", flush=True)
+    print(f"{result.line()} ({priority}, {torch.get_num_threads()} torch thread(s))", flush=True)
     return 0
 
 

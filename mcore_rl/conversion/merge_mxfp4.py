@@ -25,7 +25,7 @@ import torch
 from mcore_rl.fileio.safetensors_write import TensorSpec
 from mcore_rl.mapping.mxfp4 import MXFP4Error, quantize_mxfp4
 from mcore_rl.mapping.mxfp4_format import BLOCK, BLOCKS_SUFFIX, BYTES_PER_BLOCK, SCALES_SUFFIX
-from mcore_rl.mapping.mxfp4_import import STORED_MXFP4 as MXFP4_STORED  # noqa: F401 - the record's word for blocks + scales
+from mcore_rl.mapping.mxfp4_import import STORED_MXFP4 as MXFP4_STORED  # noqa: F401 - the record's word (re-exported)
 from mcore_rl.mapping.mxfp4_formats import (  # noqa: F401 - re-exported: callers import them from here
     MXFP4_ARCHS, PUBLISHED_NOT_CONVERTED, Mxfp4ExportError, check_arch, mxfp4_formats, quantization_config,
 )
