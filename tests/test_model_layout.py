@@ -114,6 +114,8 @@ def test_verl_manifest_names_where_each_content_is(tmp_path):
     assert sorted(data["directories"]) == ["model/dist_ckpt", "model/huggingface"]
     bare = contents_manifest.build(VERL_V2, "critic", 1, ("model",), 1, None, False, False, False)
     assert sorted(bare["contents"]) == ["hf_config", "model"]
+    no_hf = contents_manifest.build(VERL_V2, "critic", 1, ("model", "hf_model"), 1, None, False, False, False, False)
+    assert sorted(no_hf["contents"]) == ["model"] and sorted(no_hf["directories"]) == ["model/dist_ckpt"]
     shutil.rmtree(VERL_V2.hf_dir(role_dir))
     with pytest.raises(CheckpointError, match=r"names \['model/huggingface'\], which .* does not hold"):
         contents_manifest.check(VERL_V2, role_dir)

@@ -26,10 +26,11 @@ _DIST = "megatron_dist_checkpoint"
 
 
 def build(layout: ModelLayout, role: str, step: int, contents: tuple[str, ...], world_size: int,
-          arch: str | None, scheduler: bool, lora: bool, tokenizer: bool) -> dict[str, Any]:
+          arch: str | None, scheduler: bool, lora: bool, tokenizer: bool, hf_files: bool = True) -> dict[str, Any]:
     """The manifest of a role directory in ``layout`` holding ``contents`` (mcore_rl's
     save_contents: model / optimizer / extra / hf_model) of ``step``; ``scheduler``: the engine
-    has an LR scheduler (saved with ``extra``); ``tokenizer``: the HF dir holds one."""
+    has an LR scheduler (saved with ``extra``); ``tokenizer``: the HF dir holds one; ``hf_files``:
+    the HF dir exists (a save without HF sources and without ``hf_model`` writes none)."""
     dist, hf = layout.dist, layout.hf
     entries: dict[str, dict] = {}
     if "model" in contents:
@@ -45,19 +46,21 @@ def build(layout: ModelLayout, role: str, step: int, contents: tuple[str, ...], 
                                        "note": f"saved with 'extra' in {dist}/ (verl keeps it with the optimizer)"}
         entries["rng_state"] = {"path": dist, "format": _DIST, "key": "rng_state",
                                 "note": "mcore_rl's RNG payload, one object per global rank (not verl's rng format)"}
-    entries["hf_config"] = {"path": hf, "format": "huggingface",
-                            "note": "config.json, tokenizer, and optional generation_config.json"}
-    if tokenizer:
+    if hf_files:
+        entries["hf_config"] = {"path": hf, "format": "huggingface",
+                                "note": "config.json, tokenizer, and optional generation_config.json"}
+    if tokenizer and hf_files:
         entries["tokenizer"] = {"path": hf, "format": "huggingface"}
-    if "hf_model" in contents:
+    if "hf_model" in contents and hf_files:
         entries["hf_model"] = {"path": hf, "format": "huggingface",
                                "note": f"HF export alongside Megatron model shards under {dist}/"}
     saved = [c for c in ("optimizer", "extra") if c in contents]
     directories = {dist: "Megatron dist_checkpointing shards (mcore_rl: one checkpoint per role) for the model "
                          f"weights{' and ' + ' and '.join(saved) + ' state' if saved else ''}, under the keys "
-                         "'contents' names; there is no optimizer/ or extra/ tree.",
-                   hf: "HuggingFace-format artifacts: config.json, tokenizer files, optional generation_config.json"
-                       + (", and the HF weights" if "hf_model" in contents else "") + "."}
+                         "'contents' names; there is no optimizer/ or extra/ tree."}
+    if hf_files:
+        directories[hf] = ("HuggingFace-format artifacts: config.json, tokenizer files, optional generation_config.json"
+                           + (", and the HF weights" if "hf_model" in contents else "") + ".")
     return {"schema_version": SCHEMA_VERSION, "framework": "megatron", "role": role, "arch": arch,
             "global_step": int(step), "world_size": int(world_size),
             "backend": {"has_bridge": False, "use_dist_checkpointing": True, "peft": lora, "engine": "mcore_rl"},

@@ -282,7 +282,7 @@ class CheckpointManager:
             contents_manifest.write(self.layout, role_dir, contents_manifest.build(
                 self.layout, role, step, tuple(meta["contents"]), meta["layout"]["world_size"],
                 contents_manifest.hf_arch(hf_dir), scheduler, "lora" in meta,
-                os.path.isfile(os.path.join(hf_dir, "tokenizer_config.json"))))
+                os.path.isfile(os.path.join(hf_dir, "tokenizer_config.json")), os.path.isdir(hf_dir)))
 
     # ---- finish: manifest -> copies between nodes -> checks -> marker -> tracker -> retention --
     def _finish(self, p: _Pending) -> None:
