@@ -345,10 +345,16 @@ def _critic_leg(hf_critic: str, tmp: str) -> dict:
     from mcore_rl.lora.layers import merged_tensor_of
     from mcore_rl.models.hf_weights import export_hf
 
-    root = f"{tmp}/critic"
+    import shutil
+
+    root, source = f"{tmp}/critic", f"{tmp}/critic_hf_files"  # the run's HF files: a chat template the base lacks
+    os.makedirs(source)
+    shutil.copyfile(os.path.join(hf_critic, "config.json"), os.path.join(source, "config.json"))
+    with open(os.path.join(source, "chat_template.jinja"), "w") as f:
+        f.write("{{ messages }}\n")
     engine, critic = build(hf_critic, {}, seed=1, role="critic")
     train(critic, range(1))
-    saver = manager(root, hf_sources={"critic": hf_critic}, save_contents=HF_MODEL)
+    saver = manager(root, hf_sources={"critic": source}, save_contents=HF_MODEL)
     saver.save(1, {"critic": engine}, {"step": 1})
     saver.close()  # waits for the export
     out = {"at_save": {"adapters": adapters_full(engine), "base": base_full(engine)},

@@ -131,6 +131,7 @@ def test_critic_value_head_moe_bias_and_merged_export(tmp_path):
         assert e["state"] == "complete" and e["files"] == e["merge_files"] and not e["differ"], e
         assert "model.safetensors" in e["files"] and e["config"]["dtype"] == e["config"]["torch_dtype"] == "float32"
     assert c["export"]["config"]["architectures"] == ["LlamaForTokenClassification"], c["export"]["config"]
+    assert "chat_template.jinja" in c["export"]["files"]  # the step's own HF files (the run's), not its base's
     assert m["export"]["log_prob_gap"] <= 1e-5, m["export"]["log_prob_gap"]
     bias = [k for k in m["at_save"] if k.endswith("e_score_correction_bias")]
     assert bias and all(not torch.equal(m["at_save"][k], m["fresh"][k]) for k in bias)  # it moved
