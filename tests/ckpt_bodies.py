@@ -95,11 +95,13 @@ def hf_params(engine) -> dict[str, torch.Tensor]:
     return {k: v.float().clone() for k, v in export_hf(engine.model, engine.args, engine.role).items()}
 
 
-def manager(root: str, **kw):
+def manager(root: str, hf_sources: dict | None = None, exports=None, **kw):
+    """A CheckpointManager of ``CheckpointConfig(root=root, **kw)`` (``hf_sources``, ``exports``:
+    the manager's own arguments)."""
     from mcore_rl.checkpoint.config import CheckpointConfig
     from mcore_rl.checkpoint.manager import CheckpointManager
 
-    return CheckpointManager(CheckpointConfig(root=root, **kw))
+    return CheckpointManager(CheckpointConfig(root=root, **kw), hf_sources=hf_sources, exports=exports)
 
 
 def opt_state_hf(engine, key: str) -> dict[str, torch.Tensor]:

@@ -234,6 +234,7 @@ def checks_run(hf_a: str, hf_b: str, hf_copy: str, tmp: str) -> dict:
     out["merge"] = {}
     for name, step in (("hf_base", lora),):  # (the model-directory base here has no huggingface/: unmergeable)
         out["merge"][name] = _offline_merge(f"{step}/global_step_1/actor", f"{tmp}/merged_{name}")
+    out["merge_dtypes"] = _merge_dtypes(f"{lora}/global_step_1/actor", tmp)
     out["edited"] = _edited_base_refused(hf_a, lora, tmp)
     return out
 
@@ -281,33 +282,87 @@ def _edited_base_refused(hf_a: str, lora: str, tmp: str) -> dict:
     return out
 
 
-def _offline_merge(local_dir: str, target: str) -> dict:
+def _merge_dtypes(local_dir: str, tmp: str) -> dict:
+    """The adapter-only step merged with ``dtype`` bf16 (its tensors, config.json dtype) beside
+    the merge without (config.json dtype), and the message refusing ``dtype`` fp8."""
+    import json
+
+    from mcore_rl.conversion.merge import MergeError, merge
+
+    out = {"bf16": _offline_merge(local_dir, f"{tmp}/merged_bf16", dtype="bf16")}
+    for name in ("merged_bf16", "merged_hf_base"):
+        with open(f"{tmp}/{name}/config.json") as f:
+            out[f"{name}_config"] = json.load(f)["dtype"]
+    try:
+        merge(local_dir, f"{tmp}/merged_fp8", dtype="fp8")
+        out["fp8"] = ""
+    except MergeError as e:
+        out["fp8"] = str(e)
+    out["fp8_target"] = os.path.exists(f"{tmp}/merged_fp8")
+    return out
+
+
+def _offline_merge(local_dir: str, target: str, dtype: str | None = None) -> dict:
     """converters' merge of an adapter-only step with its base: the HF tensors it wrote."""
     from mcore_rl.conversion.merge import merge
     from mcore_rl.mapping.hf_io import SafetensorsReader
 
-    merge(local_dir, target)
+    merge(local_dir, target, dtype=dtype)
     written = SafetensorsReader(target)
     return {k: written[k] for k in written}
 
 
-def _critic_leg(hf_critic: str, tmp: str) -> dict:
-    """A LoRA critic (value head trained in full) saved with its merged HF export, resumed."""
-    from mcore_rl.mapping.hf_io import SafetensorsReader
-    from mcore_rl.models.hf_weights import export_hf
-    from mcore_rl.lora.layers import merged_tensor_of
+HF_MODEL = ("model", "optimizer", "extra", "hf_model")
 
-    root = f"{tmp}/critic"
+
+def _exported(role_dir: str, target: str) -> dict:
+    """The role's background HF export (the manager closed: exports done): its state (checksums
+    verified), its files and ``mcore_to_hf.py merge``'s of the step (into ``target``) but the
+    records, the names that differ in bytes, its config.json and its tensors."""
+    import filecmp
+    import json
+
+    from mcore_rl.checkpoint.hf_export_record import export_state, hf_dir_of
+    from mcore_rl.fileio.output_dir import EXPORT_RECORD
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+
+    hf = hf_dir_of(role_dir)
+    state = export_state(role_dir, verify=True)
+    _offline_merge(role_dir, target)
+    ours, theirs = (sorted(set(os.listdir(d)) - {EXPORT_RECORD}) for d in (hf, target))
+    differ = [n for n in ours if n not in theirs or not filecmp.cmp(os.path.join(hf, n), os.path.join(target, n),
+                                                                     shallow=False)]
+    written = SafetensorsReader(hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    return {"state": state, "files": ours, "merge_files": theirs, "differ": differ, "config": config,
+            "tensors": {k: written[k].clone() for k in written}, "dir": hf}
+
+
+def _critic_leg(hf_critic: str, tmp: str) -> dict:
+    """A LoRA critic (value head trained in full) saved with ``hf_model`` (its merged weights
+    exported in the background), merged offline, resumed."""
+    from mcore_rl.lora.layers import merged_tensor_of
+    from mcore_rl.models.hf_weights import export_hf
+
+    import shutil
+
+    root, source = f"{tmp}/critic", f"{tmp}/critic_hf_files"  # the run's HF files: a chat template the base lacks
+    os.makedirs(source)
+    shutil.copyfile(os.path.join(hf_critic, "config.json"), os.path.join(source, "config.json"))
+    with open(os.path.join(source, "chat_template.jinja"), "w") as f:
+        f.write("{{ messages }}\n")
     engine, critic = build(hf_critic, {}, seed=1, role="critic")
     train(critic, range(1))
-    manager(root, save_contents=("model", "optimizer", "extra", "hf_model")).save(1, {"critic": engine}, {"step": 1})
+    saver = manager(root, hf_sources={"critic": source}, save_contents=HF_MODEL)
+    saver.save(1, {"critic": engine}, {"step": 1})
+    saver.close()  # waits for the export
     out = {"at_save": {"adapters": adapters_full(engine), "base": base_full(engine)},
            "merged": {k: v.clone() for k, v in export_hf(engine.model, engine.args, "critic",
                                                            merged_tensor_of(engine.model)).items()}}
-    exported = SafetensorsReader(f"{root}/global_step_1/critic/huggingface")
-    out["exported"] = {k: exported[k] for k in exported}
     out["keys"] = _saved(f"{root}/global_step_1", "critic")[0]
-    out["offline"] = _offline_merge(f"{root}/global_step_1/critic", f"{tmp}/critic_merged")
+    out["export"] = _exported(f"{root}/global_step_1/critic", f"{tmp}/critic_merged")
+    out["offline"] = out["export"].pop("tensors")
     destroy()
     engine, _ = build(hf_critic, {}, seed=77, role="critic")
     manager(root).resume({"critic": engine})
@@ -317,8 +372,14 @@ def _critic_leg(hf_critic: str, tmp: str) -> dict:
 
 
 def _moe_leg(hf_moe: str, tmp: str) -> dict:
-    """A LoRA glm4_moe actor whose router correction bias moves in training: saved, resumed."""
+    """A LoRA glm4_moe actor whose router correction bias moves in training: saved with
+    ``hf_model`` (exported in the background; transformers' log-probs of the export against the
+    engine's), resumed."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.ckpt_bodies import step_batch
     from tests.steps import EXACT_MOE
+    from tests.tiny import hf_log_probs
 
     moe = dict(EXACT_MOE, expert_bias_update_rate=0.01)
     engine, actor = build(hf_moe, {}, seed=1, moe=moe)
@@ -326,16 +387,25 @@ def _moe_leg(hf_moe: str, tmp: str) -> dict:
     from mcore_rl.models.hf_weights import export_hf
     from mcore_rl.lora.layers import merged_tensor_of
 
-    manager(f"{tmp}/moe").save(1, {"actor": engine}, {"step": 1})
+    saver = manager(f"{tmp}/moe", hf_sources={"actor": hf_moe}, save_contents=HF_MODEL)
+    saver.save(1, {"actor": engine}, {"step": 1})
+    saver.close()  # waits for the export
     at_save = base_full(engine)
     merged = {k: v.clone() for k, v in export_hf(engine.model, engine.args, "actor",
                                                  merged_tensor_of(engine.model)).items()}
-    offline = _offline_merge(f"{tmp}/moe/global_step_1/actor", f"{tmp}/moe_merged")
+    exported = _exported(f"{tmp}/moe/global_step_1/actor", f"{tmp}/moe_merged")
+    offline = exported.pop("tensors")
+    batch = step_batch(engine.args.vocab_size, 5)
+    mine = actor.compute_log_prob(batch)["log_probs"]
+    hf = AutoModelForCausalLM.from_pretrained(exported["dir"], attn_implementation="eager",
+                                              dtype=torch.float32).eval()
+    exported["log_prob_gap"] = float((hf_log_probs(hf, batch)[0] - mine).abs().max())
     destroy()
     engine, _ = build(hf_moe, {}, seed=77, moe=moe)
     fresh = base_full(engine)
     manager(f"{tmp}/moe").resume({"actor": engine})
-    out = {"at_save": at_save, "fresh": fresh, "loaded": base_full(engine), "merged": merged, "offline": offline}
+    out = {"at_save": at_save, "fresh": fresh, "loaded": base_full(engine), "merged": merged, "offline": offline,
+           "export": exported}
     destroy()
     return out
 

@@ -1,10 +1,16 @@
 """What CheckpointManager.save writes and what manager.resume refuses, on one TP=2 save (world 2):
 
-- ``hf_model`` in save_contents: ``actor/huggingface/`` holds safetensors shards of at most
-  ``hf_max_shard_size`` (a larger tensor alone) with an index, written bucket by bucket, holding
-  exactly the HF model's names and full (TP-gathered) shapes, the engine's exported values, and loads with
-  ``AutoModelForCausalLM.from_pretrained`` (config.json beside it) without missing or unexpected
-  keys into a model whose log-probs equal the engine's; ``hf_model`` in load_contents is refused.
+- ``hf_model`` in save_contents with ``async_save``: the save writes no HF weights; once the step
+  is complete, rank 0's background exporter (held here after its merge) writes them while
+  training goes on. ``actor/huggingface/`` then holds safetensors shards of at most
+  ``hf_max_shard_size`` (a larger tensor alone) with an index and the export's record, holding
+  exactly the HF model's names and full (TP-gathered) shapes and the engine's exported values at
+  the save, equal to ``mcore_to_hf.py merge`` of the step byte for byte, and loads with
+  ``AutoModelForCausalLM.from_pretrained`` without missing or unexpected keys into a model whose
+  log-probs equal the engine's at the save (<= 1e-5, fp32). The next step's exporter, SIGKILLed
+  after its first weight file moved, is one error on both ranks at the next save; a fresh manager's
+  resume cleans the partial export (one line) and exports that step again. ``hf_model`` in
+  load_contents is refused; the export keys' values are checked.
 - planted pickles (``os.system`` through ``__reduce__``) in the saved ``.metadata``, in the RNG
   ShardedObject payloads and in ``common.pt`` of a manager checkpoint make ``manager.resume``
   raise UnsafeCheckpointError naming the file and the refused global; the planted command never
@@ -20,8 +26,10 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -42,12 +50,12 @@ def _config():
     return tiny_config("llama", num_hidden_layers=2)  # what tests.ckpt_util.engine builds
 
 
-def _manager(root: str, **kw):
+def _manager(root: str, exports=None, **kw):
     from mcore_rl.checkpoint.config import CheckpointConfig
     from mcore_rl.checkpoint.manager import CheckpointManager
 
     layout = kw.pop("layout", None)
-    return CheckpointManager(CheckpointConfig(root=root, **kw), hf_sources={"actor": _config()},
+    return CheckpointManager(CheckpointConfig(root=root, **kw), hf_sources={"actor": _config()}, exports=exports,
                              **({"layout": layout} if layout else {}))
 
 
@@ -73,21 +81,81 @@ def _resume_planted(eng, base: str, step_dir: str, name: str) -> dict:
     return {"error": error, "ran": sorted(os.path.basename(p) for p in glob.glob(marker + ".*"))}
 
 
-def _save_then_attack(base: str) -> dict:
+def _error(call) -> str | None:
+    from mcore_rl.errors import CheckpointError
+
+    try:
+        call()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def _export_in_background(eng, base: str) -> dict:
+    """Async save of step 1 with hf_model, its exporter held after the merge while a training step
+    runs; step 2's exporter killed after its first file moved; a fresh manager's resume."""
+    from mcore_rl.checkpoint.export_queue import ExportQueue, worker_command
+    from mcore_rl.fileio.faults import ENV, HOLD_ENV
     from mcore_rl.models.hf_weights import export_hf
     from mcore_rl.rl.actor import Actor, ActorConfig
 
+    rank0, root, hold = torch.distributed.get_rank() == 0, os.path.join(base, "ckpt"), os.path.join(base, "hold")
+    env = [f"{HOLD_ENV}={hold}"]  # the exporter's alone (the async writers are not held)
+    queue = ExportQueue(command=lambda t, n: ["env", *env, *worker_command(t, n)])
+    mgr = _manager(root, queue, save_contents=SAVE, hf_max_shard_size=SHARD, async_save=True)
+    out = {"log_probs": Actor(eng, ActorConfig(micro_batch_size=2)).compute_log_prob(rl_batch(200))["log_probs"],
+           "tp_local": {n: tuple(p.shape) for n, p in eng.model[0].named_parameters()}}
+    exported = export_hf(eng.model, eng.args, "actor")
+    if rank0:
+        out["exported"] = {k: v.detach().clone() for k, v in exported.items()}
+    out["step_dir"] = mgr.save(1, {"actor": eng}, {"step": 1})
+    mgr.wait()  # the step is complete: marker, tracker; its export starts now
+    hf_dir = os.path.join(out["step_dir"], "actor", "huggingface")
+    while rank0 and not any(n.startswith("hf_export_merge.") for n in os.listdir(hold)):
+        time.sleep(0.02)
+    torch.distributed.barrier()
+    out["in_flight"] = {"complete": mgr.complete_steps(), "hf": sorted(os.listdir(hf_dir)),
+                        "running": sorted(queue.running_steps())}
+    train_step(eng, 1)  # training goes on while the export runs
+    torch.distributed.barrier()
+    if rank0:
+        open(os.path.join(hold, "release"), "w").close()
+    mgr.wait_exports()
+    env[:] = [f"{ENV}=hf_export_move"]
+    mgr.save(2, {"actor": eng}, {"step": 2})
+    mgr.wait()
+    while queue.busy():
+        time.sleep(0.02)
+    torch.distributed.barrier()
+    out["raised"] = _error(lambda: mgr.save(3, {"actor": eng}, {"step": 3}))
+    out["closed"] = _error(mgr.close)
+    lines = _Lines()
+    logging.getLogger("mcore_rl").addHandler(lines)
+    rerun = _manager(root, save_contents=SAVE, hf_max_shard_size=SHARD)  # a later start of the job
+    rerun.resume({"actor": eng})
+    rerun.wait_exports()
+    logging.getLogger("mcore_rl").removeHandler(lines)
+    out["rerun"] = [ln for ln in lines.lines if "HF export" in ln]
+    return out
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _save_then_attack(base: str) -> dict:
     eng = engine(dict(tp=2))
     train_step(eng, 0)  # values away from the init: an export of stale weights would differ
+    logging.getLogger("mcore_rl").setLevel(logging.INFO)
     with writer_processes_allowed():
-        step_dir = _manager(os.path.join(base, "ckpt"), save_contents=SAVE, hf_max_shard_size=SHARD).save(1, {"actor": eng}, {"step": 1})
-        out = {"step_dir": step_dir, "tp_local": {n: tuple(p.shape) for n, p in eng.model[0].named_parameters()}}
-        exported = export_hf(eng.model, eng.args, "actor")
-        if torch.distributed.get_rank() == 0:
-            out["exported"] = {k: v.detach().clone() for k, v in exported.items()}
-        out["log_probs"] = Actor(eng, ActorConfig(micro_batch_size=2)).compute_log_prob(rl_batch(200))["log_probs"]
+        out = _export_in_background(eng, base)
         for name in PLANTS:
-            out[name] = _resume_planted(eng, base, step_dir, name)
+            out[name] = _resume_planted(eng, base, out["step_dir"], name)
         out["verl_v2"] = _verl_v2_roundtrip(eng, base)
     return out
 
@@ -140,7 +208,30 @@ def _verl_v2_roundtrip(eng, base: str) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("manager_files"))
+    os.makedirs(os.path.join(base, "hold"))
     return run_ranks(2, _save_then_attack, base, daemon=False)
+
+
+def test_hf_model_is_exported_in_the_background_and_equals_merge(saved, tmp_path):
+    from tests.test_ckpt_hf_export import same_as_merge
+
+    for rank, r in enumerate(saved):  # the step complete, the export held: no weights in the HF dir yet
+        assert r["in_flight"] == {"complete": [1], "hf": ["config.json"], "running": [1] if rank == 0 else []}, r
+    step_dir = saved[0]["step_dir"]
+    assert same_as_merge(os.path.join(step_dir, "actor"), str(tmp_path / "merged"), max_shard_size=SHARD) == []
+    record = json.load(open(os.path.join(step_dir, "actor", "huggingface", "mcore_rl_export.json")))
+    assert (record["writer"], record["step"], record["role"]) == ("background export", 1, "actor"), record
+    # step 2's exporter killed after its first weight file moved: one error, the same on both ranks
+    raised = [r["raised"] for r in saved]
+    assert raised[0] == raised[1] and raised[0] is not None, raised
+    assert "the HF export of step 2 role actor on node 0 failed: the exporter was killed by signal 9" in raised[0]
+    assert [r["closed"] for r in saved] == [None, None]  # raised once, at the save
+    rerun = saved[0]["rerun"]
+    assert len([ln for ln in rerun if ln.startswith("removed partial HF export")]) == 1, rerun
+    assert "global_step_2/actor/huggingface/model-00001-of-" in rerun[0], rerun
+    assert any(ln.startswith("HF exports missing or partial for step(s) [2]: exporting [2] again") for ln in rerun)
+    step2 = os.path.join(os.path.dirname(step_dir), "global_step_2", "actor")
+    assert same_as_merge(step2, str(tmp_path / "merged2"), max_shard_size=SHARD) == []
 
 
 def test_hf_model_safetensors_are_the_full_hf_state(saved):
@@ -153,7 +244,8 @@ def test_hf_model_safetensors_are_the_full_hf_state(saved):
     shards = sorted(set(index["weight_map"].values()))
     n = len(shards)
     assert n > 2 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert sorted(os.listdir(hf_dir)) == sorted(["config.json", "model.safetensors.index.json", *shards])
+    assert sorted(os.listdir(hf_dir)) == sorted(["config.json", "model.safetensors.index.json", *shards,
+                                                 "mcore_rl_export.json"])
     written = {}
     for shard in shards:
         part = load_file(os.path.join(hf_dir, shard))
@@ -182,7 +274,7 @@ def test_hf_model_safetensors_are_the_full_hf_state(saved):
     theirs, _ = hf_log_probs(model.eval(), rl_batch(200))
     assert ours.abs().max() > 1.0  # real log-probs, not an all-masked batch
     diff = float((ours - theirs).abs().max())
-    assert diff <= 1e-4, f"log-probs of the HF model from model.safetensors differ by {diff}"
+    assert diff <= 1e-5, f"log-probs of the HF model from model.safetensors differ by {diff}"
 
 
 def _full_rows(name: str, written: dict) -> int:
@@ -201,6 +293,30 @@ def test_load_contents_may_not_hold_hf_model():
     with pytest.raises(CheckpointError, match=r"load_contents may not hold 'hf_model'.*load 'model' instead"):
         CheckpointConfig(load_contents=("model", "hf_model"))
     assert "hf_model" in CheckpointConfig(save_contents=SAVE).save_contents  # fine for saving
+
+
+@pytest.mark.parametrize("override,error", [
+    ("hf_dtype=int8", "checkpoint.hf_dtype='int8'; use one of ['fp32', 'bf16', 'fp16', 'fp8', 'mxfp4'] or null"),
+    ("hf_export_threads=0", "checkpoint.hf_export_threads=0 must be an integer >= 1"),
+    ("hf_export_supersede=maybe", "checkpoint.hf_export_supersede: expected bool, got 'maybe'"),
+    ("hf_export_wait_at_close=soon", "checkpoint.hf_export_wait_at_close: expected bool, got 'soon'"),
+])
+def test_export_keys_in_the_job_config(override, error):
+    from mcore_rl.checkpoint.config import CheckpointConfig
+    from mcore_rl.config_loader import ConfigError, load_config
+    from mcore_rl.errors import CheckpointError
+    from mcore_rl.job.schema import JobConfig
+
+    cfg = load_config(JobConfig, "configs/grpo_demo.yaml", ["checkpoint.hf_dtype=fp8", "checkpoint.hf_export_threads=3",
+                                                            "checkpoint.hf_export_supersede=false",
+                                                            "checkpoint.hf_export_wait_at_close=false"])
+    c = cfg.checkpoint
+    assert (c.hf_dtype, c.hf_export_threads, c.hf_export_supersede, c.hf_export_wait_at_close) == ("fp8", 3, False, False)
+    with pytest.raises(ConfigError) as raised:
+        load_config(JobConfig, "configs/grpo_demo.yaml", [f"checkpoint.{override}"])
+    assert error in str(raised.value), str(raised.value)
+    with pytest.raises(CheckpointError, match="hf_export_wait_at_close=None must be true or false"):
+        CheckpointConfig(hf_export_wait_at_close=None)  # built in code, not through the loader
 
 
 @pytest.mark.parametrize("name,file", [("metadata", ".metadata"), ("payload", ".distcp"),

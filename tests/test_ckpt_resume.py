@@ -3,7 +3,11 @@ with the next 2 steps running while it is written) + a fresh world (other init s
 resumes + 2 steps (parameters, optimizer state, metrics identical bitwise)
 at TP=2+SP, PP=2xVPP=2 (bf16), DP=2 (critic) and EP=2 (MoE); negative controls show that RNG
 restore and optimizer restore are what make it exact. The scheduler fix is
-shown to be needed by a second load into one engine."""
+shown to be needed by a second load into one engine.
+
+EP=2 MoE's async save also has ``hf_model``: its background export (run while the next 2 steps
+train) holds the engine's HF weights at the save, equals ``mcore_to_hf.py merge`` of the step byte
+for byte, and transformers computes the log-probs of the resumed engine from it (<= 1e-5, fp32)."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +17,7 @@ from tests.ckpt_bodies import (build_engine, hf_dir_for, hf_params, manager, opt
                                train)
 from tests.dist import run_ranks
 
+HF_CASE = "ep2_moe"  # its async save has hf_model: exported in the background
 CASES = {  # name -> (world, layout, model_type, role, bf16)
     "tp2_sp": (2, dict(tp=2, sequence_parallel=True), "llama", "actor", False),
     "pp2_vpp2_bf16": (2, dict(pp=2, vpp=2), "qwen2", "actor", True),
@@ -25,23 +30,30 @@ CASES = {  # name -> (world, layout, model_type, role, bf16)
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
 
-def _save_run(hf_dir, layout, role, bf16, root) -> dict:
+def _save_run(hf_dir, layout, role, bf16, root, hf_model=False) -> dict:
     """2 steps, a sync save and an async save, 2 more steps (the async write in flight while
-    they run) in one world: the reference for both kinds of save."""
+    they run) in one world: the reference for both kinds of save. ``hf_model``: the async save
+    exports the HF weights in the background."""
     engine, model = build_engine(hf_dir, layout, role, bf16, seed=1)
     train(model, range(2))
     at_save = optimizer_fingerprint(engine)
+    hf_at_save = hf_params(engine) if hf_model else None
     rng = torch.get_rng_state()
     manager(f"{root}/sync").save(2, {role: engine}, {"step": 2})
-    pending = manager(f"{root}/async", async_save=True)
+    export = dict(save_contents=("model", "optimizer", "extra", "hf_model"), hf_sources={role: hf_dir}) if hf_model else {}
+    pending = manager(f"{root}/async", async_save=True, **export)
     pending.save(2, {role: engine}, {"step": 2})
     assert torch.equal(rng, torch.get_rng_state())  # saving consumes no randomness: run stays straight
-    metrics = train(model, range(2, 4))
-    assert pending.wait() == 2
-    return {"metrics": metrics, "params": hf_params(engine), "opt_at_save": at_save}
+    metrics = []
+    for step in (2, 3):  # polls as the job does: the export may start while training goes on
+        metrics += train(model, range(step, step + 1))
+        pending.poll()
+    pending.wait()
+    pending.close()  # waits for the export
+    return {"metrics": metrics, "params": hf_params(engine), "opt_at_save": at_save, "hf_at_save": hf_at_save}
 
 
-def _resume_run(hf_dir, layout, role, bf16, root) -> dict:
+def _resume_run(hf_dir, layout, role, bf16, root, hf_model=False) -> dict:
     """A fresh world with another init seed: resume from each save, 2 steps; then again without
     the RNG."""
     from megatron.core import tensor_parallel
@@ -56,6 +68,11 @@ def _resume_run(hf_dir, layout, role, bf16, root) -> dict:
     torch.manual_seed(4321)  # negative control: what a resume without RNG restore sees
     tensor_parallel.model_parallel_cuda_manual_seed(4321)
     out["metrics_no_rng"] = train(model, range(2, 4))
+    if hf_model:  # the engine at the async step: the log-probs its HF export must give
+        from tests.tiny import rl_batch
+
+        manager(f"{root}/async").resume({role: engine})
+        out["log_probs"] = model.compute_log_prob(rl_batch(engine.args.vocab_size))["log_probs"]
     return out
 
 
@@ -64,8 +81,11 @@ def test_resume_is_bit_exact(case, tmp_path):
     world, layout, model_type, role, bf16 = CASES[case]
     hf_dir = hf_dir_for(str(tmp_path), model_type, role)
     root = str(tmp_path / "ckpt")
-    ref = run_ranks(world, _save_run, hf_dir, layout, role, bf16, root, daemon=False)
-    res = run_ranks(world, _resume_run, hf_dir, layout, role, bf16, root, daemon=False)
+    hf_model = case == HF_CASE
+    ref = run_ranks(world, _save_run, hf_dir, layout, role, bf16, root, hf_model, daemon=False)
+    res = run_ranks(world, _resume_run, hf_dir, layout, role, bf16, root, hf_model, daemon=False)
+    if hf_model:
+        _check_export(f"{root}/async/global_step_2/{role}", ref[0]["hf_at_save"], res[0]["log_probs"], tmp_path)
     for r in range(world):
         a = ref[r]
         for kind in ("sync", "async"):
@@ -85,6 +105,25 @@ def test_resume_is_bit_exact(case, tmp_path):
         assert any(not torch.equal(a["opt_at_save"][k], v) for k, v in res[r]["opt_fresh"].items() if k in a["opt_at_save"])
         # control: without the RNG restore the dropout masks differ and so do the metrics
         assert res[r]["metrics_no_rng"] != a["metrics"]
+
+
+def _check_export(role_dir: str, at_save: dict, log_probs: torch.Tensor, tmp_path) -> None:
+    """The background export: the weights at the save, ``merge``'s bytes, the engine's log-probs."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_ckpt_hf_export import same_as_merge
+    from tests.tiny import hf_log_probs, rl_batch
+
+    hf_dir = f"{role_dir}/huggingface"
+    assert same_as_merge(role_dir, str(tmp_path / "merged")) == []
+    written = load_file(f"{hf_dir}/model.safetensors")
+    assert written.keys() == at_save.keys() and all(torch.equal(v, at_save[k]) for k, v in written.items())
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    theirs, _ = hf_log_probs(model, rl_batch(model.config.vocab_size))
+    assert log_probs.abs().max() > 1.0
+    diff = float((log_probs - theirs).abs().max())
+    assert diff <= 1e-5, f"log-probs of the exported HF model differ from the engine's by {diff}"
 
 
 def _load_with_fix_reverted(hf_dir, root, fix) -> dict:

@@ -69,3 +69,35 @@ def test_seal_problems_name_the_part_and_the_nodes():
     assert role_parts.seal_problems(found, 5) == ["the nodes hold different actor part records"]
     assert role_parts.seal_problems(_survey({5: _open(held=())}, tracker=5), 5) == [
         "it holds no role part with a record"]
+
+
+def test_hf_export_staging_is_neither_a_part_nor_a_trainer_file_and_goes_with_its_part(tmp_path):
+    """A background HF export stages its merge beside the part (``hf_export_record.staging_dir``,
+    merge's own staging dirs of it beside that): sealing never records it as the trainer's, a
+    save of the next role continues the step, and the part's removal takes it along."""
+    import math
+    import os
+    import shutil
+
+    from mcore_rl.checkpoint.hf_export_record import staging_dir
+    from mcore_rl.fileio.staging import Staging
+
+    step = tmp_path / "global_step_4"
+    for role in ("actor", "critic"):
+        (step / role).mkdir(parents=True)
+    role_parts.write_part(str(step / "actor" / "PART"), role_parts.PartRecord(4, "actor", 1.0, {}))
+    (step / "data.pt").write_bytes(b"verl")
+    staged = {}
+    for role in ("actor", "critic"):
+        target = staging_dir(str(step / role))
+        os.makedirs(target)
+        (step / os.path.basename(target) / "model.safetensors").write_bytes(b"w")
+        staged[role] = [os.path.basename(target), os.path.basename(Staging.create(target).path)]
+    assert all(role_parts.export_staging(n, r) for r, names in staged.items() for n in names), staged
+    assert not role_parts.export_staging(staged["critic"][0], "actor") and not role_parts.export_staging("actor")
+    assert set(role_parts.trainer_files(str(step), ["actor", "critic"])) == {"data.pt"}
+    os.remove(step / "data.pt")
+    shutil.rmtree(step / "critic")
+    assert role_parts.continues(str(step), "critic", -math.inf)  # the actor's export staging is ours
+    role_parts.remove_part(str(step), "actor")
+    assert sorted(os.listdir(step)) == sorted(staged["critic"])

@@ -116,7 +116,7 @@ def _job_args(steps: int, base: str) -> list[str]:
     """The tiny GRPO demo of tests/job_runs.py (TP=2 over the two processes, the straight run's
     settings), outputs and checkpoints under ``base``."""
     return ["configs/grpo_demo.yaml", f"steps={steps}", f"output_dir={base}/out",
-            f"checkpoint.root={base}/ckpt", *JOB_ARGS]
+            f"checkpoint.root={base}/ckpt", "checkpoint.save_contents=[model,optimizer,extra,hf_model]", *JOB_ARGS]
 
 
 def _wait_all(procs: list[subprocess.Popen], tag: str, timeout: float) -> list:
@@ -189,7 +189,14 @@ def _check_full_on_both(disks: list[str], steps: list[int], text: str) -> list[d
         assert {"COMPLETE", "trainer_state.json", "actor/mcore_rl.json", "actor/huggingface/config.json",
                 "actor/dist_ckpt/.metadata", "actor/dist_ckpt/common.pt"} <= set(files), sorted(files)
         assert sum(f.endswith(".distcp") for f in files) >= 2, sorted(files)  # both ranks' shards
+        # hf_model: each node's leader exported its own copy in the background (close waited)
+        assert {"actor/huggingface/model.safetensors", "actor/huggingface/mcore_rl_export.json"} <= set(files), k
         assert states[1]["files"][k] == files, f"step {k}: the nodes hold different files"
+    from mcore_rl.checkpoint.hf_export_record import export_state
+
+    for n, disk in enumerate(disks):
+        assert [export_state(os.path.join(disk, "ckpt", f"global_step_{k}", "actor")) for k in steps] == \
+            ["complete"] * len(steps), (n, text)
     return states
 
 
@@ -202,7 +209,10 @@ def test_main_job_two_nodes_node_local_disks_resume(straight_job, tmp_path):
     has one), and the node without the marker is also given an earlier run's copy of rank 0's
     shard (same size, other bytes) in step 6. The rerun resumes step 4 on both nodes (step 6 is
     complete on one node only), removes step 6 on both before writing it again, and ends with
-    identical files on both disks and the metrics of the straight run (one node, tests/job_runs.py)."""
+    identical files on both disks and the metrics of the straight run (one node, tests/job_runs.py).
+    ``hf_model`` is saved: each node's leader exports its own copy of every step in the background
+    (node-local: no node waits for another's export), so every step's HF export is complete on both
+    disks with the same bytes (the job's view agreed), the killed run's step 6 included."""
     reference = metric_lines(straight_job)[:6]
     shared = str(tmp_path / "node_path")  # the one path both nodes are given
     disks = [str(tmp_path / f"disk{n}") for n in range(2)]

@@ -164,8 +164,8 @@ def test_export_equals_merge_byte_for_byte(conv, tmp_path, name):
 
 def test_write_export_config_equals_merge_and_is_idempotent(conv, tmp_path):
     """MXFP4's quantization_config (gpt-oss, no record: the rule picks), FP8 at a block size, fp16,
-    each as merge writes it for the step; a second call changes no byte; an adapter-only step and a
-    wrong role are refused naming the fix."""
+    each as merge writes it for the step; a second call changes no byte; a wrong role and an
+    adapter-only step under a quantized dtype are refused naming the fix."""
     from mcore_rl.checkpoint.hf_export import ExportError, write_export_config
     from mcore_rl.checkpoint.hf_export_record import hf_dir_of
     from mcore_rl.mapping.fp8_quant import BlockFp8
@@ -189,8 +189,9 @@ def test_write_export_config_equals_merge_and_is_idempotent(conv, tmp_path):
     meta_path = os.path.join(role_dir, "mcore_rl.json")
     meta = json.load(open(meta_path))
     json.dump({**meta, "lora": {"adapter_only": True}}, open(meta_path, "w"))
-    with pytest.raises(ExportError, match="holds LoRA adapters only: .* the background export does not write them"):
-        write_export_config(role_dir, "actor", spec, torch.float32)
+    with pytest.raises(ExportError, match="holds LoRA adapters: their export .* not quantized, but checkpoint.hf_dtype "
+                       "is 'fp8'; set checkpoint.hf_dtype to fp32"):
+        write_export_config(role_dir, "actor", _spec(dtype="fp8"), torch.float32)
 
 
 def test_step_saved_without_the_export_config_is_refused_unchanged(conv, tmp_path):

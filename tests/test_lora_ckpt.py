@@ -94,12 +94,23 @@ def test_adapter_only_step_base_and_settings_checked(tmp_path):
     for name, merged in out["merge"].items():
         assert merged and any(not torch.equal(merged[k], v) for k, v in out["copy"]["base_hf"].items()
                               if k in merged), name
+    # merge --dtype bf16 of the step: every tensor the fp32 merge's rounded to bf16; config.json names
+    # the dtype (without --dtype: the step's params_dtype, fp32 here); quantized dtypes refused
+    d, fp32 = out["merge_dtypes"], out["merge"]["hf_base"]
+    assert d["bf16"].keys() == fp32.keys() and all(
+        t.dtype == torch.bfloat16 and torch.equal(t, fp32[k].to(torch.bfloat16)) for k, t in d["bf16"].items())
+    assert (d["merged_bf16_config"], d["merged_hf_base_config"]) == ("bfloat16", "float32"), d
+    assert "holds LoRA adapters: its merge (base + adapters) is not quantized; drop --dtype fp8" in d["fp8"], d
+    assert not d["fp8_target"]
 
 
 def test_critic_value_head_moe_bias_and_merged_export(tmp_path):
-    """World 1: a LoRA critic's step holds its value head (trained in full) and resumes it; its
-    hf_model export is the merged model; a LoRA glm4_moe actor's router correction bias (a state
-    buffer that training moves) is saved and resumed."""
+    """World 1: a LoRA critic's step holds its value head (trained in full) and resumes it; a
+    LoRA glm4_moe actor's router correction bias (a state buffer that training moves) is saved
+    and resumed. Both saved with ``hf_model``: the background export of each adapter-only step
+    is complete, byte for byte the converter's merge of the step (base + s B A, the step's own
+    value head / bias), whose tensors are the live engine's merged model; transformers' log-probs
+    of the actor's export are the engine's."""
     critic_hf = hf_dir_for(str(tmp_path), "llama", "critic")
     moe_hf = hf_dir_for(str(tmp_path), "glm4_moe", "actor")
     out = run_ranks(1, extras_run, critic_hf, moe_hf, str(tmp_path), daemon=False)[0]
@@ -110,13 +121,18 @@ def test_critic_value_head_moe_bias_and_merged_export(tmp_path):
     for part in ("adapters", "base"):
         assert c["at_save"][part].keys() == c["loaded"][part].keys() and c["loaded"][part]
         assert all(torch.equal(v, c["loaded"][part][k]) for k, v in c["at_save"][part].items()), part
-    assert c["exported"].keys() == c["merged"].keys()
-    assert all(torch.equal(v, c["exported"][k]) for k, v in c["merged"].items())
     q = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(c["merged"][q], c["at_save"]["base"][q])  # merged, not the base
     _assert_close(c["offline"], c["merged"], "critic")  # the converter's merge = the live merged export
     m = out["moe"]
     _assert_close(m["offline"], m["merged"], "moe")
+    for leg in (c, m):
+        e = leg["export"]
+        assert e["state"] == "complete" and e["files"] == e["merge_files"] and not e["differ"], e
+        assert "model.safetensors" in e["files"] and e["config"]["dtype"] == e["config"]["torch_dtype"] == "float32"
+    assert c["export"]["config"]["architectures"] == ["LlamaForTokenClassification"], c["export"]["config"]
+    assert "chat_template.jinja" in c["export"]["files"]  # the step's own HF files (the run's), not its base's
+    assert m["export"]["log_prob_gap"] <= 1e-5, m["export"]["log_prob_gap"]
     bias = [k for k in m["at_save"] if k.endswith("e_score_correction_bias")]
     assert bias and all(not torch.equal(m["at_save"][k], m["fresh"][k]) for k in bias)  # it moved
     assert all(torch.equal(v, m["loaded"][k]) for k, v in m["at_save"].items())

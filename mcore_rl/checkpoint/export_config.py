@@ -84,6 +84,22 @@ def adapter_only(model: ModelInfo) -> bool:
     return isinstance(lora, dict) and bool(lora.get("adapter_only"))
 
 
+def adapter_merge_dtype(model: ModelInfo, dtype: str | None = None) -> torch.dtype:
+    """The dtype the merge of the adapter-only LoRA step ``model`` names in its config.json, from
+    ``mcore_rl.json`` alone (so the save knows it before the step's shards exist): ``dtype``
+    (fp32|bf16|fp16; every merged tensor is written in it) when given, else the step's
+    ``params_dtype`` (the dtype the engine trained the adapters in; the merged tensors keep the
+    dtypes they are read in: the base's, a tensor the step holds its own). A step recording no
+    usable ``params_dtype`` is a MergeError naming it (pass a dtype)."""
+    if dtype is not None:
+        return named_dtype(dtype)
+    named = str(model.meta.get("params_dtype", "")).removeprefix("torch.")
+    if named not in HF_DTYPE_NAMES.values():
+        raise MergeError(f"{os.path.join(model.path, META)}: params_dtype {model.meta.get('params_dtype')!r} is not "
+                         f"one of {sorted(HF_DTYPE_NAMES.values())}; pass --dtype fp32|bf16|fp16.")
+    return getattr(torch, named)
+
+
 def _model_args(hf_dir: str) -> ModelArgs:
     """ModelArgs of ``hf_dir/config.json``; a value of the wrong type is a MergeError naming the file."""
     try:

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.checkpoint import hf_export_record as rec
-from mcore_rl.checkpoint.export_config import (ModelInfo, adapter_only, config_text, expert_formats, hf_class,
-                                               merged_config, model_info, named_dtype, resolve_dtype)
+from mcore_rl.checkpoint.export_config import (ModelInfo, adapter_merge_dtype, adapter_only, config_text,
+                                               expert_formats, hf_class, merged_config, model_info, named_dtype,
+                                               resolve_dtype)
 from mcore_rl.checkpoint.inventory import parse_step_name
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import fsync_path
@@ -41,21 +42,25 @@ class ExportSpec:
         parse_size(self.max_shard_size)
 
 
-def refuse_adapter_only(info: ModelInfo) -> None:
-    if adapter_only(info):
-        raise ExportError(f"{info.path} holds LoRA adapters only: its HF weights are base + adapters, merged where "
-                          "the base is (mcore_to_hf.py merge); the background export does not write them. Save "
-                          "'model' with full weights (lora.save_adapter_only=false), or drop 'hf_model' from "
-                          "checkpoint.save_contents and merge the step yourself.")
+def refuse_quantized_adapters(info: ModelInfo, spec: ExportSpec) -> None:
+    """An adapter-only LoRA step exports unquantized (its merge, base + adapters, is): ``spec``
+    with dtype fp8/mxfp4 is an ExportError naming the step and the fix."""
+    if adapter_only(info) and spec.dtype in ("fp8", "mxfp4"):
+        raise ExportError(f"{info.path} holds LoRA adapters: their export (base + adapters, as mcore_to_hf.py merge "
+                          f"writes it) is not quantized, but checkpoint.hf_dtype is {spec.dtype!r}; set "
+                          "checkpoint.hf_dtype to fp32, bf16, fp16 or null (the run's params dtype).")
 
 
 def export_config(info: ModelInfo, spec: ExportSpec, params_dtype: torch.dtype) -> dict:
     """The config.json ``merge(info.path, ..., dtype=spec.dtype, fp8=spec.fp8)`` writes, from the
     model directory's config and ``mcore_rl.json`` alone (no weights): the written dtype is
     ``spec.dtype``'s, else ``params_dtype`` (what the step stores its model parameters in: the
-    engine's params dtype); MXFP4's ``quantization_config`` from ``merge_config.expert_formats``."""
-    refuse_adapter_only(info)
+    engine's params dtype); MXFP4's ``quantization_config`` from ``merge_config.expert_formats``.
+    An adapter-only LoRA step: merge's (``merge_lora``: ``adapter_merge_dtype``, never quantized)."""
+    refuse_quantized_adapters(info, spec)
     plain, fp8, mxfp4 = resolve_dtype(spec.dtype, spec.fp8)
+    if adapter_only(info):
+        return merged_config(info, hf_class(info, "auto"), adapter_merge_dtype(info, plain))
     out_dtype = named_dtype(plain) if plain is not None else params_dtype
     return merged_config(info, hf_class(info, "auto"), out_dtype, fp8, expert_formats(info) if mxfp4 else None)
 
@@ -69,8 +74,9 @@ def write_export_config(role_dir: str, role: str, spec: ExportSpec, params_dtype
     if info.role != role:
         raise ExportError(f"{role_dir}: its mcore_rl.json says role {info.role!r}, not {role!r}; pass its role dir.")
     if info.hf_dir != rec.hf_dir_of(role_dir):
-        raise ExportError(f"{role_dir} has no config.json of its own (an adapter-only step takes its base's); "
-                          "nothing to export there.")
+        raise ExportError(f"{role_dir} has no config.json of its own (the save had no HF source for role {role!r}; "
+                          "an adapter-only step takes its base's): give the save the role's HF dir (hf_sources) "
+                          "to export it.")
     text = config_text(export_config(info, spec, params_dtype))
     path = os.path.join(info.hf_dir, "config.json")
     tmp = f"{path}.tmp-{os.getpid()}"

@@ -12,7 +12,6 @@ the first engine is touched. Layout: see the package docs.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -21,23 +20,25 @@ from typing import Any, Callable
 
 import torch
 
-from mcore_rl.checkpoint import contents_manifest, integrity, inventory, peer_sync, recovery, step_dirs, storage
-from mcore_rl.checkpoint.adapters import is_lora, save_part
+from mcore_rl.checkpoint import (contents_manifest, hf_export, integrity, inventory, peer_sync, recovery, step_dirs,
+                                 storage)
+from mcore_rl.checkpoint.adapters import save_part
 from mcore_rl.checkpoint.async_saves import AsyncSaves
 from mcore_rl.checkpoint.collective import agreed, all_gather_bytes
 from mcore_rl.checkpoint.config import CheckpointConfig
+from mcore_rl.checkpoint.export_queue import ExportQueue
+from mcore_rl.checkpoint.exports import ManagerExports
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.faults import fault_point
 from mcore_rl.fileio import item_sums
 from mcore_rl.fileio.checksum import file_checksum
 from mcore_rl.fileio.files import META, copy_hf_files
 from mcore_rl.fileio.model_layout import MCORE_RL, ModelLayout, layout_of
-from mcore_rl.models.hf_layout import carried_bucket, carry_from_hf
+from mcore_rl.models.hf_layout import carry_from_hf
 from mcore_rl.checkpoint.inventory import MARKER, TRACKER, TRAINER_STATE, Marker
 from mcore_rl.checkpoint.load_checks import check_step, preread_pickles
 from mcore_rl.checkpoint.model_dir import load_planned
 from mcore_rl.checkpoint.verified_read import has_item_sums
-from mcore_rl.fileio.safetensors_write import parse_size, write_bucket_shards
 from mcore_rl.models.mtp import record_mtp_count
 from mcore_rl.checkpoint.save_plan import SaveStructure
 from mcore_rl.checkpoint.state import build_metadata, sharded_state
@@ -67,10 +68,13 @@ class CheckpointManager:
     are copied) or a transformers config object, written to the role's HF dir. ``layout``: where
     a role directory keeps its checkpoint and HF files (``fileio.model_layout``: the main job's
     ``MCORE_RL``, verl's ``VERL_V2``); recorded in its ``mcore_rl.json``, which every reader follows.
+    ``exports``: the queue of background HF exports (``hf_model``; see ``exports``), None: the
+    manager makes its own when ``hf_model`` is in ``save_contents``.
     """
 
     def __init__(self, cfg: CheckpointConfig, root: str | None = None,
-                 hf_sources: dict[str, Any] | None = None, layout: ModelLayout = MCORE_RL) -> None:
+                 hf_sources: dict[str, Any] | None = None, exports: ExportQueue | None = None,
+                 layout: ModelLayout = MCORE_RL) -> None:
         chosen = cfg.root or root
         if not chosen:
             raise CheckpointError("checkpoint.root is not set; set checkpoint.root=/path/to/checkpoints.")
@@ -79,6 +83,7 @@ class CheckpointManager:
         self._async = AsyncSaves()  # the save in flight and the retention behind it
         self._structures: dict[str, SaveStructure] = {}  # per role: the last validated plan (save_plan)
         self._mode: storage.Mode | None = None  # shared / node_local, found by the last save or resume
+        self._exports = ManagerExports(cfg, exports)
         roots = [raw.decode() for raw in all_gather_bytes(self.root.encode())]
         if len(set(roots)) > 1:
             bad = next(r for r, x in enumerate(roots) if x != roots[0])
@@ -110,8 +115,12 @@ class CheckpointManager:
         of this call); the step is finalized by ``poll()`` once every rank's writer is done, or by
         ``wait()``, which the next save, a load, an engine's offload/onload and ``close()`` call.
         A step number that exists complete is replaced atomically (the old one stays whole until
-        the new one is complete)."""
+        the new one is complete). With ``hf_model``, the HF weights are exported in the
+        background once the step is complete (``exports``); an earlier export's failure is
+        raised here, on every rank, before anything is written."""
         self.wait()
+        self._exports.raise_failures(f"the save of step {step}")
+        self._exports.check_engines(engines)
         pending = self._prepare(step)
         requests = self._write(pending, self._snapshot(engines), engines, trainer_state)
         finish = partial(self._finish, pending)
@@ -133,6 +142,7 @@ class CheckpointManager:
         """Collective, non-blocking: finalizes an async save whose writers all finished;
         returns its step (else None). The job calls it after every training step; a poll that
         does not finalize waits for no other rank (``async_saves``)."""
+        self._exports.collect()
         return self._async.poll()
 
     def wait(self) -> int | None:
@@ -140,9 +150,20 @@ class CheckpointManager:
         retention done; returns its step."""
         return self._async.wait()
 
-    def close(self) -> None:
-        """Finishes the save in flight; call before the process group is destroyed."""
+    def wait_exports(self) -> None:
+        """Collective: finishes the save in flight, then waits until every node's background HF
+        exports are done; an export that failed on any node is a CheckpointError on every rank."""
         self.wait()
+        self._exports.wait()
+
+    def close(self) -> None:
+        """Finishes the save in flight and (``hf_export_wait_at_close``) the HF exports; raises
+        an export's failure on every rank. Call before the process group is destroyed."""
+        if self.cfg.hf_export_wait_at_close:
+            self.wait_exports()
+            return
+        self.wait()
+        self._exports.raise_failures("close")
 
     def _prepare(self, step: int) -> _Pending:
         """Mode, interrupted replacements finished, the agreed survey; removes a torn or partial
@@ -165,6 +186,8 @@ class CheckpointManager:
                                   "through a link: remove it, or save to another checkpoint.root.")
         state = found.steps[step].state(found.nodes) if step in found.steps else None
         write_dir = incoming if state == "complete" else final
+        if state == "complete":
+            self._exports.cancel(step, storage.is_writer(mode))  # it exports the content being replaced
         if torch.distributed.get_rank() == 0 and state is not None:
             log.warning("%s exists (%s): %s", final, state,
                         "the new save is written beside it and replaces it once complete" if state == "complete"
@@ -229,8 +252,6 @@ class CheckpointManager:
             p.roles.append(role)
             p.strategies.append(strategy)
             requests.append(request)
-            if "hf_model" in contents:
-                self._write_hf_weights(engines[role], role, self.layout.hf_dir(role_dir), rank0)
             meta = build_metadata(engines[role], role, contents, self.cfg.optimizer_sharding, self.layout)
             agreed(partial(self._write_role_files, role, role_dir, meta, engines[role].args,
                            (p.step, engines[role].scheduler is not None)) if rank0 else None, f"writing {role_dir}")
@@ -253,33 +274,15 @@ class CheckpointManager:
         config = os.path.join(hf_dir, "config.json")
         if source is not None and role == "actor" and os.path.isfile(config):  # the MTP layers it holds
             record_mtp_count(config, args, args.mtp_built)
+        if "hf_model" in meta["contents"]:  # config.json as the background export will write it
+            hf_export.write_export_config(role_dir, role, self._exports.spec(),
+                                          getattr(torch, meta["params_dtype"].removeprefix("torch.")))
         if self.layout.manifest:
             step, scheduler = manifest
             contents_manifest.write(self.layout, role_dir, contents_manifest.build(
                 self.layout, role, step, tuple(meta["contents"]), meta["layout"]["world_size"],
                 contents_manifest.hf_arch(hf_dir), scheduler, "lora" in meta,
                 os.path.isfile(os.path.join(hf_dir, "tokenizer_config.json")), os.path.isdir(hf_dir)))
-
-    def _write_hf_weights(self, engine, role: str, hf_dir: str, rank0: bool) -> None:
-        """HF safetensors shards of at most ``hf_max_shard_size`` (+ index), streamed bucket by
-        bucket (collective: every rank gathers each bucket; rank 0 writes it; a failed write
-        still takes part in every gather, then fails the save on every rank). A LoRA engine's
-        are merged (``W + s B A``): the model it trained."""
-        from mcore_rl.models.hf_weights import export_hf_buckets
-        from mcore_rl.lora.layers import merged_tensor_of
-
-        merged = {"tensor_of": merged_tensor_of(engine.model)} if is_lora(engine) else {}
-        buckets = export_hf_buckets(engine.model, engine.args, role, parse_size(self.cfg.hf_max_shard_size), **merged)
-
-        def write() -> None:
-            try:  # a vision-language checkpoint's vision tower too: a complete HF checkpoint
-                write_bucket_shards(hf_dir, itertools.chain(buckets, filter(None, [carried_bucket(
-                    self.hf_sources.get(role))])))
-            finally:
-                for _ in buckets:  # the others keep gathering
-                    pass
-
-        agreed(write if rank0 else partial(_drain, buckets), f"writing the HF weights of {role}")
 
     # ---- finish: manifest -> copies between nodes -> checks -> marker -> tracker -> retention --
     def _finish(self, p: _Pending) -> None:
@@ -302,6 +305,7 @@ class CheckpointManager:
                    f"replacing {p.final_dir} with the new save")
         agreed(partial(step_dirs.write_tracker, self.root, p.step) if writer else None,
                f"writing {TRACKER} (step {p.step} is complete; the tracker still names the step before it)")
+        self._exports.submit(p.step, p.final_dir, p.roles, writer)  # hf_model: exported from the complete step
         self._retention(p, writer)
 
     def _manifest(self, p: _Pending, scope: tuple[str, ...] = ()) -> integrity.Manifest:
@@ -321,6 +325,7 @@ class CheckpointManager:
         old copies and, by completion order, complete steps beyond ``max_ckpt_to_keep``."""
         found = inventory.survey(self.root)
         old, debris, abandoned = found.retention(p.step, self.cfg.max_ckpt_to_keep)
+        old = self._exports.protect(old, writer)  # never a step whose HF export runs
         if torch.distributed.get_rank() == 0:
             if abandoned:
                 log.warning("steps %s are numbered above the step just saved (%d): treated as an abandoned "
@@ -352,6 +357,7 @@ class CheckpointManager:
         if found_mode is not None:  # None: a read-only root, nothing to finish there
             self._mode = found_mode
             found = self._recover(found_mode)
+            self._exports.recover(self.root, found, found_mode)  # complete steps lacking their HF export
         else:
             found = inventory.survey(self.root)
         step, notes = found.resume_step()
@@ -445,11 +451,6 @@ def _phase(writer: bool, do: Callable[[], None], undo: Callable[[], None], what:
                 log.error("could not undo %s on this writer (%s: %s); the directories it left are finished "
                           "or undone by the next save or resume", what, type(e).__name__, e)
         raise
-
-
-def _drain(items) -> None:
-    for _ in items:
-        pass
 
 
 def _digest_rank0_files(write_dir: str, scope: tuple[str, ...] = ()) -> dict[str, tuple[int, str]]:

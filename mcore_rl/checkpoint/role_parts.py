@@ -29,6 +29,7 @@ unsealed until the next save or resume seals it.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 from dataclasses import dataclass
@@ -43,6 +44,17 @@ from mcore_rl.checkpoint.inventory import MARKER, PART, PARTS_KIND, Survey, step
 from mcore_rl.fileio.paths import is_real_dir
 
 PART_FORMAT = 1
+# a background HF export's staging dir beside a part (``hf_export_record.staging_dir``:
+# ``.<role>.hf_export``) and merge's own staging/replaced dirs of it: never a part nor a
+# trainer's file, removed with the part
+_EXPORT_STAGING = re.compile(r"\.(?P<a>[^/.][^/]*?)\.hf_export"
+                             r"|\.\.(?P<b>[^/.][^/]*?)\.hf_export\.(staging|replaced)-[0-9a-f-]+")
+
+
+def export_staging(name: str, role: str | None = None) -> bool:
+    """Whether ``name`` (an entry of a step dir) is an HF export's staging leftover (of ``role``)."""
+    found = _EXPORT_STAGING.fullmatch(name)
+    return found is not None and role in (None, found.group("a") or found.group("b"))
 # the order a trainer saves the roles of one step in (verl: the actor, then the critic): a part
 # of a role saves after the parts of the roles before it, so only those may already be there
 ROLE_ORDER = ("actor", "critic")
@@ -84,7 +96,8 @@ def node_view(step_dir: str, step: int, roles: list[str]) -> dict:
     """This node's copy of a step to seal: each part's record (its files present with their
     sizes) and its record file's digest, and every file outside the parts (the trainer's) with
     size and CRC-32. Raises when a part is not whole here or a dir holds a part without record."""
-    torn = [name for name in sorted(os.listdir(step_dir)) if name not in roles and _looks_like_part(step_dir, name)]
+    torn = [name for name in sorted(os.listdir(step_dir))
+            if name not in roles and not export_staging(name) and _looks_like_part(step_dir, name)]
     if torn:
         raise CheckpointError(f"{step_dir}: {torn} hold a role part without its {PART} record (a save that did "
                               "not finish)")
@@ -108,12 +121,12 @@ def _looks_like_part(step_dir: str, name: str) -> bool:
 
 
 def trainer_files(step_dir: str, roles: list[str]) -> dict[str, tuple[int, str]]:
-    """Every regular file of the step outside the role parts and the marker (links and temp
-    files skipped), fsynced and read back for its CRC-32."""
+    """Every regular file of the step outside the role parts and the marker (links, temp files
+    and HF exports' staging dirs skipped), fsynced and read back for its CRC-32."""
     rels = []
     for dirpath, dirnames, names in os.walk(step_dir):
         if dirpath == step_dir:
-            dirnames[:] = [d for d in dirnames if d not in roles]
+            dirnames[:] = [d for d in dirnames if d not in roles and not export_staging(d)]
         for name in names:
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(path, step_dir)
@@ -144,7 +157,7 @@ def continues(step_dir: str, role: str, since: float) -> bool:
     if not step_dirs.real_dir(step_dir):  # an error observing it is raised, never "not a dir"
         return False
     earlier = ROLE_ORDER[:ROLE_ORDER.index(role)] if role in ROLE_ORDER else ()
-    names = set(os.listdir(step_dir)) - {role}
+    names = {n for n in os.listdir(step_dir) if n != role and not export_staging(n)}  # an export's staging: ours
     if not names or not names <= set(earlier):
         return False
     for name in names:
@@ -161,15 +174,20 @@ def continues(step_dir: str, role: str, since: float) -> bool:
 
 def remove_part(step_dir: str, role: str) -> None:
     """A role part: its record first (a crash part-way leaves a part without record, never a
-    record naming missing files), then its files; a link is never followed."""
+    record naming missing files), then its files, then what an HF export of it staged beside
+    it; a link is never followed. The caller makes sure no export of the part runs."""
     path = os.path.join(step_dir, role)
-    if not step_dirs.real_dir(path):
+    if not step_dirs.real_dir(step_dir):
         return
-    record = os.path.join(path, PART)
-    found = inventory.lstat(record)  # an error observing the record is raised, never "absent"
-    if found is not None and not stat.S_ISDIR(found.st_mode):
-        step_dirs.remove_file(record)
-    shutil.rmtree(path)
+    if step_dirs.real_dir(path):
+        record = os.path.join(path, PART)
+        found = inventory.lstat(record)  # an error observing the record is raised, never "absent"
+        if found is not None and not stat.S_ISDIR(found.st_mode):
+            step_dirs.remove_file(record)
+        shutil.rmtree(path)
+    staged = [n for n in os.listdir(step_dir) if export_staging(n, role) and is_real_dir(os.path.join(step_dir, n))]
+    for name in staged:
+        shutil.rmtree(os.path.join(step_dir, name))
     storage.fsync_path(step_dir)
 
 

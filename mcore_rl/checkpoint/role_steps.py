@@ -12,7 +12,13 @@ A save of role R into step N (collective over the engine's ranks):
    the roles saved before R, written since this engine's processes started): kept; anything else
    in N is an earlier run's and is removed on every node first;
 4. the part: shards and small files, manifest, node-local copy, each node's check, then the
-   ``PART`` record on every node. The tracker is the trainer's: never written here.
+   ``PART`` record on every node. The tracker is the trainer's: never written here;
+5. with ``hf_model``: the part's HF weights are exported in the background from the part as its
+   ``PART`` records it (complete and verifiable on every node), by each node's writer (global
+   rank 0 on a shared root, each node's leader on node-local disks) through the manager's export
+   queue (``exports``; verl's engine passes one queue that outlives the per-save manager). An
+   earlier export's failure is raised on every rank at the start of the next save (and at
+   ``close()``); retention keeps every part of a step whose export runs or waits on any node.
 
 A load of step N: sealed -> the normal checked load; unsealed but named by the tracker -> sealed
 first; otherwise refused (the trainer never finished N).
@@ -53,18 +59,23 @@ class RoleStepManager(CheckpointManager):
         if self.cfg.async_save:
             raise CheckpointError("async_save=True: role parts are saved synchronously; set async_save=False.")
         self.wait()
+        self._exports.raise_failures(f"the save of step {step} ({role})")  # before anything is written
+        self._exports.check_engines({role: engine})  # a LoRA engine under a quantized hf_dtype: refused here
         agreed(lambda: self._check_root(), f"preparing checkpoint root {self.root}")
         self._mode = storage.detect_storage(self.root, announce=self._mode is None)
         found = inventory.survey(self.root)
         self._refuse_overwrite(found, step)  # before anything changes on disk
         found = self._seal_tracked(found)
         self._retain(found, role, step)
-        pending = self._prepare_part(inventory.survey(self.root), step, role)
-        requests = self._write(pending, self._snapshot({role: engine}), {role: engine}, None)
+        pending, again = self._prepare_part(inventory.survey(self.root), step, role)
+        snapshot = self._snapshot({role: engine})
+        requests = self._write(pending, snapshot, {role: engine}, None)
         for request in requests:
             fault_point("shards")
             request.execute_sync()
         self._finish_part(pending, role)
+        if "hf_model" in snapshot[role][0]:  # the part is complete on every node: exported from it
+            self._exports.submit(step, pending.write_dir, [role, *again], storage.is_writer(self._mode))
         return os.path.join(pending.final_dir, role)
 
     def load_role(self, step_dir: str, role: str, engine: Any, contents: tuple[str, ...]) -> None:
@@ -88,6 +99,8 @@ class RoleStepManager(CheckpointManager):
                                       "writable here: load it once from a writable mount (that seals it).")
             self._seal(found, step)
         self.load(step_dir, {role: engine}, contents)
+        if mode is not None:  # sealed steps whose HF export is missing or partial: exported again
+            self._exports.recover(self.root, inventory.survey(self.root), mode)
 
     def _choices(self) -> str:
         """This node's complete steps and how a trainer resumes one (for load errors)."""
@@ -136,6 +149,11 @@ class RoleStepManager(CheckpointManager):
     def _retain(self, found: Survey, role: str, step: int) -> None:
         tracked = found.tracked()
         plan = role_parts.retention(found, role, self.cfg.max_ckpt_to_keep, step, tracked)
+        touched = sorted({s for s, _ in plan.parts} | set(plan.steps) | set(plan.debris))
+        if touched:  # never a step whose HF export runs on any node (a later retention removes it)
+            free = set(self._exports.protect(touched, storage.is_writer(self._mode)))
+            plan = role_parts.Removals([(s, r) for s, r in plan.parts if s in free],
+                                       [s for s in plan.steps if s in free], [s for s in plan.debris if s in free])
         if torch.distributed.get_rank() == 0:
             for s in plan.debris:
                 log.warning("removing crash debris %s (never completed, numbered below step %d)",
@@ -172,11 +190,13 @@ class RoleStepManager(CheckpointManager):
                 f"from the step the tracker names (verl: trainer.resume_mode=auto), or, to roll back, move the "
                 f"steps from {step} on out of {self.root} first (or save into a new trainer.default_local_dir).")
 
-    def _prepare_part(self, found: Survey, step: int, role: str) -> _Pending:
+    def _prepare_part(self, found: Survey, step: int, role: str) -> tuple[_Pending, list[str]]:
         """Step ``step`` made ready for ``role``'s part: what this save may continue is kept (the
-        role's own leftover removed), anything else in the step is removed on every node."""
+        role's own leftover removed), anything else in the step is removed on every node. Also
+        the roles whose exports of this step were cancelled here and go again after the part."""
         final, st = self.step_dir(step), found.steps.get(step)
         writer = storage.is_writer(self._mode)
+        again: list[str] = []
         if st is not None:
             since = _since()
             verdict = agreed(partial(role_parts.continues, final, role, since) if writer else None,
@@ -184,9 +204,25 @@ class RoleStepManager(CheckpointManager):
             keep = all_ranks_ok(not writer or bool(verdict))
             if torch.distributed.get_rank() == 0 and not keep:
                 log.warning("%s holds files of an earlier run (a save that did not finish): removing them", final)
+            again = self._cancel_exports(step, role, keep, sorted(st.parts)) if writer else []
             clear = partial(role_parts.remove_part, final, role) if keep else partial(step_dirs.remove_step_dir, final)
             agreed(clear if writer else None, f"clearing {final} for the {role} part")
-        return _Pending(step, final, final, 0, self._mode, [])
+        return _Pending(step, final, final, 0, self._mode, []), again
+
+    def _cancel_exports(self, step: int, role: str, keep: bool, parts: list[str]) -> list[str]:
+        """A writer, before ``step`` is cleared for ``role``'s part: this process's exports of the
+        step are killed when what they read goes (the whole step, or ``role``'s own leftover);
+        returns the kept roles whose exports go again once the part is written."""
+        queue = self._exports.queue
+        if queue is None or step not in queue.running_steps() | set(queue.queued_steps()):
+            return []
+        if keep and not os.path.isdir(os.path.join(self.step_dir(step), role)):
+            return []  # the earlier roles' exports of the step go on
+        queue.cancel(step)
+        kept = [r for r in parts if r != role] if keep else []
+        log.warning("HF export of %s cancelled: the %s part is written again%s", self.step_dir(step), role,
+                    f" (the exports of {kept} are queued again)" if kept else "")
+        return kept
 
     def _finish_part(self, p: _Pending, role: str) -> None:
         """Manifest, node-local copy, each node's check, then the part record on every node."""

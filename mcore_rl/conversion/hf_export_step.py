@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from mcore_rl.checkpoint import hf_export_record as rec
 from mcore_rl.checkpoint import model_record
 from mcore_rl.checkpoint.export_config import ModelInfo, model_info
-from mcore_rl.checkpoint.hf_export import ExportError, ExportSpec, check_role_dir, refuse_adapter_only
+from mcore_rl.checkpoint.hf_export import ExportError, ExportSpec, check_role_dir, refuse_quantized_adapters
 from mcore_rl.conversion.merge import merge
 from mcore_rl.fileio.faults import fault_point, hold_point
 from mcore_rl.fileio.files import fsync_path, peak_rss_mb
@@ -52,10 +52,10 @@ class ExportResult:
                 f"{self.seconds:.1f} s, peak RSS {self.peak_rss_mb:.0f} MiB{ratio}")
 
 
-def _check_step(role_dir: str, step: int) -> tuple[ModelInfo, rec.Survey]:
+def _check_step(role_dir: str, step: int, spec: ExportSpec) -> tuple[ModelInfo, rec.Survey]:
     check_role_dir(role_dir, step)
     info = model_info(role_dir)
-    refuse_adapter_only(info)
+    refuse_quantized_adapters(info, spec)
     return info, rec.survey(role_dir)
 
 
@@ -66,7 +66,7 @@ def export_step(role_dir: str, spec: ExportSpec, step: int) -> ExportResult:
     (the save did not write the export's config: ``write_export_config``) are ExportErrors."""
     start = time.monotonic()
     role_dir = os.path.abspath(role_dir)
-    info, found = _check_step(role_dir, step)
+    info, found = _check_step(role_dir, step, spec)
     role = os.path.basename(role_dir)
     if found.state == "complete":
         return ExportResult(step, role, (), 0, time.monotonic() - start, peak_rss_mb(), 0, skipped=True)

@@ -170,16 +170,19 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
     every other tensor in the checkpoint's dtype, config.json with ``quantization_config``;
     ``dtype="mxfp4"`` (gpt-oss): the tensors the source stored as MXFP4 (or, converted from bf16,
     the experts' weights) as MXFP4 blocks + scales, the rest as the source stored it (bf16), see
-    ``merge_mxfp4``; any other dtype drops a ``quantization_config`` the source config.json carries."""
+    ``merge_mxfp4``; any other dtype drops a ``quantization_config`` the source config.json carries.
+    An adapter-only LoRA step merges with its base (``merge_lora``: ``dtype`` fp32|bf16|fp16 or
+    none, never quantized; shards of at most 1 GiB whatever ``max_shard_size``)."""
     start = time.monotonic()
     asked = dtype
     dtype, fp8, mxfp4 = resolve_dtype(dtype, fp8)
     model = open_model_dir(local_dir, verify)
     try:
         if _adapter_only(model):
-            if asked is not None:
-                raise MergeError(f"{local_dir} holds LoRA adapters: its merge writes the base's dtype; drop --dtype.")
-            return merge_adapter_step(model, target_dir, overwrite, verify)
+            if fp8 is not None or mxfp4:
+                raise MergeError(f"{local_dir} holds LoRA adapters: its merge (base + adapters) is not quantized; "
+                                 f"drop --dtype {asked} (or pass --dtype fp32|bf16|fp16).")
+            return merge_adapter_step(model, target_dir, overwrite, verify, dtype)
         if mxfp4:
             merge_mxfp4.check_arch(model.args.arch.model_type, local_dir)
         return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype, fp8,

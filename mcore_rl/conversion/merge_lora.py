@@ -6,11 +6,13 @@ tensor of the model is written as the base's, plus ``s B A`` for each adapted li
 full factors and its ``scale`` buffer, through the weight's transform into the HF pieces), and a
 tensor the step itself holds (a critic's trained value head, a router's moved bias) replaces the
 base's. One mapping-table row in memory at a time; written into a staging directory and renamed
-into place as any merge.
+into place as any merge. config.json is ``export_config.merged_config`` with the dtype
+``export_config.adapter_merge_dtype`` names (known at the step's save: a background HF export of
+the step writes the same bytes); the side files (tokenizer, generation config) are the step's own
+HF dir's when it has one (saved with ``hf_model``), else its base's.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -19,8 +21,9 @@ from typing import Iterator, Mapping
 import torch
 
 from mcore_rl.checkpoint import model_record
+from mcore_rl.checkpoint.export_config import adapter_merge_dtype, config_text, merged_config
 from mcore_rl.conversion.merge_io import (
-    _WEIGHT_FILE, MergeError, MergeSummary, ModelDir, _hf_config, _locate, canonical_rules, check_target, hf_class,
+    MergeError, MergeSummary, ModelDir, _locate, canonical_rules, check_target, export_file, hf_class,
     open_model_dir, plan_units, read_located, read_unit,
 )
 from mcore_rl.errors import CheckpointError
@@ -31,7 +34,7 @@ from mcore_rl.fileio.output_dir import write_export_record
 from mcore_rl.fileio.paths import contained
 from mcore_rl.fileio.safetensors_write import write_bucket_shards
 from mcore_rl.fileio.staging import Staging
-from mcore_rl.mapping.casts import cast_checked
+from mcore_rl.mapping.casts import cast_checked, wider_dtypes
 from mcore_rl.mapping.hf_io import SafetensorsReader
 from mcore_rl.mapping.transforms import Dims
 
@@ -39,8 +42,8 @@ Tensor = torch.Tensor
 BUCKET_BYTES = 1 << 30
 
 
-def _base_source(step: ModelDir, verify: bool) -> tuple[Mapping[str, Tensor], str, object]:
-    """(HF name -> tensor of the base, its directory of side files, something to close)."""
+def _base_source(step: ModelDir, verify: bool) -> tuple[Mapping[str, Tensor], object]:
+    """(HF name -> tensor of the base, something to close)."""
     base = step.meta["lora"].get("base") or {}
     kind, path = base.get("kind"), base.get("path")
     if kind not in ("hf", "mcore") or not path:
@@ -63,9 +66,9 @@ def _base_source(step: ModelDir, verify: bool) -> tuple[Mapping[str, Tensor], st
                          f"({'; '.join(changed[:4])}); merge with the original base.")
     warn_if_sampled_only(base, step.path)
     if kind == "hf":
-        return SafetensorsReader(path), path, None
+        return SafetensorsReader(path), None
     model = open_model_dir(path, verify)
-    return _UnitReader(model), model.hf_dir, model.reader
+    return _UnitReader(model), model.reader
 
 
 class _UnitReader(Mapping[str, Tensor]):
@@ -98,8 +101,16 @@ def step_tensor(step: ModelDir, canonical: str) -> Tensor | None:
     return None if found is None else read_located(step.reader, *found)
 
 
-def _merged_rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, merged tensor) for every row of the model's table, in file order."""
+def _merged_rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims,
+                 dtype: torch.dtype | None = None) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, merged tensor) for every row of the model's table, in file order; cast to
+    ``dtype`` when given (a finite value it cannot hold: a CastOverflowError naming the tensor)."""
+    for name, tensor in _rows(step, base, dims):
+        yield name, tensor if dtype is None else cast_checked(tensor, dtype, name, wider_dtypes(dtype))
+
+
+def _rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, merged tensor) as read: the base's dtype, a tensor the step holds in its own."""
     for canonical, hf_names, transform in canonical_rules(step.args, step.role):
         transform = transform.bind(dims)
         own = step_tensor(step, canonical)  # trained in full (value head) or a moved buffer
@@ -120,29 +131,31 @@ def _merged_rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iter
         yield from zip(hf_names, pieces)
 
 
-def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify: bool) -> MergeSummary:
-    """Writes base + adapters of the adapter-only step ``step`` as a HF model in ``target_dir``."""
+def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify: bool,
+                       dtype: str | None = None) -> MergeSummary:
+    """Writes base + adapters of the adapter-only step ``step`` as a HF model in ``target_dir``
+    (``dtype``: fp32|bf16|fp16, every tensor cast to it; None: each as merged, see the module doc)."""
     start = time.monotonic()
     if step.args.wrapper is not None:
         raise MergeError(f"{step.path}: merging LoRA adapters into a {step.args.wrapper.hf_class} (vision-language) "
                          "base is not supported; save the run with checkpoint.save_contents including 'model' "
                          "(full weights) and merge that step.")
     check_target(target_dir, step.path, overwrite)
-    base, side_dir, closer = _base_source(step, verify)
+    out_dtype = adapter_merge_dtype(step, dtype)
+    config = merged_config(step, hf_class(step, "auto"), out_dtype)
+    base, closer = _base_source(step, verify)
     try:
-        config = _hf_config(step, hf_class(step, "auto"))
         dims = step.args.mapping_dims(step.args.vocab_size)
+        cast = None if dtype is None else out_dtype
         stage = Staging.create(target_dir)
         try:
             counts = {"tensors": 0, "bytes": 0}
-            files = write_bucket_shards(stage.path, _buckets(_merged_rows(step, base, dims), counts))
-            dtypes = {str(t).removeprefix("torch.") for t in counts.get("dtypes", ())}
-            config["dtype"] = config["torch_dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
+            files = write_bucket_shards(stage.path, _buckets(_merged_rows(step, base, dims, cast), counts))
             with open(os.path.join(stage.path, "config.json"), "w") as f:
-                json.dump(config, f, indent=2, sort_keys=True)
-            for name in sorted(os.listdir(side_dir)):
-                src = contained(side_dir, name, f"the listing of {side_dir}")
-                if os.path.isfile(src) and not _WEIGHT_FILE.match(name) and name != "config.json" \
+                f.write(config_text(config))
+            for name in sorted(os.listdir(step.hf_dir)):  # its own HF dir's (hf_model), else its base's
+                src = contained(step.hf_dir, name, f"the listing of {step.hf_dir}")
+                if os.path.isfile(src) and not export_file(name) and name != "config.json" \
                         and not name.endswith(".safetensors"):
                     shutil.copyfile(src, os.path.join(stage.path, name))
             write_export_record(stage.path, "mcore_to_hf merge (LoRA adapters + base)")
@@ -159,7 +172,6 @@ def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify:
 
 def _buckets(rows: Iterator[tuple[str, Tensor]], counts: dict) -> Iterator[list[tuple[str, Tensor]]]:
     bucket, filled = [], 0
-    counts["dtypes"] = set()
     for name, tensor in rows:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and filled + nbytes > BUCKET_BYTES:
@@ -169,6 +181,5 @@ def _buckets(rows: Iterator[tuple[str, Tensor]], counts: dict) -> Iterator[list[
         filled += nbytes
         counts["tensors"] += 1
         counts["bytes"] += nbytes
-        counts["dtypes"].add(tensor.dtype)
     if bucket:
         yield bucket

@@ -75,13 +75,15 @@ def io_fault(point: str, path: str = "") -> None:
 
 
 HOLD_ENV = "MCORE_RL_CKPT_HOLD"  # test-only: a directory; the writer waits there until released
+HOLD_ONLY_ENV = "MCORE_RL_CKPT_HOLD_ONLY"  # test-only, optional: hold at this phase only
 
 
 def hold_point(phase: str) -> None:
     """Test-only: with ``MCORE_RL_CKPT_HOLD=<dir>``, announces ``<dir>/<phase>.<pid>`` and waits
-    until ``<dir>/release`` exists, so a test can act while a save is provably in flight."""
+    until ``<dir>/release`` exists, so a test can act while a save is provably in flight
+    (``MCORE_RL_CKPT_HOLD_ONLY=<phase>``: only at that phase)."""
     where = os.environ.get(HOLD_ENV)
-    if not where:
+    if not where or os.environ.get(HOLD_ONLY_ENV, phase) != phase:
         return
     with open(os.path.join(where, f"{phase}.{os.getpid()}"), "w"):
         pass

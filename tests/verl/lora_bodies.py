@@ -152,22 +152,27 @@ def sft_config(inputs: dict, ckpt: str, steps: int, *overrides: str):
 
 
 def _state(engine) -> dict:
-    """Adapters (PEFT names), the base weights (HF names, export_hf) and the trainable names."""
+    """Adapters (PEFT names), the base weights and the live merged model ``W + s B A`` (HF names,
+    export_hf) and the trainable names."""
+    from mcore_rl.lora.layers import merged_tensor_of
     from mcore_rl.models.hf_weights import export_hf
     from mcore_rl.conversion.lora_export import peft_adapter_tensors
 
     model = engine.engine
     return {"adapters": {n: t.clone() for n, t in peft_adapter_tensors(model.model, model.args, "actor").items()},
             "base": {n: t.clone() for n, t in export_hf(model.model, model.args, "actor").items()},
+            "merged": {n: t.clone() for n, t in export_hf(model.model, model.args, "actor",
+                                                           merged_tensor_of(model.model)).items()},
             "trainable": sorted(n for c in model.model for n, p in c.named_parameters() if p.requires_grad)}
 
 
 def sft_lora_body(inputs: dict, root: str) -> dict:
-    """2 SFT steps saving each; then a second trainer resumes from step 1 and trains step 2."""
+    """2 SFT steps saving each with ``hf_model`` (the adapter-only steps' merged HF weights exported
+    in the background); then a second trainer resumes from step 1 and trains step 2."""
     B._env()
     from verl.trainer.sft_trainer import SFTTrainer
 
-    first = SFTTrainer(sft_config(inputs, f"{root}/a", 2))
+    first = SFTTrainer(sft_config(inputs, f"{root}/a", 2, "checkpoint.save_contents=[model,optimizer,extra,hf_model]"))
     start = _state(first.engine)
     first.fit()
     straight = _state(first.engine)

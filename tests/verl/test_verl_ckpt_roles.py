@@ -10,6 +10,10 @@ bit-exactly, saves step 2 (clearing W1's leftover first), then step 3's two part
 before verl's data.pt/tracker; W3 resumes step 2, finds step 3's leftovers stale, saves 3 and 4
 and checks per-role retention (actor 2, critic 1) and the refusal to overwrite a sealed step.
 ``test_two_nodes_node_local`` runs one world on two simulated nodes with node-local disks.
+``test_hf_export_failure_raised_at_next_save_and_retention_waits`` saves an actor with
+``hf_model`` (background exports, ``verl_exports``): a killed exporter's failure at the next save,
+the resume re-exporting it, retention waiting for a running export, exports equal to
+``mcore_to_hf.py merge``.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -266,6 +271,149 @@ def test_async_save_is_refused():
     check_checkpoint_config(CheckpointConfig())
     with pytest.raises(VerlConfigError, match="async_save=True"):
         check_checkpoint_config(CheckpointConfig(async_save=True))
+
+
+# ---- hf_model: the background export of a role part -------------------------------------------------
+def _drained(timeout_s: float = 120.0) -> None:
+    """Waits until this process's export queue is idle, leaving its failures to the next save."""
+    import time
+
+    from mcore_rl.integrations.verl import verl_exports
+
+    queue, deadline = verl_exports.existing_queue(), time.monotonic() + timeout_s
+    while queue is not None and queue.busy() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    torch.distributed.barrier()
+
+
+def _exporter(hold: str):
+    """The worker's command line; the first export of step 1 killed at its merge phase (the fault
+    point), step 3's held there until ``<hold>/release`` exists (the hold point): env of that
+    exporter only."""
+    from mcore_rl.checkpoint.export_queue import worker_command
+
+    killed: list[int] = []
+
+    def command(task, threads: int) -> list[str]:
+        env = []
+        if task.step == 1 and not killed:
+            killed.append(1)
+            env = ["MCORE_RL_CKPT_FAULT=hf_export_merge"]
+        elif task.step == 3:
+            env = [f"MCORE_RL_CKPT_HOLD={hold}"]
+        return ["env", *env, *worker_command(task, threads)]
+
+    return command
+
+
+def export_world(actor_dir: str, root: str, hold: str) -> dict:
+    """An actor with ``hf_model`` (DP=2, shared root: rank 0 exports), verl's save sequence:
+    step 1's exporter is killed: step 2's first save raises that on every rank before it writes
+    anything; the resume of step 1 cleans its partial export and exports it again; step 3's export
+    is held while steps 4 and 5 are saved with max_ckpt_to_keep=1: retention keeps step 3 while
+    its export runs and removes it at step 6's save (``hold``: the test's hold-point directory)."""
+    from verl.trainer.config.config import CheckpointConfig
+
+    from mcore_rl.checkpoint import hf_export_record
+    from mcore_rl.checkpoint.export_queue import ExportQueue
+    from mcore_rl.integrations.verl import verl_exports
+    from tests.verl import rl_bodies as B
+
+    B._env()
+    actor = B._verl_worker("language_model", actor_dir, {}, False, 10)
+    actor.engine.checkpoint_config = CheckpointConfig(save_contents=["model", "optimizer", "extra", "hf_model"])
+    verl_exports._PROCESS.queue = ExportQueue(1, True, command=_exporter(hold))  # the process's queue, faulted
+    step = lambda n: os.path.join(root, f"global_step_{n}")  # noqa: E731
+    rank, out = torch.distributed.get_rank(), {}
+
+    def save(n: int, keep: int | None = 1) -> None:
+        _train({"actor": actor}, n)
+        actor.save_checkpoint(os.path.join(step(n), "actor"), None, n, max_ckpt_to_keep=keep)
+
+    def driver(n: int) -> None:
+        if rank == 0:
+            torch.save({"dataloader_step": n}, os.path.join(step(n), "data.pt"))
+            with open(os.path.join(root, TRACKER), "w") as f:
+                f.write(str(n))
+        torch.distributed.barrier()
+
+    save(1, None)
+    driver(1)
+    _drained()
+    out["state1"] = hf_export_record.export_state(os.path.join(step(1), "actor"))
+    out["failed"] = _error(lambda: save(2, None))
+    out["step2_after_failure"] = os.path.exists(step(2))
+    save(2, None)  # seals step 1
+    driver(2)
+    _drained()
+    actor.load_checkpoint(os.path.join(step(1), "actor"), None, False)  # a resume: step 1 lacks its export
+    _drained()
+    out["state1_resumed"] = hf_export_record.export_state(os.path.join(step(1), "actor"), verify=True)
+    save(3, None)
+    driver(3)
+    while rank == 0 and not any(n.startswith("hf_export_merge.") for n in os.listdir(hold)):
+        time.sleep(0.05)  # step 3's exporter is provably running (held)
+    for n in (4, 5):
+        save(n)
+        driver(n)
+    out["running"] = sorted(verl_exports.existing_queue().running_steps())
+    out["after5"] = sorted(os.listdir(root))
+    open(os.path.join(hold, "release"), "w").close()
+    _drained()
+    out["state3"] = hf_export_record.export_state(os.path.join(step(3), "actor"), verify=True)
+    save(6)
+    driver(6)
+    _drained()
+    out["after6"] = sorted(os.listdir(root))
+    return out
+
+
+def test_hf_export_failure_raised_at_next_save_and_retention_waits(models, tmp_path):
+    from tests.verl.export_checks import assert_exported
+
+    root, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
+    os.makedirs(hold)
+    res = run_ranks(2, export_world, models[0], root, hold, daemon=False)
+    for r in res:  # every rank: the step, the role, the node and the exporter's fate, before step 2 is written
+        assert "HF export of step 1 role actor on node 0 failed" in r["failed"], r["failed"]
+        assert "killed by signal 9" in r["failed"], r["failed"]
+        assert r["step2_after_failure"] is False
+    r0 = res[0]
+    assert r0["state1"] == "partial"  # its staging dir: ignored by every reader
+    assert r0["state1_resumed"] == "complete"  # cleaned and exported again by the resume
+    # keep 1: steps 1 and 2 went at step 4's save; step 3 stayed at step 5's while its export ran,
+    # and went (with step 4) at step 6's once it was done
+    assert r0["running"] == [3] and r0["after5"] == ["global_step_3", "global_step_4", "global_step_5", TRACKER], r0
+    assert r0["state3"] == "complete"
+    assert r0["after6"] == ["global_step_5", "global_step_6", TRACKER], r0["after6"]
+    assert sorted(os.listdir(os.path.join(root, "global_step_6"))) == ["actor", "data.pt"]  # no staging left
+    assert_exported(os.path.join(root, "global_step_6", "actor"), 6)
+
+
+_AT_EXIT = """
+import sys
+from mcore_rl.integrations.verl import verl_exports
+queue = verl_exports.process_queue(1, False)  # no superseding: both run, in order
+queue._command = lambda task, threads: ["sh", "-c", f"sleep 1; touch {task.role_dir}; exit {task.step}"]
+queue.submit(0, {"actor": sys.argv[1] + "/done0"}, None)
+queue.submit(2, {"actor": sys.argv[1] + "/done2"}, None)
+"""
+
+
+def test_a_worker_process_waits_for_its_exports_at_exit(tmp_path):
+    """A process that ends right after its last save (the SFT trainer under torchrun) lets its
+    queued exports finish (the exit hook ``verl_exports.process_queue`` registers; an exporter
+    dies with the process that started it) and prints a failure it found as one error line."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
+    proc = subprocess.run([sys.executable, "-c", _AT_EXIT, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["done0", "done2"]  # step 2 ran after step 0, both finished
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "HF export of step 2 role actor" in errors[0] and "exited with code 2" in errors[0], \
+        proc.stderr[-2000:]
 
 
 # ---- two simulated nodes with node-local disks -----------------------------------------------------

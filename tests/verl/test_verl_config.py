@@ -480,3 +480,19 @@ def test_context_parallel_reaches_the_engines(script):
     assert McoreRLEngineConfig(context_parallel_size=2).context_parallel_size == 2
     with config_error("engine.context_parallel_size=0"):
         McoreRLEngineConfig(context_parallel_size=0)
+
+
+def test_hf_export_keys_reach_the_engine_and_bad_values_are_refused(script):
+    """``engine.hf_dtype`` / ``hf_export_threads`` / ``hf_export_supersede`` (the background HF
+    export of a save with ``hf_model``) reach the engine config; a dtype merge does not write or
+    a thread count below 1 is an error naming the key."""
+    default = _engines(script)["actor"]
+    assert (default.hf_dtype, default.hf_export_threads, default.hf_export_supersede) == (None, 1, True)
+    chosen = _engines(_with(_with(_with(script, "actor_rollout_ref.actor.mcore_rl.hf_dtype=bf16"),
+                                  "actor_rollout_ref.actor.mcore_rl.hf_export_threads=2"),
+                            "actor_rollout_ref.actor.mcore_rl.hf_export_supersede=false"))["actor"]
+    assert (chosen.hf_dtype, chosen.hf_export_threads, chosen.hf_export_supersede) == ("bf16", 2, False)
+    with config_error("engine.hf_dtype='int8'"):
+        _engines(_with(script, "actor_rollout_ref.actor.mcore_rl.hf_dtype=int8"))
+    with config_error("engine.hf_export_threads=0"):
+        _engines(_with(script, "actor_rollout_ref.actor.mcore_rl.hf_export_threads=0"))

@@ -9,7 +9,9 @@ lora_bodies.py; one 2-process launch, actor TP=2, rollout TP=2 on the CPU rollou
   (HF names) then the adapters (PEFT names, verl's peft config; started from a PEFT adapter with
   rank_pattern/alpha_pattern: per-module scalings folded into B), the second only the adapters;
   with ``merge=True`` merged weights under HF names. After each sync the rollout
-  server's model scores the rows as the trainer does.
+  server's model scores the rows as the trainer does;
+- verl's SFT trainer saving adapter-only steps with ``hf_model``: the background export writes the
+  merged weights (``mcore_to_hf.py merge`` of the step, the live ``W + s B A``).
 """
 from __future__ import annotations
 
@@ -146,3 +148,21 @@ def test_sft_trainer_with_lora_trains_adapters_only_saves_and_resumes(sft):
         assert resumed["adapters"].keys() == straight["adapters"].keys()
         assert all(torch.equal(resumed["adapters"][n], t) for n, t in straight["adapters"].items()), "resume differs"
         assert all(torch.equal(resumed["base"][n], t) for n, t in start["base"].items())
+
+
+def test_sft_trainer_with_lora_exports_merged_hf_weights(sft):
+    """Saved with ``hf_model``, the adapter-only step 2 gets its merged HF weights in the
+    background (``model/huggingface/``): complete, byte for byte ``mcore_to_hf.py merge`` of the
+    step, and its tensors are the trainer's live merged model ``W + s B A`` (fp64 merge rounded
+    once vs the engine's fp32: within float rounding)."""
+    from mcore_rl.mapping.hf_io import SafetensorsReader
+    from tests.verl.export_checks import assert_exported
+
+    ranks, root = sft
+    hf = assert_exported(f"{root}/a/global_step_2/actor", 2)
+    written, live = SafetensorsReader(hf), ranks[0]["straight"]["merged"]
+    assert set(written) == set(live), sorted(set(written) ^ set(live))
+    moved = [n for n, t in live.items() if not torch.equal(t, ranks[0]["start"]["base"][n])]
+    assert moved  # the adapters moved the merged weights off the base
+    worst = max(float((written[n].double() - t.double()).abs().max()) for n, t in live.items())
+    assert worst <= 1e-6, worst

@@ -1,5 +1,6 @@
 """verl's own SFT trainer (``python -m verl.trainer.sft_trainer`` under torchrun, no Ray) drives
-mcore_rl on CPU: the loss falls, verl saves through our engine, a rerun resumes exactly, and other
+mcore_rl on CPU: the loss falls, verl saves through our engine (with ``hf_model``: the HF weights
+exported in the background into ``actor/model/huggingface/``), a rerun resumes exactly, and other
 layouts and micro-batchings compute the same losses as DP=2 with padded rows: TP=2 + SP with
 packed rows in dynamic micro-batches, PP=2 with padded rows in micro-batches of 1 (each differs
 from the reference in both, so a fault in either shows).
@@ -22,6 +23,7 @@ import pytest
 
 pytest.importorskip("verl")
 
+from tests.verl.export_checks import assert_exported, engine_log_prob_gap  # noqa: E402
 from tests.verl.layout_checks import check_verl_reads, to_old_layout, verl_merge, weight_differences  # noqa: E402
 from tests.verl.verl_fixtures import save_sft_parquet, save_tiny_model  # noqa: E402
 
@@ -36,21 +38,29 @@ def inputs(tmp_path_factory):
 
 
 PADDED = "model.use_remove_padding=False"
+HF_MODEL = "checkpoint.save_contents=[model,optimizer,extra,hf_model]"
 
 
 @pytest.fixture(scope="module")
 def dp_padded(inputs, tmp_path_factory) -> tuple[list[tuple[float, float]], str]:
-    """3 steps at DP=2 without remove-padding, saving step 3: the reference for the other layouts
-    and the first run of the resume test; (losses and grad norms, checkpoint dir). Its step is
-    then rewritten as builds before verl's layout wrote it (``to_old_layout``), after its merge
-    (``<dir>/v2_merged``): the resume reads it."""
+    """3 steps at DP=2 without remove-padding, saving step 3 with ``hf_model``: the reference for
+    the other layouts and the first run of the resume test; (losses and grad norms, checkpoint
+    dir). Its HF weights were exported in the background from the written part (the trainer's
+    last save waited for them): they equal ``mcore_to_hf.py merge`` of the part, and transformers
+    computes from them the log-probs of mcore_rl's engine loaded from the part (fp32 both). The
+    step is then rewritten as builds before verl's layout wrote it (``to_old_layout``: its HF
+    weights recorded inline, as such builds wrote them), after its merge (``<dir>/v2_merged``):
+    the resume reads it."""
     from mcore_rl.conversion.merge import merge
     from mcore_rl.fileio.model_layout import VERL_V2, layout_of
 
     root = str(tmp_path_factory.mktemp("dp") / "ckpt")
-    losses = sft(inputs, root, 3, PADDED)
+    losses = sft(inputs, root, 3, PADDED, HF_MODEL)
     actor = os.path.join(root, "global_step_3", "actor")
     assert layout_of(actor) is VERL_V2
+    assert_exported(actor, 3)
+    gap = engine_log_prob_gap(actor)
+    assert gap["gap"] <= 1e-5 and gap["tokens"] > 50, gap
     merge(actor, os.path.join(os.path.dirname(root), "v2_merged"), dtype="bf16")
     to_old_layout(actor)
     return losses, root

@@ -13,7 +13,7 @@ from typing import Optional
 
 from verl.workers.config.engine import EngineConfig
 
-from mcore_rl.checkpoint.config import SHARDING_TYPES
+from mcore_rl.checkpoint.config import HF_DTYPES, SHARDING_TYPES
 from mcore_rl.errors import McoreRLError
 
 DTYPES = ("bfloat16", "float32", "fp32", "bf16")
@@ -35,6 +35,11 @@ class McoreRLEngineSettings(EngineConfig):
     ``checkpoint.optimizer_sharding``): dp_reshardable, model_space (resumes at any layout, no
     gather; verl's ``megatron.dist_ckpt_optim_fully_reshardable=True`` selects it) or
     fully_reshardable.
+    hf_dtype, hf_export_threads, hf_export_supersede: the background HF export of a save with
+    ``hf_model`` in ``checkpoint.save_contents`` (mcore_rl's ``checkpoint.*`` keys of those names):
+    the dtype written (fp32, bf16, fp16, fp8, mxfp4 as ``mcore_to_hf.py merge --dtype``; null: the
+    checkpoint's), the exporter's CPU threads, and whether a newer step's export replaces an older
+    one that has not started.
     recompute_granularity: activation recomputation, 'full' (whole layers, uniform) or
     'selective' (core attention); null follows ``model.enable_gradient_checkpointing`` (full).
     recompute_num_layers: layers per recomputed block with 'full' (null: 1).
@@ -56,6 +61,9 @@ class McoreRLEngineSettings(EngineConfig):
     use_distributed_optimizer: bool = True
     verify_content: bool = True
     optimizer_sharding: str = "dp_reshardable"
+    hf_dtype: Optional[str] = None
+    hf_export_threads: int = 1
+    hf_export_supersede: bool = True
     recompute_granularity: Optional[str] = None
     recompute_num_layers: Optional[int] = None
     strategy: str = "mcore_rl"
@@ -82,6 +90,12 @@ class McoreRLEngineSettings(EngineConfig):
         if self.optimizer_sharding not in SHARDING_TYPES:
             raise VerlConfigError(f"engine.optimizer_sharding={self.optimizer_sharding!r}; use one of "
                                   f"{list(SHARDING_TYPES)}.")
+        if self.hf_dtype not in (None, *HF_DTYPES):
+            raise VerlConfigError(f"engine.hf_dtype={self.hf_dtype!r}; use one of {list(HF_DTYPES)} or null (the "
+                                  "checkpoint's dtype).")
+        if isinstance(self.hf_export_threads, bool) or not isinstance(self.hf_export_threads, int) \
+                or self.hf_export_threads < 1:
+            raise VerlConfigError(f"engine.hf_export_threads={self.hf_export_threads!r}; use an integer >= 1.")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise VerlConfigError(f"engine.recompute_granularity={self.recompute_granularity!r}; choose full, "
                                   "selective or null.")

@@ -20,12 +20,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.conversion.convert_input import role_from_config
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.files import META
 from mcore_rl.fileio.model_layout import VERL_V2, layout_of
 from mcore_rl.checkpoint.role_steps import RoleStepManager
+from mcore_rl.integrations.verl import verl_exports
 from mcore_rl.integrations.verl.engine_config import VerlConfigError
 
 log = logging.getLogger("mcore_rl.integrations.verl")
@@ -92,11 +95,17 @@ def _manager(engine, root: str, max_ckpt_to_keep: int | None, contents: str) -> 
     load = tuple(x for x in (getattr(c, "load_contents", None) or save) if x != "hf_model")
     if engine.engine.optimizer is None:  # a frozen model (forward_only): weights only
         save, load = ("model",), ("model",)
+    # the per-save manager's close() does not wait for the exports: they run on in the process's queue
+    e = engine.engine_config
     cfg = CheckpointConfig(root=root, max_ckpt_to_keep=max_ckpt_to_keep or None, save_contents=save,
-                           load_contents=load, verify_content=engine.engine_config.verify_content,
-                           optimizer_sharding=engine.engine_config.optimizer_sharding)
+                           load_contents=load, verify_content=e.verify_content, optimizer_sharding=e.optimizer_sharding,
+                           hf_dtype=e.hf_dtype, hf_export_threads=e.hf_export_threads,
+                           hf_export_supersede=e.hf_export_supersede, hf_export_wait_at_close=False)
+    # the process's queue, for a load too: a resume re-exports sealed steps that lack their export
+    # there, and a queue the per-load manager made would die with its close()
+    queue = verl_exports.process_queue(cfg.hf_export_threads, cfg.hf_export_supersede) if "hf_model" in save else None
     return RoleStepManager(cfg, hf_sources={engine.role: engine.hf_source} if contents == "save" else None,
-                           layout=VERL_V2)  # verl 0.9.1's layout: its merger and path helpers read the steps
+                           exports=queue, layout=VERL_V2)  # verl 0.9.1's layout: its merger and path helpers read it
 
 
 def check_checkpoint_config(checkpoint_config) -> None:
@@ -120,7 +129,19 @@ def save(engine, local_path: str, hdfs_path: str | None, global_step: int, max_c
         raise CheckpointError(f"checkpoint path {local_path!r} names step {step} but global_step={global_step}.")
     manager = _manager(engine, os.path.dirname(step_dir), max_ckpt_to_keep, "save")
     manager.save_role(step, role, engine.engine)
+    if verl_exports.last_step(engine.optimizer_config, global_step):  # the job may end right after it
+        _wait_exports(manager, step, role)
     manager.close()
+
+
+def _wait_exports(manager: RoleStepManager, step: int, role: str) -> None:
+    """Collective: the trainer's last save waits for every node's HF exports; a failure is
+    logged (verl completes the step after this save: raising would cost it)."""
+    try:
+        manager.wait_exports()
+    except CheckpointError as e:
+        if torch.distributed.get_rank() == 0:
+            log.error("the last save (step %d, %s) found a failed HF export: %s", step, role, e)
 
 
 def load(engine, local_path: str, hdfs_path: str | None, del_local_after_load: bool) -> None:

@@ -1,0 +1,149 @@
+"""What ``hf_model`` in ``save_contents`` costs the training loop: the time an async save blocks it
+(the save call + every poll until the step is finalized) with the background HF export and
+without, alternating side by side in one run; when the HF dir appeared after the save call;
+the training step time while the exporter runs; the exporter's peak RSS against the step's size.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/ckpt_hf_export.py [--root DIR] [--reps 3]
+
+World of 2, TP=1 DP=2, a fp32 llama (hidden 1536, 6 layers, vocab 32k: 861 MiB of weights on
+every rank) after one Adam step. Each rep saves once into a root without ``hf_model`` and once
+into a root with it (the order alternates), ``async_save`` on, then trains (one update per
+step) and polls after every step, as the job does, until the save is finalized and, with
+``hf_model``, until its export is done. A save's blocked time is the save call plus the polls
+(max over the ranks); the goal is blocked(hf_model) / blocked(without) <= 1.05.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+
+import torch  # noqa: E402
+
+from benchmarks.common import rank0_print, start, tiny_llama  # noqa: E402
+from mcore_rl.parallel import ParallelLayout  # noqa: E402
+
+VOCAB, HIDDEN, LAYERS = 32000, 1536, 6
+CONTENTS = ("model", "optimizer", "extra")
+
+
+def build():
+    """The engine, an Actor on it and a batch for its updates (TP=1 DP=2, one Adam step done)."""
+    from mcore_rl.rl.actor import Actor, ActorConfig
+    from mcore_rl.rl.engine import ModelEngine, OptimConfig
+    from tests.tiny import rl_batch
+
+    layout = ParallelLayout(tp=1)
+    platform = start(layout)
+    args, weights = tiny_llama(vocab_size=VOCAB, layers=LAYERS, hidden=HIDDEN)
+    engine = ModelEngine(args, layout, "actor", platform, optim=OptimConfig(lr=1e-5), hf_weights=weights)
+    del weights
+    actor = Actor(engine, ActorConfig(micro_batch_size=2, ppo_mini_batch_size=4))
+    batch = rl_batch(VOCAB, batch=4, prompt=8, response=4, seed=0)
+    batch["old_log_probs"] = actor.compute_log_prob(batch)["log_probs"] - 0.1
+    batch["advantages"] = torch.randn(batch["old_log_probs"].shape, generator=torch.Generator().manual_seed(0))
+    actor.update_policy(batch)
+    return engine, actor, batch, args
+
+
+def max_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t)
+
+
+def one_save(mgr, engine, actor, batch, step: int, exporting: bool) -> dict:
+    """Saves ``step`` and trains until it is finalized (and, ``exporting``, its export is done):
+    the blocked seconds, the step times, when the HF weights appeared."""
+    queue = mgr._exports.queue
+    torch.distributed.barrier()
+    begin = time.perf_counter()
+    mgr.save(step, {"actor": engine}, {"step": step})
+    call = blocked = time.perf_counter() - begin
+    steps, finalized, appeared = [], False, None
+    while not finalized or (exporting and appeared is None):
+        t = time.perf_counter()
+        actor.update_policy(batch)
+        steps.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        done = mgr.poll()
+        if not finalized:
+            blocked += time.perf_counter() - t
+            finalized = done == step
+        flag = int(exporting and queue is not None and finalized and not queue.busy())
+        everywhere = torch.tensor([flag if torch.distributed.get_rank() == 0 else 1])
+        torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)
+        if everywhere.item() and appeared is None:
+            appeared = time.perf_counter() - begin
+    return {"blocked": max_over_ranks(blocked), "call": max_over_ranks(call), "steps": steps, "appeared": appeared}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir)")
+    parser.add_argument("--reps", type=int, default=3)
+    a = parser.parse_args()
+    from mcore_rl.checkpoint.config import CheckpointConfig
+    from mcore_rl.checkpoint.manager import CheckpointManager
+
+    engine, actor, batch, args = build()
+    base = a.root or (tempfile.mkdtemp(prefix="ckpt_hf_export_") if torch.distributed.get_rank() == 0 else "")
+    holder = [base]
+    torch.distributed.broadcast_object_list(holder)
+    base = holder[0]
+    hf_config = _hf_config(args)
+    managers = {
+        kind: CheckpointManager(CheckpointConfig(root=os.path.join(base, kind), async_save=True, max_ckpt_to_keep=1,
+                                                 save_contents=CONTENTS + (("hf_model",) if kind == "hf_model" else ())),
+                                hf_sources={"actor": hf_config})
+        for kind in ("plain", "hf_model")}
+    weights = sum(p.numel() * p.element_size() for p in engine.model[0].parameters())
+    rank0_print(f"model: {weights / 2**20:.0f} MiB of fp32 weights per rank (TP=1 DP=2), async_save, reps {a.reps}")
+    results = {"plain": [], "hf_model": []}
+    for rep in range(a.reps):
+        order = ("plain", "hf_model") if rep % 2 == 0 else ("hf_model", "plain")
+        for kind in order:
+            results[kind].append(one_save(managers[kind], engine, actor, batch, rep + 1, kind == "hf_model"))
+    for mgr in managers.values():
+        mgr.close()
+    _report(results, managers["hf_model"], base)
+    torch.distributed.barrier()
+    if a.root is None and torch.distributed.get_rank() == 0:
+        shutil.rmtree(base, ignore_errors=True)
+    torch.distributed.destroy_process_group()
+
+
+def _hf_config(args):
+    """The transformers config of the benchmark's llama (what the job passes as the HF source)."""
+    from mcore_rl.job.loop import tiny_hf_config
+    from mcore_rl.job.schema import TinyModelConfig
+
+    return tiny_hf_config(TinyModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                                          num_hidden_layers=LAYERS, max_position_embeddings=512))
+
+
+def _report(results: dict, mgr, base: str) -> None:
+    blocked = {k: [r["blocked"] for r in v] for k, v in results.items()}
+    med = {k: statistics.median(v) for k, v in blocked.items()}
+    for kind in ("plain", "hf_model"):
+        steps = [s for r in results[kind] for s in r["steps"]]
+        calls = statistics.median(r["call"] for r in results[kind])
+        rank0_print(f"{kind:9s}: blocked {', '.join(f'{b:.3f}' for b in blocked[kind])} s (median {med[kind]:.3f} s, "
+                    f"of which the save call {calls:.3f} s, the polls to the finalize {med[kind] - calls:.3f} s); "
+                    f"training step {statistics.median(steps):.2f} s median over {len(steps)} steps")
+    rank0_print(f"blocked with hf_model / without: {med['hf_model'] / med['plain']:.3f}x (goal <= 1.05x)")
+    appeared = [r["appeared"] for r in results["hf_model"]]
+    rank0_print(f"HF weights complete {', '.join(f'{t:.1f}' for t in appeared)} s after the save call")
+    if torch.distributed.get_rank() == 0 and mgr._exports.queue is not None:
+        for done in mgr._exports.queue.done:
+            print(f"exporter, step {done.step}: {done.ended - done.started:.1f} s: {done.line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
