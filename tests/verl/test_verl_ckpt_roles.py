@@ -9,7 +9,8 @@ W1 saves step 1, then step 2's actor part and dies (before the critic's save); W
 bit-exactly, saves step 2 (clearing W1's leftover first), then step 3's two parts and dies
 before verl's data.pt/tracker; W3 resumes step 2, finds step 3's leftovers stale, saves 3 and 4
 and checks per-role retention (actor 2, critic 1) and the refusal to overwrite a sealed step.
-``test_two_nodes_node_local`` runs one world on two simulated nodes with node-local disks.
+``test_two_nodes_node_local`` runs one world on two simulated nodes with node-local disks (each node's
+leader exports its own copy of the actor part, ``hf_model``).
 ``test_hf_export_failure_raised_at_next_save_and_retention_waits`` saves an actor with
 ``hf_model`` (background exports, ``verl_exports``): a killed exporter's failure at the next save,
 the resume re-exporting it, retention waiting for a running export, exports equal to
@@ -419,12 +420,20 @@ def test_a_worker_process_waits_for_its_exports_at_exit(tmp_path):
 # ---- two simulated nodes with node-local disks -----------------------------------------------------
 def node_world(actor_dir: str, critic_dir: str, root: str, out: str) -> None:
     """One rank per node, each node a private tmpfs at ``root``: step 1's parts reach both nodes
-    at the saves, verl's data.pt and tracker only rank 0's node; step 2's actor save seals step 1,
-    which copies data.pt to the other node first; both nodes then load step 1."""
+    at the saves, verl's data.pt and tracker only rank 0's node; the actor saves ``hf_model``:
+    each node's leader exports its own copy; step 2's actor save seals step 1, which copies
+    data.pt to the other node first; both nodes then load step 1."""
+    from verl.trainer.config.config import CheckpointConfig
+
+    from mcore_rl.checkpoint import hf_export_record
+
     workers = _workers(actor_dir, critic_dir)
+    workers["actor"].engine.checkpoint_config = CheckpointConfig(save_contents=["model", "optimizer", "extra",
+                                                                                "hf_model"])
     step1 = os.path.join(root, "global_step_1")
     _train(workers, 1)
     _save_step(workers, root, 1)
+    _drained()  # both nodes' exports of step 1 done
     saved, before = _fingerprint(workers), _files(step1)
     _train(workers, 2)
     workers["actor"].save_checkpoint(os.path.join(root, "global_step_2", "actor"), None, 2, KEEP["actor"])
@@ -433,6 +442,7 @@ def node_world(actor_dir: str, critic_dir: str, root: str, out: str) -> None:
         w.load_checkpoint(os.path.join(step1, role), None, False)
     result = {"node": int(os.environ["GROUP_RANK"]), "before": before, "after": after,
               "tracker": _read(os.path.join(root, TRACKER)), "differs": _equal(_fingerprint(workers), saved),
+              "export": hf_export_record.export_state(os.path.join(step1, "actor"), verify=True),
               "tmpfs": any(line.split()[1] == root and line.split()[2] == "tmpfs" for line in open("/proc/mounts"))}
     with open(os.path.join(out, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
         json.dump(result, f)
@@ -468,6 +478,9 @@ def test_two_nodes_node_local(models, tmp_path):
     assert os.listdir(root) == [], "the nodes did not have their own disks"
     res = {r["node"]: r for r in (json.load(open(os.path.join(out, f"rank{k}.json"))) for k in range(2))}
     assert res[0]["tmpfs"] and res[1]["tmpfs"] and "node-local on 2 nodes" in text, text
+    # hf_model: each node's leader exported its own copy of the actor part: complete on both, alike
+    assert res[0]["export"] == res[1]["export"] == "complete", (res[0]["export"], res[1]["export"])
+    assert "actor/model/huggingface/model.safetensors" in res[1]["before"]
     # before the seal: both parts whole on both nodes (copied at the saves), verl's files on node 0 only
     for role in ("actor", "critic"):
         part = {k: v for k, v in res[0]["before"].items() if k.startswith(f"{role}/")}
