@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("verl")
 
 from tests.verl.export_checks import assert_exported, engine_log_prob_gap  # noqa: E402
-from tests.verl.lora_checks import assert_adapter_only, same_trained_tensors  # noqa: E402
+from tests.verl.lora_checks import assert_adapter_only, base_mismatches, same_trained_tensors  # noqa: E402
 from tests.verl.main_ppo_runner import RayHead, launch  # noqa: E402
 from tests.verl.ppo_fixtures import REWARD_FILE, save_arithmetic_parquet, save_chat_model  # noqa: E402
 
@@ -116,10 +116,11 @@ def test_grpo_from_a_verl_megatron_script_at_tp2_stays_on_policy(head, inputs, t
 
 # LoRA on the policy (verl's Megatron keys; verl then computes the reference in the actor with the
 # adapters disabled, ``ref_in_actor``) with the KL loss that reads that reference; adapter-only
-# steps (saved without ``hf_model`` here; a LoRA step's background export: tests/verl/test_verl_lora.py)
+# steps (the GRPO launch's saved with ``hf_model``: the merged export, checked below)
 LORA = ["actor_rollout_ref.model.lora.rank=8", "actor_rollout_ref.model.lora.alpha=16",
         "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.01"]
 LORA_CRITIC = ["critic.model.lora.rank=8", "critic.model.lora.alpha=16"]
+BASE_TENSORS = 38  # HF tensors of the tiny llama's trunk: embedding, 4 x 9 per layer, final norm
 
 
 def assert_reference_is_the_base(run) -> None:
@@ -132,18 +133,29 @@ def assert_reference_is_the_base(run) -> None:
         assert run.metrics[step]["actor/kl_loss"] > BOUND, (step, run.metrics[step]["actor/kl_loss"])
 
 
+def assert_merged_export(role_dir: str, step: int, base_dir: str) -> None:
+    """An adapter-only step whose background HF export is complete (as ``merge`` writes it) and
+    holds, in every base tensor, the base on disk plus ``s B A`` of the step's saved factors."""
+    assert_adapter_only(role_dir)
+    assert_exported(role_dir, step)
+    compared, differ = base_mismatches(role_dir, base_dir)
+    assert compared == BASE_TENSORS and not differ, f"{role_dir}: export is not base + s B A in {differ}"
+
+
 def test_grpo_with_lora_and_merged_sync_at_tp2_trains_adapters_only(head, inputs, tmp_path):
     """The Megatron script plus verl's LoRA keys, ``lora.merge=True``: the rollout gets the
-    merged weights ``W + s B A`` at every sync."""
+    merged weights ``W + s B A`` at every sync; the last step saved with ``hf_model`` (the
+    trainer's last save waits for its background export)."""
     run = launch(head, str(tmp_path), [*migrated(MEGATRON_SCRIPT), *LORA, "actor_rollout_ref.model.lora.merge=True",
                                         *common(inputs, 2), "trainer.save_freq=2",
+                                        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
                                         f"trainer.default_local_dir={tmp_path / 'ckpt'}"])
     assert_every_step_trains_on_policy(run, 2)
     assert_reference_is_the_base(run)
     actor = tmp_path / "ckpt" / "global_step_2" / "actor"
     with open(actor / "mcore_rl.json") as f:
         assert json.load(f)["layout"]["tp"] == 2  # sharded adapters, merged per shard
-    assert_adapter_only(str(actor))
+    assert_merged_export(str(actor), 2, inputs["model"])
 
 
 def test_control_without_weight_sync_exceeds_the_bound(head, inputs, tmp_path):
