@@ -3,11 +3,11 @@ filter, and the one-line form of a refusal. Nothing here runs at import; library
 filter warnings themselves."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
-from typing import NoReturn
+
+from mcore_rl.errors import OneLineParser, error_line  # noqa: F401 - the commands import them from here
 
 # (category, message regex) of notices that say nothing a user of the job can act on
 QUIET_WARNINGS = (
@@ -44,11 +44,6 @@ def one_line_warnings() -> None:
     warnings.formatwarning = form
 
 
-def error_line(error: BaseException) -> str:
-    """``error: <message>`` on one line (a refusal's message names the value and the fix)."""
-    return "error: " + " ".join(str(error).split())
-
-
 def os_error_line(error: OSError, doing: str) -> str:
     """The one line for an operating-system error at a command's boundary (a full disk, a
     permission, a failing device): what the command was doing, the file and the system's words,
@@ -58,15 +53,6 @@ def os_error_line(error: OSError, doing: str) -> str:
     what = f"[Errno {error.errno}] {error.strerror}" if error.errno else str(error)
     return error_line(f"{doing} failed: {what}{where}; check free space, permissions and the device "
                       "where the files live, then run again (nothing was left behind).")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are one ``error: ...`` line (exit code 2) naming the
-    command, the problem and where the usage is, instead of argparse's usage block; subcommand
-    parsers made by ``add_subparsers`` inherit it."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"error: {self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
 # set by launch/torchrun_job.py for its ranks: the file the first refusing rank writes its line to

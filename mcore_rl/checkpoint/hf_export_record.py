@@ -1,6 +1,6 @@
 """The completeness record of a background HF export, and what an export left in a role's HF dir.
 
-A background export (``hf_export.export_step``) adds the HF weight files (``model*.safetensors``
+A background export (``conversion/hf_export_step.export_step``) adds the HF weight files (``model*.safetensors``
 and the index) to a role's HF dir (``model_layout.layout_of(role_dir).hf_dir``) and, last,
 ``mcore_rl_export.json``::
 
@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mcore_rl.checkpoint import model_record, storage
-from mcore_rl.conversion.merge_io import export_file
+from mcore_rl.checkpoint.inventory import parse_step_name
 from mcore_rl.errors import CheckpointError
 from mcore_rl.fileio.checksum import UnknownChecksumError, file_checksum
 from mcore_rl.fileio.files import fsync_path
 from mcore_rl.fileio.model_layout import layout_of
 from mcore_rl.fileio.output_dir import EXPORT_RECORD
+from mcore_rl.fileio.output_dir import is_export_file as export_file
 from mcore_rl.fileio.staging import settle
 
 WRITER = "background export"
@@ -100,10 +101,10 @@ def _valid_record(role_dir: str, hf_dir: str, source: str, verify: bool) -> dict
         record = storage.read_json(os.path.join(hf_dir, EXPORT_RECORD))
     except CheckpointError:
         return None
-    step = os.path.basename(os.path.dirname(role_dir))
+    step = parse_step_name(os.path.basename(os.path.dirname(role_dir)))
     files = record.get("files")
     if (record.get("written_by") != "mcore_rl" or record.get("writer") != WRITER or record.get("source") != source
-            or f"global_step_{record.get('step')}" != step or record.get("role") != os.path.basename(role_dir)
+            or record.get("step") != step or record.get("role") != os.path.basename(role_dir)
             or not isinstance(files, dict) or not files):
         return None
     for name, entry in files.items():

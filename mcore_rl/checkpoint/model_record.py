@@ -190,4 +190,5 @@ def listed(directory: str, base: str) -> list[str]:
     return out
 
 
-__all__ = ["DirRecord", "RECORD", "SKIP_HINT", "exists", "export_source", "find_record", "listed", "verify", "write_record"]
+__all__ = ["DirRecord", "RECORD", "SKIP_HINT", "exists", "export_source", "find_record", "listed", "verify",
+           "write_record"]

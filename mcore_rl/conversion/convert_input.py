@@ -20,11 +20,11 @@ from mcore_rl.fileio.safetensors_header import check_safetensors
 from mcore_rl.mapping.mxfp4_import import plan_quantized
 from mcore_rl.mapping.hf_io import SafetensorsFormatError, read_weight_map
 from mcore_rl.models.registry import WRAPPERS
+from mcore_rl.fileio.safetensors_write import HF_DTYPE_NAMES  # noqa: F401 - callers import it from here
 
 INDEX_FILE = "model.safetensors.index.json"
 DtypeName = Literal["fp32", "bf16", "fp16"]
 # converter --dtype -> the name transformers writes in config.json ("dtype" / "torch_dtype")
-HF_DTYPE_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 class ConvertError(CheckpointError):

@@ -28,7 +28,7 @@ from mcore_rl.conversion.merge_io import (  # noqa: F401 - re-exported: callers 
     _WEIGHT_FILE, MergeError, MergeSummary, ModelClass, ModelDir, Unit, _adapter_only, _hf_config,
     check_target, export_file, hf_class, open_model_dir, plan_units, read_unit, same_dir,
 )
-from mcore_rl.conversion.merge_config import config_text, merged_config, named_dtype, resolve_dtype
+from mcore_rl.checkpoint.export_config import config_text, merged_config, named_dtype, resolve_dtype
 from mcore_rl.conversion.merge_layout import SourceLayout
 from mcore_rl.conversion.merge_lora import merge_adapter_step
 from mcore_rl.fileio.files import META, peak_rss_mb

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from mcore_rl.errors import CheckpointError
+from mcore_rl.fileio.files import STORED_KEY  # noqa: F401 - mcore_rl.json: HF name -> the source's stored dtype
 from mcore_rl.fileio.safetensors_write import TensorSpec, dtype_of_name
 from mcore_rl.mapping.fp8_quant import FP8_DTYPE, SCALE_SUFFIX, BlockFp8, is_quantized
 
-STORED_KEY = "hf_stored_dtypes"  # mcore_rl.json: HF name -> safetensors dtype name in the source
 FP8_STORED = "F8_E4M3"
 
 

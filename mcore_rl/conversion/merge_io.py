@@ -6,45 +6,34 @@ other's caller. No megatron import.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 
-from mcore_rl.checkpoint import model_record, storage
-from mcore_rl.errors import CheckpointError, McoreRLError
+from mcore_rl.checkpoint import model_record
+from mcore_rl.checkpoint.export_config import (  # noqa: F401 - re-exported: the merges import them from here
+    MergeError, ModelClass, ModelInfo, hf_class, model_info,
+)
+from mcore_rl.checkpoint.export_config import adapter_only as _adapter_only  # noqa: F401
+from mcore_rl.checkpoint.export_config import hf_config as _hf_config  # noqa: F401
 from mcore_rl.fileio.checksum import file_checksum
 from mcore_rl.fileio.files import META
 from mcore_rl.fileio.model_layout import layout_of
-from mcore_rl.fileio.output_dir import EXPORT_RECORD, check_replaceable, input_overlap, refuse_file, settle_output
-from mcore_rl.fileio.paths import contained
+from mcore_rl.fileio.output_dir import WEIGHT_FILE, check_replaceable, input_overlap, refuse_file, settle_output
+from mcore_rl.fileio.output_dir import is_export_file as export_file
 from mcore_rl.fileio.safetensors_write import TensorSpec
 from mcore_rl.fileio.torch_dist_read import TorchDistReader
 from mcore_rl.mapping.transforms import Dims, Transform
 from mcore_rl.mapping.mtp import mtp_dist_key, mtp_rules, with_copies
-from mcore_rl.models.hf_config import ModelArgs, model_args_from_hf
+from mcore_rl.models.hf_config import ModelArgs
 
-ModelClass = Literal["auto", "causal_lm", "token_classification", "sequence_classification"]
-# --model_class -> the suffix of the transformers class name, and the role it fits
-_CLASS_SUFFIX = {"causal_lm": ("ForCausalLM", "actor"), "token_classification": ("ForTokenClassification", "critic"),
-                 "sequence_classification": ("ForSequenceClassification", "critic")}
 _EXPERT_DIST = ("mlp.experts.local_experts.{expert}.", "mlp.experts.experts.")  # canonical -> on-disk
 _NOT_WEIGHTS = re.compile(r"^(optimizer\.|chained_\d+\.|rng_state)|\._extra_state(/|$)")
-_WEIGHT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin)$")
-
-
-def export_file(name: str) -> bool:
-    """Whether a file named ``name`` in a HF dir is an export's (weights, index, the export's
-    record), never a file a merge reads there (it reads config.json and copies the side files)."""
-    return bool(_WEIGHT_FILE.match(name)) or name == EXPORT_RECORD
-
-
-class MergeError(CheckpointError):
-    """A model directory that cannot be merged as asked."""
+_WEIGHT_FILE = WEIGHT_FILE
 
 
 @dataclass(frozen=True)
@@ -83,18 +72,6 @@ def read_located(reader: TorchDistReader, key: str, index: tuple[int, ...], piec
 def read_unit(reader: TorchDistReader, unit: Unit) -> torch.Tensor:
     """The unit's tensor (its pieces concatenated)."""
     return read_located(reader, unit.key, unit.index, unit.pieces)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a model directory says of its model without its weights: role, ModelArgs (from the
-    HF dir's config.json), the HF dir and ``mcore_rl.json``."""
-
-    path: str
-    role: str
-    args: ModelArgs
-    hf_dir: str
-    meta: dict
 
 
 @dataclass(frozen=True)
@@ -147,51 +124,6 @@ def open_model_dir(local_dir: str, verify: bool = True) -> ModelDir:
         reader.close()
         raise
     return ModelDir(info.path, info.role, info.args, info.hf_dir, info.meta, reader)
-
-
-def model_info(local_dir: str) -> ModelInfo:
-    """``local_dir``'s ``mcore_rl.json`` (contents must hold ``model``, role actor or critic) and
-    its model config; reads no weights (the step's ``dist_ckpt/`` need not exist yet)."""
-    local_dir = os.path.abspath(local_dir)
-    meta_path = os.path.join(local_dir, META)
-    meta = storage.read_json(meta_path)
-    contents, role = meta.get("contents"), meta.get("role")
-    if not isinstance(contents, list) or "model" not in contents:
-        raise MergeError(f"{local_dir}: {META} contents {contents!r} hold no 'model' weights (saved without "
-                         "'model' in checkpoint.save_contents, or the file is damaged); nothing to merge.")
-    if role not in ("actor", "critic"):
-        raise MergeError(f"{meta_path}: role {role!r}; expected 'actor' or 'critic'.")
-    hf_dir = _config_dir(local_dir, meta)
-    return ModelInfo(local_dir, role, _model_args(hf_dir), hf_dir, meta)
-
-
-def _config_dir(local_dir: str, meta: dict) -> str:
-    """Where the model's config.json is: its HF dir (``huggingface/``; verl's layout:
-    ``model/huggingface/``); an adapter-only LoRA step saved without it takes its base's (a HF
-    directory, or a model directory's HF dir)."""
-    own = layout_of(local_dir, meta).hf_dir(local_dir)
-    lora = meta.get("lora") if isinstance(meta.get("lora"), dict) else {}
-    base = lora.get("base") if isinstance(lora.get("base"), dict) else {}
-    if os.path.isfile(os.path.join(own, "config.json")) or not lora.get("adapter_only") or not base.get("path"):
-        return own
-    return base["path"] if base.get("kind") == "hf" else layout_of(base["path"]).hf_dir(base["path"])
-
-
-def _adapter_only(model: ModelInfo) -> bool:
-    lora = model.meta.get("lora")
-    return isinstance(lora, dict) and bool(lora.get("adapter_only"))
-
-
-def _model_args(hf_dir: str) -> ModelArgs:
-    """ModelArgs of ``hf_dir/config.json``; a value of the wrong type is a MergeError naming the file."""
-    try:
-        return model_args_from_hf(hf_dir)
-    except McoreRLError:
-        raise
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError, RecursionError) as e:
-        raise MergeError(f"{os.path.join(hf_dir, 'config.json')} is not a usable model config ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())[:200]}); the file is damaged: use the config the checkpoint "
-                         "was saved with.") from None
 
 
 def _verify_all(record: model_record.DirRecord, dist: str, reader: TorchDistReader) -> None:
@@ -344,45 +276,6 @@ def plan_units(model: ModelDir) -> tuple[list[Unit], Dims]:
             + (f"{len(unused)} checkpoint keys no mapping row consumes: {unused[:6]}; " if unused else "")
             + "merge the checkpoint with the config it was saved with.")
     return units, dims
-
-
-def hf_class(model: ModelInfo, model_class: ModelClass = "auto") -> str:
-    """The transformers class the merged model is: ``auto`` keeps the class its
-    ``huggingface/config.json`` records (the converter's or the run's input: a reward model's
-    ``*ForSequenceClassification`` comes back as one) when it fits the role, else the role's
-    default (actor: causal LM, critic: token classification with one label)."""
-    arch, wrapper = model.args.arch, model.args.wrapper
-    if wrapper is not None:  # a vision-language checkpoint goes back as its class (actor only)
-        if model_class not in ("auto", "causal_lm") or model.role != "actor":
-            raise MergeError(f"{model.path}: a {wrapper.model_type!r} checkpoint is a {wrapper.hf_class} (an actor); "
-                             f"model_class={model_class!r} does not fit it: use --model_class auto.")
-        return wrapper.hf_class
-    with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
-        recorded = json.load(f).get("architectures")
-    recorded = [a for a in recorded if isinstance(a, str)] if isinstance(recorded, list) else []
-    if model_class == "auto":
-        fits = [a for a in recorded for suffix, role in _CLASS_SUFFIX.values()
-                if a.endswith(suffix) and role == model.role]
-        return fits[0] if fits else (arch.hf_causal_lm if model.role == "actor" else arch.hf_token_classification)
-    suffix, role = _CLASS_SUFFIX[model_class]
-    if role != model.role:
-        why = ("a critic has a value head (score: hidden -> 1) and no LM head, so it is not a causal LM"
-               if model.role == "critic" else "an actor has an LM head, not a value head")
-        want = "token_classification or sequence_classification" if model.role == "critic" else "causal_lm"
-        raise MergeError(f"{model.path}: model_class={model_class!r} for a {model.role}: {why}; "
-                         f"use --model_class {want} (or auto).")
-    named = [a for a in recorded if a.endswith(suffix)]
-    return named[0] if named else arch.hf_token_classification.removesuffix("ForTokenClassification") + suffix
-
-
-def _hf_config(model: ModelInfo, cls: str) -> dict:
-    """config.json of the merged model: architectures [cls] (and one label for a critic)."""
-    with open(contained(model.hf_dir, "config.json", model.hf_dir)) as f:
-        config = json.load(f)
-    config["architectures"] = [cls]
-    if model.role == "critic":
-        config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
-    return config
 
 
 def check_target(target_dir: str, local_dir: str, overwrite: bool) -> None:

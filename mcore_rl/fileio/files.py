@@ -13,6 +13,7 @@ from mcore_rl.fileio.faults import io_fault
 from mcore_rl.fileio.paths import contained
 
 META = "mcore_rl.json"  # schema version, role, architecture facts, layout, contents, versions
+STORED_KEY = "hf_stored_dtypes"  # mcore_rl.json of a quantized import: HF name -> the source's stored dtype
 # HF files that travel with the weights (config, generation config, tokenizer, chat template:
 # transformers 5 writes the template to its own file; a vision-language checkpoint's tensors that
 # mcore_rl carries through: models/hf_layout.CARRIED_FILE)

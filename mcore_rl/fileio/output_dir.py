@@ -27,10 +27,18 @@ from mcore_rl.fileio.model_layout import layout_of
 from mcore_rl.fileio.staging import overlaps, settle
 
 EXPORT_RECORD = "mcore_rl_export.json"
+# a HF dir's weight files: what a merge writes and an export adds (transformers reads nothing else)
+WEIGHT_FILE = re.compile(r"^(model.*\.safetensors|model\.safetensors\.index\.json|pytorch_model.*\.bin)$")
 CONVERTER_RECORD = "RECORD"  # checkpoint.model_record.RECORD (fileio sits below checkpoint: not imported)
 MODEL_DIR_ENTRIES = frozenset({META, CONVERTER_RECORD})  # and its layout's entries (model_layout)
 OutputKind = Literal["model_dir", "hf_export"]
 _WALK_LIMIT = 200_000  # entries under an input; a larger tree is refused rather than half-checked
+
+
+def is_export_file(name: str) -> bool:
+    """Whether a file named ``name`` in a HF dir is an export's (weights, index, the export's
+    record), never one a merge reads there (it reads config.json and copies the side files)."""
+    return bool(WEIGHT_FILE.match(name)) or name == EXPORT_RECORD
 
 
 def write_export_record(directory: str, writer: str) -> None:

@@ -1,8 +1,8 @@
-"""The background HF exporter as a process: ``python -m mcore_rl.checkpoint.hf_export_worker
+"""The background HF exporter as a process: ``python -m mcore_rl.conversion.hf_export_worker
 --role_dir global_step_N/<role> --step N [--dtype X] [--max_shard_size S] [--threads T]
-[--fp8_block_size R [C]] [--scale_fmt F]``.
+[--nice K] [--fp8_block_size R [C]] [--scale_fmt F]``.
 
-It lowers its own CPU priority (``nice``) and IO priority (idle, else best-effort 7), runs torch
+It lowers its own CPU priority (``nice``, by ``--nice``, default 10) and IO priority (idle, else best-effort 7), runs torch
 (and OpenMP / MKL) on ``--threads`` threads, exports the step (``hf_export.export_step``) and prints
 one summary line: exit 0. Bad input or a failed export: ONE ``error: ...`` line on stderr, exit 2,
 no traceback. The parent that starts it makes it die with the parent
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from mcore_rl.entry import OneLineParser
+from mcore_rl.errors import OneLineParser
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8", "mxfp4")
 
@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                    "checkpoint's)")
     p.add_argument("--max_shard_size", default="5GB", help="largest shard (e.g. 5GB, 500MiB)")
     p.add_argument("--threads", type=_threads, default=1, help="torch / OpenMP / MKL threads (default 1)")
+    p.add_argument("--nice", type=int, choices=range(0, 20), default=10, metavar="0..19",
+                   help="how much to lower the CPU priority (default 10); the IO priority is idle either way")
     p.add_argument("--fp8_block_size", nargs="+", default=None, help="--dtype fp8: the block, e.g. 128 128")
     p.add_argument("--scale_fmt", default=None, help="--dtype fp8: the scale format (float, ue8m0)")
     return p
@@ -57,24 +59,27 @@ def _spec(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit code: 0 exported (or complete already), 2 bad input or a failed export (one line)."""
+    """Exit code: 0 exported (or complete already), 2 bad input or a failed export (one line).
+    The input is checked before the process lowers its priority (a refusal changes nothing)."""
     args = _parser().parse_args(argv)
     threads = str(args.threads)
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch is imported: its pools read them
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch starts its pools
         os.environ[name] = threads
-    from mcore_rl.checkpoint.child_process import lower_priority
-    from mcore_rl.entry import error_line, quiet_third_party
-    from mcore_rl.errors import McoreRLError
+    from mcore_rl.errors import McoreRLError, error_line
 
-    priority = lower_priority()
-    quiet_third_party(0)
     try:
         import torch
 
-        torch.set_num_threads(args.threads)
-        from mcore_rl.checkpoint.hf_export import export_step
+        from mcore_rl.checkpoint.hf_export import check_role_dir
+        from mcore_rl.conversion.hf_export_step import export_step
 
-        result = export_step(args.role_dir, _spec(args), args.step)
+        spec = _spec(args)
+        check_role_dir(args.role_dir, args.step)
+        from mcore_rl.checkpoint.child_process import lower_priority
+
+        priority = lower_priority(args.nice)
+        torch.set_num_threads(args.threads)
+        result = export_step(args.role_dir, spec, args.step)
     except McoreRLError as e:
         print(error_line(e), file=sys.stderr, flush=True)
         return 2
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line(f"exporting step {args.step} of {args.role_dir!r} failed: {type(e).__name__}: {e} (not a "
                          "refusal of mcore_rl's: report it with this line)"), file=sys.stderr, flush=True)
         return 2
-    print(f"{result.line()} ({priority}, {args.threads} thread(s))", flush=True)
+    print(f"{result.line()} ({priority}, {torch.get_num_threads()} torch thread(s))", flush=True)
     return 0
 
 
