@@ -2,7 +2,7 @@
 
 One process per node that holds a complete copy of the steps runs the exports: global rank 0 on
 a shared root, each node's leader on node-local disks (``storage.is_writer``). An export is a
-subprocess, ``python -m mcore_rl.conversion.hf_export_worker`` (``hf_export_step.export_step``: the
+subprocess, ``python -m mcore_rl.conversion.hf_export_worker`` (``hf_export.export_step``: the
 ``mcore_to_hf.py merge`` path into a staging dir, moved into the step's HF dir, its record
 last), started after its step is complete. It dies with the process that started it
 (``PR_SET_PDEATHSIG``, set by a boot step before the exporter is exec'd: ``_BOOT``); it lowers
