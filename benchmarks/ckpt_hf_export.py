@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
@@ -58,10 +59,38 @@ def max_over_ranks(value: float) -> float:
     return float(t)
 
 
+class ExporterPeak:
+    """Samples the running exporter's VmHWM (its own peak resident memory: the mm of the
+    exec'd exporter, which ``getrusage``'s maxrss is not: that carries the rank's peak across
+    the exec) every 20 ms; ``peak`` in bytes."""
+
+    def __init__(self, queue) -> None:
+        self.queue, self.peak, self._stop = queue, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pid = self.queue.running_pid()
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM:"))
+                self.peak = max(self.peak, kb * 1024)
+            except (OSError, StopIteration, TypeError):
+                pass
+            self._stop.wait(0.02)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def one_save(mgr, engine, actor, batch, step: int, exporting: bool) -> dict:
     """Saves ``step`` and trains until it is finalized (and, ``exporting``, its export is done):
     the blocked seconds, the step times, when the HF weights appeared."""
     queue = mgr._exports.queue
+    sampler = ExporterPeak(queue) if exporting and torch.distributed.get_rank() == 0 else None
     torch.distributed.barrier()
     begin = time.perf_counter()
     mgr.save(step, {"actor": engine}, {"step": step})
@@ -81,7 +110,9 @@ def one_save(mgr, engine, actor, batch, step: int, exporting: bool) -> dict:
         torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)
         if everywhere.item() and appeared is None:
             appeared = time.perf_counter() - begin
-    return {"blocked": max_over_ranks(blocked), "call": max_over_ranks(call), "steps": steps, "appeared": appeared}
+    peak = sampler.stop() if sampler is not None else 0
+    return {"blocked": max_over_ranks(blocked), "call": max_over_ranks(call), "steps": steps, "appeared": appeared,
+            "exporter_peak": peak}
 
 
 def main() -> None:
@@ -128,6 +159,11 @@ def _hf_config(args):
                                           num_hidden_layers=LAYERS, max_position_embeddings=512))
 
 
+def _weights_bytes(step_dir: str) -> int:
+    hf = os.path.join(step_dir, "actor", "huggingface")
+    return sum(os.path.getsize(os.path.join(hf, n)) for n in os.listdir(hf) if n.endswith(".safetensors"))
+
+
 def _report(results: dict, mgr, base: str) -> None:
     blocked = {k: [r["blocked"] for r in v] for k, v in results.items()}
     med = {k: statistics.median(v) for k, v in blocked.items()}
@@ -140,8 +176,15 @@ def _report(results: dict, mgr, base: str) -> None:
     rank0_print(f"blocked with hf_model / without: {med['hf_model'] / med['plain']:.3f}x (goal <= 1.05x)")
     appeared = [r["appeared"] for r in results["hf_model"]]
     rank0_print(f"HF weights complete {', '.join(f'{t:.1f}' for t in appeared)} s after the save call")
+    step_dir = os.path.join(base, "hf_model", f"global_step_{len(appeared)}")
+    step_bytes = sum(os.path.getsize(os.path.join(d, n)) for d, _, ns in os.walk(step_dir) for n in ns
+                     if "huggingface" not in d)
+    peak = max(r["exporter_peak"] for r in results["hf_model"])
+    rank0_print(f"exporter peak RSS (VmHWM) {peak / 2**20:.0f} MiB = {peak / step_bytes:.2f}x the step's "
+                f"{step_bytes / 2**20:.0f} MiB (model + optimizer + extra), "
+                f"{peak / (_weights_bytes(step_dir)):.2f}x its {_weights_bytes(step_dir) / 2**20:.0f} MiB of HF weights")
     if torch.distributed.get_rank() == 0 and mgr._exports.queue is not None:
-        for done in mgr._exports.queue.done:
+        for done in mgr._exports.queue.done:  # (its own "peak RSS" is getrusage's: the rank's, see ExporterPeak)
             print(f"exporter, step {done.step}: {done.ended - done.started:.1f} s: {done.line}", flush=True)
 
 

@@ -7,7 +7,8 @@ world 1 on a model started from a block-FP8 HF checkpoint (dequantized at load):
 - ``max_ckpt_to_keep=1`` while an export runs (held after its first weight file moved): the
   step being exported stays until a later retention, the queued export of a step retention
   deletes is dropped (one line), no export fails (none read a deleted step), and the kept steps'
-  exports are complete;
+  exports are complete; a save that replaces a step whose export runs kills that export first
+  (one line) and the new step gets its own export (its record names the new marker);
 - the exporter SIGKILLed at each phase (merge staged / first file moved / all moved, no record):
   the failure is raised at ``wait_exports``, at the next ``save`` and at ``close``, naming step,
   role, node and "killed by signal 9"; every such step is partial, never complete;
@@ -123,7 +124,7 @@ def _retention_while_exporting(engine, src: str, base: str) -> dict:
     root, hold = f"{base}/keep1", f"{base}/hold_keep1"
     os.makedirs(hold)
     queue = ExportQueue(supersede=False, command=_command(**{HOLD_ENV: hold, HOLD_ONLY_ENV: "hf_export_move"}))
-    mgr = manager(root, {"actor": src}, queue, save_contents=HF, max_ckpt_to_keep=1, hf_export_wait_at_close=False)
+    mgr = manager(root, {"actor": src}, queue, save_contents=HF, max_ckpt_to_keep=1)
     lines, out = _listen(), {}
     mgr.save(1, {"actor": engine}, {"step": 1})
     _wait_file(hold, "hf_export_move.")
@@ -134,10 +135,21 @@ def _retention_while_exporting(engine, src: str, base: str) -> dict:
     open(os.path.join(hold, "release"), "w").close()
     mgr.wait_exports()
     out["kept"] = {s: _state(root, s) for s in _steps(root)}
+    os.remove(os.path.join(hold, "release"))
     mgr.save(4, {"actor": engine}, {"step": 4})  # retention catches up with the deferred step
     out["dirs_4"] = _steps(root)
-    mgr.close()  # hf_export_wait_at_close=False: step 4's export is left to the queue
-    queue.close()  # kills it: the next start would redo it
+    while len([n for n in os.listdir(hold) if n.startswith("hf_export_move.")]) < 3:
+        time.sleep(0.02)  # step 4's export held after its first file moved
+    out["replacing"] = queue.running_steps()
+    mgr.save(4, {"actor": engine}, {"step": 4})  # replaces step 4: its running export is killed first
+    open(os.path.join(hold, "release"), "w").close()
+    mgr.wait_exports()  # the new step 4's export (the killed one's partial files went with the old copy)
+    marker = os.path.join(root, "global_step_4", "COMPLETE")
+    from mcore_rl.fileio.checksum import file_checksum
+
+    record = json.load(open(os.path.join(root, "global_step_4", "actor", "huggingface", RECORD)))
+    out["final"] = (_steps(root), _state(root, 4), record["source"] == file_checksum(marker)[1])
+    mgr.close()
     out["lines"] = lines.lines
     logging.getLogger("mcore_rl").removeHandler(lines)
     return out
@@ -256,13 +268,16 @@ def test_fp8_export_equals_merge_dtype_fp8(runs, tmp_path):
     assert sum(t.dtype == torch.float8_e4m3fn for t in weights.values()) >= 7, {k: t.dtype for k, t in weights.items()}
 
 
-def test_retention_never_deletes_a_step_being_exported(runs):
+def test_retention_and_replacement_while_exporting(runs):
     k = runs["saved"]["keep1"]
     assert k["held"] == ("partial", {1})  # held after its first weight file moved in
     assert k["dirs_2"] == ([1, 2], {1}, [2])  # step 1 kept while its export runs
     assert k["dirs_3"] == ([1, 3], {1}, [3])  # step 2 deleted, its queued export dropped
     assert k["kept"] == {1: "complete", 3: "complete"}
-    assert k["dirs_4"] == [4]
+    assert k["dirs_4"] == [4] and k["replacing"] == {4}
+    assert k["final"] == ([4], "complete", True), k["final"]  # the new step 4's export, of its own marker
+    cancelled = [ln for ln in k["lines"] if "cancelled" in ln]
+    assert cancelled == ["HF export of step 4 cancelled: the step is being replaced by a new save"], k["lines"]
     dropped = [ln for ln in k["lines"] if "dropped" in ln]
     assert dropped == ["HF export of step(s) [2] dropped: retention removes the step(s)"], k["lines"]
     kept = [ln for ln in k["lines"] if ln.startswith("retention: keeping")]

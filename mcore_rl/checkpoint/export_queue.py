@@ -143,6 +143,11 @@ class ExportQueue:
         with self._cond:
             return {self._running[0].step} if self._running else set()
 
+    def running_pid(self) -> int | None:
+        """The process id of the running exporter (None when none runs)."""
+        with self._cond:
+            return self._running[1].pid if self._running else None
+
     def queued_steps(self) -> list[int]:
         with self._cond:
             return sorted({t.step for t in self._queued})
