@@ -465,3 +465,15 @@ def test_child_dies_with_its_parent(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail(f"the child {child} outlived its parent")
+
+
+def test_peak_rss_of_an_execd_exporter_is_its_own():
+    """The exporter is exec'd by a large rank: getrusage's maxrss carries the rank's peak across
+    exec (a 4 GB "peak" for an 0.9 GB export was reported); peak_rss_mb reads the program's own
+    high-water mark. A parent touching 400 MiB, then exec: the child reports far less."""
+    child = "from mcore_rl.fileio.files import peak_rss_mb; print(peak_rss_mb())"
+    parent = ("import os, sys, numpy as np; a = np.ones(400 * 2**20 // 8); "
+              f"os.execv(sys.executable, [sys.executable, '-c', {child!r}])")
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()}).stdout
+    assert float(out) < 200, out

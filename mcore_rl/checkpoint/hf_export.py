@@ -20,7 +20,6 @@ from mcore_rl.checkpoint.export_config import (ModelInfo, adapter_merge_dtype, a
                                                resolve_dtype)
 from mcore_rl.checkpoint.inventory import parse_step_name
 from mcore_rl.errors import CheckpointError
-from mcore_rl.fileio.files import fsync_path
 from mcore_rl.fileio.safetensors_write import parse_size
 from mcore_rl.mapping.fp8_quant import BlockFp8
 
@@ -69,7 +68,8 @@ def write_export_config(role_dir: str, role: str, spec: ExportSpec, params_dtype
     """Rewrites ``role_dir``'s HF dir config.json (written there by the save: the run's config)
     into the config.json the export of this step will have: byte for byte what ``merge`` of the
     step with ``spec``'s dtype writes (``export_config``). Idempotent; atomic (temp + rename).
-    Call it before the step's files are recorded; ``role_dir``'s ``mcore_rl.json`` must be written."""
+    Call it before the step's files are recorded (the record's digest fsyncs the file, so it is
+    not fsynced here: it counts only once recorded); ``role_dir``'s ``mcore_rl.json`` must be written."""
     info = model_info(role_dir)
     if info.role != role:
         raise ExportError(f"{role_dir}: its mcore_rl.json says role {info.role!r}, not {role!r}; pass its role dir.")
@@ -82,10 +82,7 @@ def write_export_config(role_dir: str, role: str, spec: ExportSpec, params_dtype
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_path(info.hf_dir)
 
 
 def check_role_dir(role_dir: str, step: int) -> None:

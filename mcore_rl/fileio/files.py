@@ -57,7 +57,16 @@ def copy_hf_files(src: str, dst: str) -> None:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size so far, in MiB (Linux reports KiB)."""
+    """This process's peak resident set size so far, in MiB: ``VmHWM`` of /proc/self/status (the
+    high-water mark of this program's own memory; ``getrusage``'s maxrss, the fallback, carries a
+    parent's peak across ``exec``, so a subprocess of a large rank would report the rank's)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
