@@ -119,3 +119,23 @@ def opt_state_hf(engine, key: str) -> dict[str, torch.Tensor]:
             torch.distributed.all_reduce(flat, group=opt.data_parallel_group)
             full[model_param] = flat.view(model_param.shape)
     return export_hf(engine.model, engine.args, engine.role, tensor_of=lambda p: full[p])
+
+
+def error_of(call) -> str | None:
+    """The message of the CheckpointError ``call()`` raises (None when it raises none)."""
+    from mcore_rl.errors import CheckpointError
+
+    try:
+        call()
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False

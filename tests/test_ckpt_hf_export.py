@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from mcore_rl.fileio.faults import ENV, HOLD_ENV, HOLD_ONLY_ENV
-from tests.ckpt_bodies import build_engine, manager, train
+from tests.ckpt_bodies import alive, build_engine, error_of, manager, train
 from tests.dist import run_ranks
 
 HF = ("model", "optimizer", "extra", "hf_model")
@@ -107,16 +107,6 @@ def _wait_file(where: str, prefix: str, timeout: float = 120.0) -> str:
         time.sleep(0.02)
 
 
-def _error(call) -> str | None:
-    from mcore_rl.errors import CheckpointError
-
-    try:
-        call()
-    except CheckpointError as e:
-        return str(e)
-    return None
-
-
 def _retention_while_exporting(engine, src: str, base: str) -> dict:
     """keep=1, no superseding; step 1's export held after its first weight file moved."""
     from mcore_rl.checkpoint.export_queue import ExportQueue
@@ -165,17 +155,17 @@ def _exporter_killed(engine, src: str, base: str) -> dict:
     mgr, out = manager(root, {"actor": src}, queue, save_contents=HF, hf_dtype="fp8"), {}
     phase["now"] = "merge"
     mgr.save(1, {"actor": engine}, {"step": 1})
-    out["wait_exports"] = _error(mgr.wait_exports)
+    out["wait_exports"] = error_of(mgr.wait_exports)
     phase["now"] = "move"
     mgr.save(2, {"actor": engine}, {"step": 2})
     while queue.busy():
         time.sleep(0.02)
     phase["now"] = "record"
-    out["save"] = _error(lambda: mgr.save(3, {"actor": engine}, {"step": 3}))
-    out["again"] = _error(lambda: mgr.save(3, {"actor": engine}, {"step": 3}))  # raised once: this one saves
+    out["save"] = error_of(lambda: mgr.save(3, {"actor": engine}, {"step": 3}))
+    out["again"] = error_of(lambda: mgr.save(3, {"actor": engine}, {"step": 3}))  # raised once: this one saves
     while queue.busy():
         time.sleep(0.02)
-    out["close"] = _error(mgr.close)
+    out["close"] = error_of(mgr.close)
     out["states"] = {s: _state(root, s) for s in (1, 2, 3)}
     out["hf_dirs"] = {s: sorted(os.listdir(f"{root}/global_step_{s}/actor/huggingface")) for s in (1, 2, 3)}
     return out
@@ -281,7 +271,7 @@ def test_retention_and_replacement_while_exporting(runs):
     dropped = [ln for ln in k["lines"] if "dropped" in ln]
     assert dropped == ["HF export of step(s) [2] dropped: retention removes the step(s)"], k["lines"]
     kept = [ln for ln in k["lines"] if ln.startswith("retention: keeping")]
-    assert kept == [f"retention: keeping step(s) [1] while their HF export runs (removed by a later retention)"] * 2
+    assert kept == ["retention: keeping step(s) [1] while their HF export runs (removed by a later retention)"] * 2
 
 
 def test_exporter_killed_at_each_phase_is_raised_and_never_complete(runs):
@@ -298,22 +288,14 @@ def test_exporter_killed_at_each_phase_is_raised_and_never_complete(runs):
     assert not any(RECORD in names for names in k["hf_dirs"].values()), k["hf_dirs"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_whole_job_killed_at_each_export_phase(runs):
     deadline = time.time() + 10
-    while any(_alive(p) for p in runs["exporters"].values()) and time.time() < deadline:
+    while any(alive(p) for p in runs["exporters"].values()) and time.time() < deadline:
         time.sleep(0.02)
-    alive = [p for p in runs["exporters"].values() if _alive(p)]
-    for pid in alive:
+    survivors = [p for p in runs["exporters"].values() if alive(p)]
+    for pid in survivors:
         os.kill(pid, signal.SIGKILL)
-    assert not alive, "an exporter outlived its killed job"
+    assert not survivors, "an exporter outlived its killed job"
     assert runs["job_states"] == {"merge": "partial", "move": "partial", "record": "partial"}
 
 

@@ -33,6 +33,7 @@ import time
 import pytest
 import torch
 
+from tests.ckpt_bodies import error_of
 from tests.ckpt_util import engine, reseal, train_step, writer_processes_allowed
 from tests.dist import run_ranks
 from tests.test_ckpt_safe_load import PLANTS
@@ -80,16 +81,6 @@ def _resume_planted(eng, base: str, step_dir: str, name: str) -> dict:
     return {"error": error, "ran": sorted(os.path.basename(p) for p in glob.glob(marker + ".*"))}
 
 
-def _error(call) -> str | None:
-    from mcore_rl.errors import CheckpointError
-
-    try:
-        call()
-    except CheckpointError as e:
-        return str(e)
-    return None
-
-
 def _export_in_background(eng, base: str) -> dict:
     """Async save of step 1 with hf_model, its exporter held after the merge while a training step
     runs; step 2's exporter killed after its first file moved; a fresh manager's resume."""
@@ -126,8 +117,8 @@ def _export_in_background(eng, base: str) -> dict:
     while queue.busy():
         time.sleep(0.02)
     torch.distributed.barrier()
-    out["raised"] = _error(lambda: mgr.save(3, {"actor": eng}, {"step": 3}))
-    out["closed"] = _error(mgr.close)
+    out["raised"] = error_of(lambda: mgr.save(3, {"actor": eng}, {"step": 3}))
+    out["closed"] = error_of(mgr.close)
     from mcore_rl.checkpoint.hf_export_record import export_state
 
     out["step2"] = export_state(os.path.join(root, "global_step_2", "actor"))  # reruns: tests/test_ckpt_hf_export.py

@@ -17,6 +17,7 @@ import time
 import pytest
 
 from mcore_rl.checkpoint.export_queue import ExportQueue
+from tests.ckpt_bodies import alive
 
 # the stand-in: records how it was started, holds while <dir>/hold exists, fails when asked
 FAKE = r"""
@@ -159,14 +160,6 @@ def _parent_with_export(d: str, out) -> None:
     time.sleep(600)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_exporter_dies_with_its_parent(tmp_path):
     d = _role(tmp_path, "actor", hold=True)
     ctx = mp.get_context("fork")
@@ -174,16 +167,16 @@ def test_exporter_dies_with_its_parent(tmp_path):
     parent = ctx.Process(target=_parent_with_export, args=(d, out))
     parent.start()
     pid = out.get(timeout=60)
-    assert _alive(pid)
+    assert alive(pid)
     os.kill(parent.pid, signal.SIGKILL)
     parent.join()
     deadline = time.time() + 10
-    while _alive(pid) and time.time() < deadline:
+    while alive(pid) and time.time() < deadline:
         time.sleep(0.02)
-    alive = _alive(pid)
-    if alive:
+    survived = alive(pid)
+    if survived:
         os.kill(pid, signal.SIGKILL)
-    assert not alive, "the exporter outlived its killed parent"
+    assert not survived, "the exporter outlived its killed parent"
 
 
 class _Spec:
