@@ -235,6 +235,7 @@ def test_fully_async_at_staleness_1_killed_in_step_2_resumes(head, inputs, tmp_p
     killed = launch(head, str(tmp_path / "killed"), fully_async(inputs, str(root), 1), module=FULLY_ASYNC,
                     job_env=KILL)
     assert killed.returncode != 0, killed.tail()
+    assert (root / "latest_checkpointed_iteration.txt").is_file(), killed.tail()  # the run's output when it is not
     assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "1", killed.tail()
     assert {"actor", "data.pt", "COMPLETE"} <= set(os.listdir(root / "global_step_1")), os.listdir(root / "global_step_1")
     assert 1 in killed.generations and 3 not in killed.generations, sorted(killed.generations)
