@@ -22,19 +22,9 @@ import shutil
 import subprocess
 import sys
 
+from mcore_rl.errors import positive_int
 from mcore_rl.entry import OneLineParser  # argparse, one ``error:`` line on a usage error
 import tempfile
-
-
-def _size(text: str) -> int:
-    """A parallel size: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf_model_path", required=True, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--output_path", required=True, help="model directory to write (must be empty or absent)")
     for name in ("tp", "pp", "ep", "etp"):
-        p.add_argument(f"--{name}", type=_size, default=1,
+        p.add_argument(f"--{name}", type=positive_int, default=1,
                        help=f"{name.upper()} size to split the work over (torchrun world = tp*pp*ep; default 1)")
     p.add_argument("--use_cpu_initialization", action="store_true",
                    help="accepted for compatibility: the conversion never touches a GPU")

@@ -23,6 +23,18 @@ class CheckpointError(McoreRLError, ValueError):
     """
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type``: an integer >= 1 (a parallel size, a thread count); else a usage error
+    naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return value
+
+
 def error_line(error: BaseException) -> str:
     """``error: <message>`` on one line (a refusal's message names the value and the fix)."""
     return "error: " + " ".join(str(error).split())

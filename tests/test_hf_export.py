@@ -394,7 +394,7 @@ def test_worker_refuses_in_one_line(conv, tmp_path, capsys, monkeypatch):
     nowhere = str(tmp_path / "nowhere" / "global_step_1" / "actor")
     nice = os.nice(0)
     for args, message in [
-        (["--role_dir", role_dir, "--step", "1", "--threads", "0"], "argument --threads: '0' is not a thread count"),
+        (["--role_dir", role_dir, "--step", "1", "--threads", "0"], "argument --threads: '0' is not an integer >= 1"),
         (["--role_dir", role_dir, "--step", "2"], f"error: {role_dir} is not a role dir of step 2"),
         (["--role_dir", role_dir, "--step", "1", "--dtype", "bf16", "--fp8_block_size", "64"],
          "error: --fp8_block_size given with --dtype bf16; they apply to --dtype fp8 only"),

@@ -14,19 +14,9 @@ import argparse
 import os
 import sys
 
-from mcore_rl.errors import OneLineParser
+from mcore_rl.errors import OneLineParser, positive_int
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8", "mxfp4")
-
-
-def _threads(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a thread count (an integer >= 1)")
-    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default=None, help="as mcore_to_hf.py merge --dtype (default: the "
                    "checkpoint's)")
     p.add_argument("--max_shard_size", default="5GB", help="largest shard (e.g. 5GB, 500MiB)")
-    p.add_argument("--threads", type=_threads, default=1, help="torch / OpenMP / MKL threads (default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch / OpenMP / MKL threads (default 1)")
     p.add_argument("--nice", type=int, choices=range(0, 20), default=10, metavar="0..19",
                    help="how much to lower the CPU priority (default 10); the IO priority is idle either way")
     p.add_argument("--fp8_block_size", nargs="+", default=None, help="--dtype fp8: the block, e.g. 128 128")
