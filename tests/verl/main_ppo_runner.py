@@ -81,7 +81,28 @@ class RayHead:
 def launch(head: RayHead, workdir: str, overrides: list[str], job_env: dict[str, str] | None = None,
            timeout_s: float = 600, module: str = "verl.trainer.main_ppo") -> Run:
     """Runs ``module`` (verl's main_ppo, or one of its asynchronous trainers' entry points) with
-    ``overrides`` on ``head``; ``job_env`` reaches every process of the job."""
+    ``overrides`` on ``head``; ``job_env`` reaches every process of the job. A launch that failed
+    before its first step because it lost verl's port race (``lost_port_race``) runs once more."""
+    run = _launch_once(head, workdir, overrides, job_env, timeout_s, module)
+    if run.returncode != 0 and not run.metrics and lost_port_race(run.log):
+        os.rename(workdir, workdir + ".port_race")  # the failed attempt's files, kept for reading
+        print(f"[test] {module} relaunched: a process group's port was taken between verl's choice "
+              f"and its bind (EADDRINUSE; see {workdir}.port_race)", file=sys.stderr)
+        run = _launch_once(head, workdir, overrides, job_env, timeout_s, module)
+        run.log += "\n[test] the first attempt lost verl's port race (EADDRINUSE), this is the second"
+    return run
+
+
+def lost_port_race(log: str) -> bool:
+    """verl picks a worker group's ``MASTER_PORT`` by binding port 0 and closing it; the group's
+    TCPStore binds it seconds later, when workers have started. Any connection opened on the machine
+    in between (gloo's, the main suite's beside this one) may take it: the launch fails at start-up,
+    before a step, with ``EADDRINUSE`` from ``_create_c10d_store``. Nothing the test checks."""
+    return "_create_c10d_store" in log and "EADDRINUSE" in log
+
+
+def _launch_once(head: RayHead, workdir: str, overrides: list[str], job_env: dict[str, str] | None,
+                 timeout_s: float, module: str) -> Run:
     os.makedirs(workdir, exist_ok=True)
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     dumps = os.path.join(workdir, "generations")
