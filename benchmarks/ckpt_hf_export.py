@@ -89,8 +89,7 @@ class ExporterPeak:
 def one_save(mgr, engine, actor, batch, step: int, exporting: bool) -> dict:
     """Saves ``step`` and trains until it is finalized (and, ``exporting``, its export is done):
     the blocked seconds, the step times, when the HF weights appeared."""
-    queue = mgr._exports.queue
-    sampler = ExporterPeak(queue) if exporting and torch.distributed.get_rank() == 0 else None
+    queue, sampler = mgr._exports.queue, None  # the sampler starts at the finalize (the exporter's start)
     torch.distributed.barrier()
     begin = time.perf_counter()
     mgr.save(step, {"actor": engine}, {"step": step})
@@ -105,6 +104,8 @@ def one_save(mgr, engine, actor, batch, step: int, exporting: bool) -> dict:
         if not finalized:
             blocked += time.perf_counter() - t
             finalized = done == step
+            if finalized and exporting and torch.distributed.get_rank() == 0:
+                sampler = ExporterPeak(queue)
         flag = int(exporting and queue is not None and finalized and not queue.busy())
         everywhere = torch.tensor([flag if torch.distributed.get_rank() == 0 else 1])
         torch.distributed.all_reduce(everywhere, op=torch.distributed.ReduceOp.MIN)

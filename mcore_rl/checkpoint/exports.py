@@ -25,7 +25,7 @@ import torch
 
 from mcore_rl.checkpoint import hf_export, hf_export_record, storage
 from mcore_rl.checkpoint.adapters import is_lora
-from mcore_rl.checkpoint.collective import agreed, all_gather_bytes, gather_errors
+from mcore_rl.checkpoint.collective import agreed, all_gather_bytes, any_rank, gather_errors
 from mcore_rl.checkpoint.config import CheckpointConfig
 from mcore_rl.checkpoint.export_queue import ExportFailure, ExportQueue
 from mcore_rl.checkpoint.inventory import Survey, step_name
@@ -106,13 +106,16 @@ class ManagerExports:
 
     def protect(self, old: list[int], writer: bool) -> list[int]:
         """Collective: the steps of ``old`` retention may delete now: those whose export runs on
-        no node. This node's queued exports of those steps are dropped (one line)."""
-        if not self.enabled:
+        no node. This node's queued exports of those steps are dropped (one line). ``old`` is the
+        same list on every rank (it comes from the agreed survey): one flag per step is reduced
+        over the ranks, no collective at all when it is empty."""
+        if not self.enabled or not old:
             return old
         queue = self.queue if writer else None
         with (queue.paused() if queue is not None else contextlib.nullcontext()):  # nothing starts meanwhile
-            running = sorted(queue.running_steps()) if queue is not None else []
-            busy = {s for raw in all_gather_bytes(json.dumps(running).encode()) for s in json.loads(raw)}
+            running = queue.running_steps() if queue is not None else set()
+            flags = any_rank([int(s in running) for s in old])
+            busy = {s for s, flag in zip(old, flags) if flag}
             kept = [s for s in old if s in busy]
             doomed = [s for s in old if s not in busy]
             dropped = queue.drop(set(doomed)) if queue is not None else []

@@ -305,8 +305,10 @@ class CheckpointManager:
                    f"replacing {p.final_dir} with the new save")
         agreed(partial(step_dirs.write_tracker, self.root, p.step) if writer else None,
                f"writing {TRACKER} (step {p.step} is complete; the tracker still names the step before it)")
-        self._exports.submit(p.step, p.final_dir, p.roles, writer)  # hf_model: exported from the complete step
-        self._retention(p, writer)
+        try:
+            self._retention(p, writer)
+        finally:  # hf_model: exported from the complete step; its exporter starts after retention's collectives
+            self._exports.submit(p.step, p.final_dir, p.roles, writer)
 
     def _manifest(self, p: _Pending, scope: tuple[str, ...] = ()) -> integrity.Manifest:
         """Every file of the step with size, CRC-32 and writing node: each rank's shards from

@@ -7,7 +7,7 @@ from the reference in both, so a fault in either shows).
 
 The steps are written in verl 0.9.1's checkpoint layout: verl's own path helpers, old-layout
 detector and manifest schema accept them, and verl's merger (on CPU, ``verl_merger_cpu``) writes
-the same weights as ``mcore_to_hf.py merge --dtype bf16`` at TP=1 and TP=2 (tests/verl/layout_checks.py).
+the same weights as ``mcore_to_hf.py merge --dtype bf16`` (the TP=2 step; tests/verl/layout_checks.py).
 The resumed step is first rewritten in the older layout (``<role>/dist_ckpt/``): it still resumes
 exactly and merges."""
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_sft_trainer_trains_saves_and_resumes_exactly(inputs, dp_padded, tmp_pat
     assert weight_differences(str(tmp_path / "old_merged"), str(root.parent / "v2_merged")) == []
     with pytest.raises(RuntimeError, match="deprecated Megatron checkpoint layout"):
         MegatronCheckpointManager._raise_for_old_layout(str(step / "actor"))
-    merged_alike(str(root / "global_step_6" / "actor"), tmp_path)  # written by the resumed run: TP=1
+    check_verl_reads(str(root / "global_step_6" / "actor"))  # written by the resumed run (verl's merger: TP=2 below)
 
 
 @pytest.mark.parametrize("overrides", [
