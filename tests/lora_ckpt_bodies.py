@@ -289,7 +289,11 @@ def _merge_dtypes(local_dir: str, tmp: str) -> dict:
 
     from mcore_rl.conversion.merge import MergeError, merge
 
-    out = {"bf16": _offline_merge(local_dir, f"{tmp}/merged_bf16", dtype="bf16")}
+    out = {"bf16": _offline_merge(local_dir, f"{tmp}/merged_bf16", dtype="bf16", max_shard_size=SMALL_SHARDS)}
+    out["bf16_shards"] = {n: os.path.getsize(f"{tmp}/merged_bf16/{n}") for n in os.listdir(f"{tmp}/merged_bf16")
+                          if n.endswith(".safetensors")}
+    index = f"{tmp}/merged_bf16/model.safetensors.index.json"  # absent when one shard was written
+    out["bf16_index"] = json.load(open(index))["weight_map"] if os.path.isfile(index) else {}
     for name in ("merged_bf16", "merged_hf_base"):
         with open(f"{tmp}/{name}/config.json") as f:
             out[f"{name}_config"] = json.load(f)["dtype"]
@@ -302,12 +306,15 @@ def _merge_dtypes(local_dir: str, tmp: str) -> dict:
     return out
 
 
-def _offline_merge(local_dir: str, target: str, dtype: str | None = None) -> dict:
+SMALL_SHARDS = 64 << 10  # bytes: the tiny model's merge in several shards
+
+
+def _offline_merge(local_dir: str, target: str, dtype: str | None = None, max_shard_size: int | str = "5GB") -> dict:
     """converters' merge of an adapter-only step with its base: the HF tensors it wrote."""
     from mcore_rl.conversion.merge import merge
     from mcore_rl.mapping.hf_io import SafetensorsReader
 
-    merge(local_dir, target, dtype=dtype)
+    merge(local_dir, target, dtype=dtype, max_shard_size=max_shard_size)
     written = SafetensorsReader(target)
     return {k: written[k] for k in written}
 

@@ -100,6 +100,14 @@ def test_adapter_only_step_base_and_settings_checked(tmp_path):
     assert d["bf16"].keys() == fp32.keys() and all(
         t.dtype == torch.bfloat16 and torch.equal(t, fp32[k].to(torch.bfloat16)) for k, t in d["bf16"].items())
     assert (d["merged_bf16_config"], d["merged_hf_base_config"]) == ("bfloat16", "float32"), d
+    # ... in shards of at most --max_shard_size (a larger tensor alone), indexed
+    from tests.lora_ckpt_bodies import SMALL_SHARDS
+
+    assert len(d["bf16_shards"]) > 1 and set(d["bf16_index"]) == set(d["bf16"]), sorted(d["bf16_shards"])
+    for shard in d["bf16_shards"]:
+        held = [k for k, f in d["bf16_index"].items() if f == shard]
+        payload = sum(d["bf16"][k].numel() * 2 for k in held)
+        assert payload <= SMALL_SHARDS or len(held) == 1, (shard, payload, held)
     assert "holds LoRA adapters: its merge (base + adapters) is not quantized; drop --dtype fp8" in d["fp8"], d
     assert not d["fp8_target"]
 

@@ -172,7 +172,7 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
     the experts' weights) as MXFP4 blocks + scales, the rest as the source stored it (bf16), see
     ``merge_mxfp4``; any other dtype drops a ``quantization_config`` the source config.json carries.
     An adapter-only LoRA step merges with its base (``merge_lora``: ``dtype`` fp32|bf16|fp16 or
-    none, never quantized; shards of at most 1 GiB whatever ``max_shard_size``)."""
+    none, never quantized; shards of at most ``max_shard_size`` and at most 1 GiB)."""
     start = time.monotonic()
     asked = dtype
     dtype, fp8, mxfp4 = resolve_dtype(dtype, fp8)
@@ -182,7 +182,7 @@ def merge(local_dir: str, target_dir: str, max_shard_size: int | str = "5GB",
             if fp8 is not None or mxfp4:
                 raise MergeError(f"{local_dir} holds LoRA adapters: its merge (base + adapters) is not quantized; "
                                  f"drop --dtype {asked} (or pass --dtype fp32|bf16|fp16).")
-            return merge_adapter_step(model, target_dir, overwrite, verify, dtype)
+            return merge_adapter_step(model, target_dir, overwrite, verify, dtype, max_shard_size)
         if mxfp4:
             merge_mxfp4.check_arch(model.args.arch.model_type, local_dir)
         return _merge_open(model, start, target_dir, max_shard_size, model_class, overwrite, progress, dtype, fp8,

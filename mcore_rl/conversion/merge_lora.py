@@ -32,7 +32,7 @@ from mcore_rl.fileio.base_identity import (describe, differences, hf_dir_identit
 from mcore_rl.fileio.files import peak_rss_mb
 from mcore_rl.fileio.output_dir import write_export_record
 from mcore_rl.fileio.paths import contained
-from mcore_rl.fileio.safetensors_write import write_bucket_shards
+from mcore_rl.fileio.safetensors_write import parse_size, write_bucket_shards
 from mcore_rl.fileio.staging import Staging
 from mcore_rl.mapping.casts import cast_checked, wider_dtypes
 from mcore_rl.mapping.hf_io import SafetensorsReader
@@ -132,15 +132,18 @@ def _rows(step: ModelDir, base: Mapping[str, Tensor], dims: Dims) -> Iterator[tu
 
 
 def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify: bool,
-                       dtype: str | None = None) -> MergeSummary:
+                       dtype: str | None = None, max_shard_size: int | str = BUCKET_BYTES) -> MergeSummary:
     """Writes base + adapters of the adapter-only step ``step`` as a HF model in ``target_dir``
-    (``dtype``: fp32|bf16|fp16, every tensor cast to it; None: each as merged, see the module doc)."""
+    (``dtype``: fp32|bf16|fp16, every tensor cast to it; None: each as merged, see the module doc)
+    in shards of at most ``max_shard_size`` and at most 1 GiB (``BUCKET_BYTES``: a shard is built
+    in memory; a larger tensor is a shard of its own)."""
     start = time.monotonic()
     if step.args.wrapper is not None:
         raise MergeError(f"{step.path}: merging LoRA adapters into a {step.args.wrapper.hf_class} (vision-language) "
                          "base is not supported; save the run with checkpoint.save_contents including 'model' "
                          "(full weights) and merge that step.")
     check_target(target_dir, step.path, overwrite)
+    limit = min(parse_size(max_shard_size), BUCKET_BYTES)
     out_dtype = adapter_merge_dtype(step, dtype)
     config = merged_config(step, hf_class(step, "auto"), out_dtype)
     base, closer = _base_source(step, verify)
@@ -150,7 +153,7 @@ def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify:
         stage = Staging.create(target_dir)
         try:
             counts = {"tensors": 0, "bytes": 0}
-            files = write_bucket_shards(stage.path, _buckets(_merged_rows(step, base, dims, cast), counts))
+            files = write_bucket_shards(stage.path, _buckets(_merged_rows(step, base, dims, cast), counts, limit))
             with open(os.path.join(stage.path, "config.json"), "w") as f:
                 f.write(config_text(config))
             for name in sorted(os.listdir(step.hf_dir)):  # its own HF dir's (hf_model), else its base's
@@ -170,11 +173,12 @@ def merge_adapter_step(step: ModelDir, target_dir: str, overwrite: bool, verify:
                         config["dtype"])
 
 
-def _buckets(rows: Iterator[tuple[str, Tensor]], counts: dict) -> Iterator[list[tuple[str, Tensor]]]:
+def _buckets(rows: Iterator[tuple[str, Tensor]], counts: dict, limit: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """``rows`` grouped in order into buckets of at most ``limit`` bytes (HF's greedy rule)."""
     bucket, filled = [], 0
     for name, tensor in rows:
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket and filled + nbytes > BUCKET_BYTES:
+        if bucket and filled + nbytes > limit:
             yield bucket
             bucket, filled = [], 0
         bucket.append((name, tensor))
