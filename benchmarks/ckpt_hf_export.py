@@ -1,16 +1,19 @@
-"""What ``hf_model`` in ``save_contents`` costs the training loop: the time an async save blocks it
-(the save call + every poll until the step is finalized) with the background HF export and
-without, alternating side by side in one run; when the HF dir appeared after the save call;
-the training step time while the save's shards are written (both) and while the exporter runs; the exporter's peak RSS against the step's size.
+"""What ``hf_model`` in ``save_contents`` costs the training loop: the time an async save blocks
+it (the save call + every poll until the step is finalized) with the background HF export and
+without, alternating side by side in one run; when the HF dir appeared after the save call; the
+training step time while the save's shards are written (both) and while the exporter runs; the
+exporter's peak RSS against the step's size.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/ckpt_hf_export.py [--root DIR] [--reps 3]
+        [--tp 2 --layers 16]
 
 World of 2, TP=1 DP=2, a fp32 llama (hidden 1536, 6 layers, vocab 32k: 861 MiB of weights on
-every rank) after one Adam step. Each rep saves once into a root without ``hf_model`` and once
-into a root with it (the order alternates), ``async_save`` on, then trains (one update per
-step) and polls after every step, as the job does, until the save is finalized and, with
-``hf_model``, until its export is done. A save's blocked time is the save call plus the polls
-(max over the ranks); the goal is blocked(hf_model) / blocked(without) <= 1.05.
+every rank) after one Adam step (``--tp 2 --layers 16``: TP=2 DP=1, about as much per rank).
+Each rep saves once into a root without ``hf_model`` and once into a root with it (the order
+alternates), ``async_save`` on, then trains (one update per step) and polls after every step,
+as the job does, until the save is finalized and, with ``hf_model``, until its export is done.
+A save's blocked time is the save call plus the polls (max over the ranks); the goal is
+blocked(hf_model) / blocked(without) <= 1.05.
 """
 from __future__ import annotations
 
@@ -30,19 +33,19 @@ import torch  # noqa: E402
 from benchmarks.common import rank0_print, start, tiny_llama  # noqa: E402
 from mcore_rl.parallel import ParallelLayout  # noqa: E402
 
-VOCAB, HIDDEN, LAYERS = 32000, 1536, 6
+VOCAB, HIDDEN = 32000, 1536
 CONTENTS = ("model", "optimizer", "extra")
 
 
-def build():
-    """The engine, an Actor on it and a batch for its updates (TP=1 DP=2, one Adam step done)."""
+def build(tp: int, layers: int):
+    """The engine, an Actor on it and a batch for its updates (TP=``tp``, one Adam step done)."""
     from mcore_rl.rl.actor import Actor, ActorConfig
     from mcore_rl.rl.engine import ModelEngine, OptimConfig
     from tests.tiny import rl_batch
 
-    layout = ParallelLayout(tp=1)
+    layout = ParallelLayout(tp=tp)
     platform = start(layout)
-    args, weights = tiny_llama(vocab_size=VOCAB, layers=LAYERS, hidden=HIDDEN)
+    args, weights = tiny_llama(vocab_size=VOCAB, layers=layers, hidden=HIDDEN)
     engine = ModelEngine(args, layout, "actor", platform, optim=OptimConfig(lr=1e-5), hf_weights=weights)
     del weights
     actor = Actor(engine, ActorConfig(micro_batch_size=2, ppo_mini_batch_size=4))
@@ -126,23 +129,37 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", default=None, help="checkpoint directory (default: a temp dir)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (the rest is DP)")
+    parser.add_argument("--layers", type=int, default=6)
     a = parser.parse_args()
-    from mcore_rl.checkpoint.config import CheckpointConfig
-    from mcore_rl.checkpoint.manager import CheckpointManager
-
-    engine, actor, batch, args = build()
+    engine, actor, batch, _ = build(a.tp, a.layers)
     base = a.root or (tempfile.mkdtemp(prefix="ckpt_hf_export_") if torch.distributed.get_rank() == 0 else "")
     holder = [base]
     torch.distributed.broadcast_object_list(holder)
     base = holder[0]
-    hf_config = _hf_config(args)
+    try:
+        _compare(a, engine, actor, batch, base)
+    finally:  # a failed run (a full disk) leaves nothing behind either
+        if a.root is None and torch.distributed.get_rank() == 0:
+            shutil.rmtree(base, ignore_errors=True)
+    torch.distributed.destroy_process_group()
+
+
+def _compare(a, engine, actor, batch, base: str) -> None:
+    """The alternating saves with and without ``hf_model`` under ``base``, then the report."""
+    from mcore_rl.checkpoint.config import CheckpointConfig
+    from mcore_rl.checkpoint.manager import CheckpointManager
+
+    hf_config = _hf_config(a.layers)
     managers = {
         kind: CheckpointManager(CheckpointConfig(root=os.path.join(base, kind), async_save=True, max_ckpt_to_keep=1,
                                                  save_contents=CONTENTS + (("hf_model",) if kind == "hf_model" else ())),
                                 hf_sources={"actor": hf_config})
         for kind in ("plain", "hf_model")}
     weights = sum(p.numel() * p.element_size() for p in engine.model[0].parameters())
-    rank0_print(f"model: {weights / 2**20:.0f} MiB of fp32 weights per rank (TP=1 DP=2), async_save, reps {a.reps}")
+    world = torch.distributed.get_world_size()
+    rank0_print(f"model: {weights / 2**20:.0f} MiB of fp32 weights per rank ({a.layers} layers, TP={a.tp} "
+                f"DP={world // a.tp}), async_save, reps {a.reps}")
     results = {"plain": [], "hf_model": []}
     for rep in range(a.reps):
         order = ("plain", "hf_model") if rep % 2 == 0 else ("hf_model", "plain")
@@ -153,18 +170,15 @@ def main() -> None:
         mgr.close()
     _report(results, managers["hf_model"], base)
     torch.distributed.barrier()
-    if a.root is None and torch.distributed.get_rank() == 0:
-        shutil.rmtree(base, ignore_errors=True)
-    torch.distributed.destroy_process_group()
 
 
-def _hf_config(args):
+def _hf_config(layers: int):
     """The transformers config of the benchmark's llama (what the job passes as the HF source)."""
     from mcore_rl.job.loop import tiny_hf_config
     from mcore_rl.job.schema import TinyModelConfig
 
     return tiny_hf_config(TinyModelConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                                          num_hidden_layers=LAYERS, max_position_embeddings=512))
+                                          num_hidden_layers=layers, max_position_embeddings=512))
 
 
 def _weights_bytes(step_dir: str) -> int:
