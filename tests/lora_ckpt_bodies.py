@@ -293,7 +293,10 @@ def _merge_dtypes(local_dir: str, tmp: str) -> dict:
     out["bf16_shards"] = {n: os.path.getsize(f"{tmp}/merged_bf16/{n}") for n in os.listdir(f"{tmp}/merged_bf16")
                           if n.endswith(".safetensors")}
     index = f"{tmp}/merged_bf16/model.safetensors.index.json"  # absent when one shard was written
-    out["bf16_index"] = json.load(open(index))["weight_map"] if os.path.isfile(index) else {}
+    out["bf16_index"] = {}
+    if os.path.isfile(index):
+        with open(index) as f:
+            out["bf16_index"] = json.load(f)["weight_map"]
     for name in ("merged_bf16", "merged_hf_base"):
         with open(f"{tmp}/{name}/config.json") as f:
             out[f"{name}_config"] = json.load(f)["dtype"]
